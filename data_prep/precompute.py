@@ -1,0 +1,349 @@
+"""`python -m data_prep.precompute`: encode an image-caption source once into MDS shards.
+
+Layout of the output folder (every rank writes its own sub-folder, also when there is only one):
+
+    out/precompute.json          config fingerprint, written FIRST (refuses a different config later)
+    out/rank_00000/...           this rank's MDS shards + index.json + done.json (rank finished)
+    out/index.json               merged index (streaming.base.util.merge_index)
+    out/empty_caption.safetensors  the "" caption's embedding, for train-time caption dropout
+    out/dataset.json             written LAST: the completion marker the trainer reads
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+from data_prep.config import PrecomputeConfig, SourceConfig, register_configs
+from data_prep.encoders import ImageCodec, TextEncoder, load_image_codec, load_text_encoder
+from data_prep.sources import Record, get_source
+
+FINGERPRINT_FILE = "precompute.json"
+DATASET_FILE = "dataset.json"
+EMPTY_CAPTION_FILE = "empty_caption.safetensors"
+RANK_DONE_FILE = "done.json"
+FORMAT_VERSION = 1
+
+
+def log(msg: str) -> None:
+    print(f"[precompute] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config plumbing
+# ---------------------------------------------------------------------------------------------
+
+
+def as_config(cfg: Any) -> PrecomputeConfig:
+    """Accept a PrecomputeConfig, a Hydra DictConfig or a plain dict (DataConfig.prepare)."""
+    if isinstance(cfg, PrecomputeConfig):
+        return cfg
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = dict(cfg)
+    source = cfg.pop("source", {}) or {}
+    if isinstance(source, str):  # prepare: {source: digits}
+        source = {"name": source}
+    return PrecomputeConfig(source=SourceConfig(**source), **cfg)
+
+
+def fingerprint(cfg: PrecomputeConfig) -> dict:
+    """What determines the dataset's content. Batch size, device and progress bars do not."""
+    resolve = lambda spec, builtin: spec if spec == builtin else str(Path(spec).expanduser().resolve())
+    content = {
+        "source": asdict(cfg.source), "vae": resolve(cfg.vae, "pixel"),
+        "text_encoder": resolve(cfg.text_encoder, "minilm"), "resolution": cfg.resolution,
+        "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
+        "shard_size": cfg.shard_size, "compression": cfg.compression, "format_version": FORMAT_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+    return {"fingerprint": digest, "config": content}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Atomic write: a reader never sees half a file (dataset.json is the completion marker)."""
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _world() -> tuple[int, int, int]:
+    env = lambda k, d: int(os.environ.get(k, d))
+    return env("RANK", 0), env("WORLD_SIZE", 1), env("LOCAL_RANK", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+def load_pixels(image: Any, mode: str, resolution: int) -> torch.Tensor:
+    """bytes / path / uint8 array -> (C, resolution, resolution) float32 in [-1, 1]; raises on bad input."""
+    if image is None:
+        raise ValueError("no image in the record")
+    if isinstance(image, np.ndarray):
+        img = Image.fromarray(image)
+    else:
+        img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
+        img.load()  # decode now: truncated files raise here, not later inside the encoder
+    img = img.convert(mode)
+    if img.size != (resolution, resolution):  # shorter side to `resolution`, then center crop
+        w, h = img.size
+        s = resolution / min(w, h)
+        img = img.resize((max(resolution, round(w * s)), max(resolution, round(h * s))), Image.BICUBIC)
+        w, h = img.size
+        left, top = (w - resolution) // 2, (h - resolution) // 2
+        img = img.crop((left, top, left + resolution, top + resolution))
+    arr = np.asarray(img, dtype=np.float32).reshape(resolution, resolution, -1)  # (H, W, C)
+    return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0  # (C, H, W)
+
+
+def _batches(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
+    batch: list[Record] = []
+    for r in records:
+        batch.append(r)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's work
+# ---------------------------------------------------------------------------------------------
+
+
+class CaptionCache:
+    """Each unique caption string is encoded once per run (digits has only 50 of them)."""
+
+    def __init__(self, encoder: TextEncoder, batch_size: int) -> None:
+        self.encoder, self.batch_size, self.table = encoder, batch_size, {}
+
+    def __call__(self, captions: list[str]) -> list[np.ndarray]:
+        todo = list(dict.fromkeys(c for c in captions if c not in self.table))
+        for i in range(0, len(todo), self.batch_size):
+            chunk = todo[i:i + self.batch_size]
+            for c, emb in zip(chunk, self.encoder.encode(chunk)):
+                self.table[c] = emb.numpy().astype(np.float16)  # (L_i, D)
+        return [self.table[c] for c in captions]
+
+
+def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEncoder, mode: str,
+                rank_dir: Path, rank: int, world: int) -> dict:
+    """Encode this rank's share (records i with i % world == rank) into rank_dir; returns its stats."""
+    from streaming import MDSWriter
+    from tqdm import tqdm
+
+    columns = {"latents": "ndarray:float16", "text_embeds": "ndarray:float16", "caption": "str", "key": "str"}
+    if source.num_classes is not None:
+        columns["label"] = "int"
+    captions = CaptionCache(text, cfg.batch_size)
+    stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": []}
+    total = source.size()
+    bar = tqdm(total=None if total is None else -(-total // world) if world > 1 else total,
+               disable=not cfg.progress, desc=f"encode rank {rank}", unit="img")
+    start = time.perf_counter()
+    mine = (r for i, r in enumerate(source.records()) if i % world == rank)
+    with MDSWriter(out=str(rank_dir), columns=columns, compression=cfg.compression, hashes=["xxh64"],
+                   size_limit=cfg.shard_size) as writer:
+        for batch in _batches(mine, cfg.batch_size):
+            good, pixels = [], []
+            for r in batch:
+                if not r.captions:
+                    stats["missing_captions"] += 1
+                    stats["examples"].append(f"{r.key}: missing caption")
+                    continue
+                try:
+                    pixels.append(load_pixels(r.image, mode, cfg.resolution))
+                    good.append(r)
+                except Exception as err:  # unreadable/truncated: skip, count, report
+                    stats["bad_images"] += 1
+                    stats["examples"].append(f"{r.key}: unreadable image ({type(err).__name__}: {err})")
+            bar.update(len(batch))
+            if not good:
+                continue
+            latents = codec.encode(torch.stack(pixels)).cpu().numpy().astype(np.float16)  # (B, c, h, w)
+            for r, lat in zip(good, latents):
+                for j, (caption, emb) in enumerate(zip(r.captions, captions(r.captions))):
+                    row = {"latents": lat, "text_embeds": emb, "caption": caption, "key": f"{r.key}#{j}"}
+                    if "label" in columns:
+                        row["label"] = int(r.label)
+                    writer.write(row)
+                    stats["rows"] += 1
+            stats["images"] += len(good)
+            stats.setdefault("latent_shape", list(latents.shape[1:]))
+    bar.close()
+    stats["seconds"] = time.perf_counter() - start
+    seen = stats["images"] + stats["bad_images"] + stats["missing_captions"]
+    bad = stats["bad_images"] + stats["missing_captions"]
+    if seen == 0 or stats["images"] == 0:
+        raise RuntimeError(f"rank {rank}: no usable image-caption pairs in source={cfg.source.name} "
+                           f"(path={cfg.source.path}); {bad} unusable: {stats['examples'][:5]}")
+    if bad:
+        log(f"rank {rank}: skipped {stats['bad_images']} unreadable images and {stats['missing_captions']} "
+            f"missing captions of {seen}, e.g. {stats['examples'][:3]}")
+    if bad / seen > cfg.max_bad_fraction:
+        raise RuntimeError(
+            f"rank {rank}: {bad} of {seen} records unusable ({stats['bad_images']} unreadable images, "
+            f"{stats['missing_captions']} missing captions) > max_bad_fraction={cfg.max_bad_fraction}. "
+            f"First ones: {stats['examples'][:5]}. Fix the source or raise max_bad_fraction. "
+            f"No dataset.json was written, so this output is not treated as complete."
+        )
+    stats["examples"] = stats["examples"][:20]
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Finishing: merge ranks, write the empty caption and dataset.json (rank 0 only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _wait_for_ranks(out: Path, world: int, timeout: float) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    done = [out / f"rank_{r:05d}" / RANK_DONE_FILE for r in range(world)]
+    while not all(p.is_file() for p in done):
+        if time.monotonic() > deadline:
+            missing = [str(p.parent) for p in done if not p.is_file()]
+            raise TimeoutError(f"ranks did not finish within merge_timeout_s={timeout}: {missing}")
+        time.sleep(1.0)
+    return [json.loads(p.read_text()) for p in done]
+
+
+def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
+           out: Path, world: int) -> dict:
+    from safetensors.torch import save_file
+    from streaming.base.util import merge_index
+
+    stats = _wait_for_ranks(out, world, cfg.merge_timeout_s)
+    (out / "index.json").unlink(missing_ok=True)  # a stale merge from an interrupted run; merge_index won't overwrite
+    merge_index([str(out / f"rank_{r:05d}" / "index.json") for r in range(world)], str(out))
+    empty = text.encode([""])[0].to(torch.float16).contiguous()  # (L0, D)
+    save_file({"text_embeds": empty}, str(out / EMPTY_CAPTION_FILE))
+    latent_shape = stats[0]["latent_shape"]
+    info = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fp["fingerprint"],
+        "image_codec": {"name": cfg.vae, "class": codec.class_name},
+        "text_encoder": {"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens},
+        "latent_channels": int(latent_shape[0]),
+        "latent_size": [int(latent_shape[1]), int(latent_shape[2])],
+        "downsample": codec.downsample,
+        "scaling_factor": codec.scaling_factor,
+        "shift_factor": codec.shift_factor,
+        "posterior": codec.posterior,
+        "text_dim": text.dim,
+        "image_mode": mode,
+        "resolution": cfg.resolution,
+        "num_samples": sum(s["rows"] for s in stats),
+        "num_images": sum(s["images"] for s in stats),
+        "skipped": {"bad_images": sum(s["bad_images"] for s in stats),
+                    "missing_captions": sum(s["missing_captions"] for s in stats)},
+        "num_classes": source.num_classes,
+        "empty_caption": EMPTY_CAPTION_FILE,
+        "columns": ["latents", "text_embeds", "caption", "key"] + (["label"] if source.num_classes else []),
+        "latents_scaled": False,  # trainer applies (x - shift_factor) * scaling_factor exactly once
+        "source": {"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},
+        "world_size": world,
+    }
+    _write_json(out / DATASET_FILE, info)  # LAST: marks the dataset complete
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_existing(out: Path, fp: dict, world: int) -> bool:
+    """True when a finished dataset with this config exists; raises when `out` holds a different one."""
+    marker = out / FINGERPRINT_FILE
+    if not marker.is_file():
+        if out.is_dir() and any(out.iterdir()):
+            raise FileExistsError(f"out={out} exists, is not empty and was not written by data_prep.precompute "
+                                  "(no precompute.json). Pick an empty or new folder.")
+        return False
+    old = json.loads(marker.read_text())
+    if old["fingerprint"] != fp["fingerprint"]:
+        diff = {k: (old["config"].get(k), v) for k, v in fp["config"].items() if old["config"].get(k) != v}
+        raise FileExistsError(f"out={out} holds a dataset made with a different configuration "
+                              f"(differences as (existing, requested): {diff}). Use another out= or delete it.")
+    if (out / DATASET_FILE).is_file():
+        return True
+    if old.get("world_size") != world:
+        raise FileExistsError(f"out={out}: an interrupted run with WORLD_SIZE={old.get('world_size')} is there; "
+                              f"rerun with that many ranks or delete the folder (now WORLD_SIZE={world}).")
+    return False
+
+
+def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None) -> Path:
+    """Build the dataset at cfg.out (or do nothing if it is already there); returns its path.
+
+    rank/world_size default to the RANK/WORLD_SIZE environment; pass 0/1 to force one process
+    (the data module does, since its prepare_data runs on one rank inside a DDP job).
+    """
+    cfg = as_config(cfg)
+    out = Path(cfg.out).expanduser().resolve()
+    env_rank, env_world, local_rank = _world()
+    rank = env_rank if rank is None else rank
+    world = env_world if world_size is None else world_size
+    fp = fingerprint(cfg)
+    if _check_existing(out, fp, world):
+        log(f"{out} is already complete (dataset.json present, same config); nothing to do.")
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / FINGERPRINT_FILE).is_file():  # written first; every rank writes the same content
+        _write_json(out / FINGERPRINT_FILE, {**fp, "world_size": world})
+
+    source = get_source(cfg.source)
+    device = cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    mode = cfg.image_mode or (source.default_image_mode if cfg.vae == "pixel" else "RGB")
+    codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior)
+    if cfg.resolution % codec.downsample:
+        raise ValueError(f"resolution={cfg.resolution} is not a multiple of the VAE's downsample factor "
+                         f"{codec.downsample}.")
+    text = load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens)
+
+    rank_dir = out / f"rank_{rank:05d}"
+    if (rank_dir / RANK_DONE_FILE).is_file():
+        log(f"rank {rank}: {rank_dir} already finished; skipping to merge.")
+    else:
+        shutil.rmtree(rank_dir, ignore_errors=True)  # an interrupted run restarts this rank from scratch
+        stats = encode_rank(cfg, source, codec, text, mode, rank_dir, rank, world)
+        _write_json(rank_dir / RANK_DONE_FILE, stats)
+        log(f"rank {rank}: {stats['images']} images -> {stats['rows']} rows in {stats['seconds']:.1f}s "
+            f"({stats['images'] / max(stats['seconds'], 1e-9):.1f} images/s, {device})")
+    if rank != 0:
+        return out
+    info = finish(cfg, fp, source, codec, text, mode, out, world)
+    log(f"wrote {info['num_samples']} samples to {out} (latents {info['latent_channels']}x"
+        f"{info['latent_size'][0]}x{info['latent_size'][1]}, text dim {info['text_dim']})")
+    return out
+
+
+def main() -> None:
+    import hydra
+
+    register_configs()
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="precompute")
+    def _app(cfg) -> None:
+        precompute(cfg)
+
+    _app()
+
+
+if __name__ == "__main__":
+    main()

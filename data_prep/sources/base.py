@@ -1,0 +1,77 @@
+"""The interface every image-caption source implements, and how a source is found by name."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------
+
+ImageLike = "bytes | str | Path | np.ndarray"
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+@dataclass
+class Record:
+    """One source image and the caption rows it becomes (one row per caption)."""
+
+    key: str  # stable id, used in messages about bad input
+    image: Any  # bytes (encoded file), a path, or a uint8 ndarray (H, W) / (H, W, C)
+    captions: list[str] = field(default_factory=list)  # empty -> "missing caption"
+    label: int | None = None  # integer class, for sources that have one
+
+
+# ---------------------------------------------------------------------------------------------
+# Source base class
+# ---------------------------------------------------------------------------------------------
+
+
+class ImageCaptionSource:
+    """A small class per source; data_prep.precompute only sees `records()`, `len()` and the metadata."""
+
+    name: str = ""
+    default_image_mode: str = "RGB"  # what the pixel codec keeps when `image_mode` is None
+    num_classes: int | None = None  # set by labelled sources; stored in dataset.json
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def records(self) -> Iterator[Record]:
+        raise NotImplementedError
+
+    def size(self) -> int | None:
+        """Number of records when cheap to know (for the progress bar), else None."""
+        return None
+
+    def metadata(self) -> dict[str, Any]:
+        """Extra facts for dataset.json (e.g. class names)."""
+        return {}
+
+
+def require_path(cfg: Any, source: str) -> Path:
+    """`source.path` as an existing Path, or one clear message."""
+    if not cfg.path:
+        raise ValueError(f"source={source} needs source.path=... (got nothing).")
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"source.path={cfg.path} does not exist (source={source}).")
+    return path
+
+
+def get_source(cfg: Any) -> ImageCaptionSource:
+    """Import data_prep.sources.<name> and build its `SOURCE` class: a new source is one new file."""
+    try:
+        module = importlib.import_module(f"data_prep.sources.{cfg.name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"data_prep.sources.{cfg.name}":
+            raise
+        raise ValueError(
+            f"source={cfg.name}: no such source; add data_prep/sources/{cfg.name}.py or pick one of "
+            "digits, folder, manifest, webdataset."
+        ) from None
+    return module.SOURCE(cfg)

@@ -1,0 +1,80 @@
+"""scikit-learn's 1,797 real handwritten digits (8x8, values 0..16), each with several captions.
+
+A fixed, seeded 20% of the images is held out for evaluation (the judge classifier trains on the
+`train` split and is tested on `heldout`); the training dataset is built from `train` only.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from data_prep.sources.base import ImageCaptionSource, Record
+
+DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+HELDOUT_FRACTION = 0.2
+SPLIT_SEED = 1797  # fixed forever: changing it would leak held-out digits into training
+NUM_CLASSES = 10
+MAX_VALUE = 16  # load_digits pixel range is 0..16
+
+# Phrasings rotate so the text encoder, not a single template, carries the class.
+_PHRASINGS = [
+    "a handwritten {d}",
+    "the digit {w}",
+    "a {w} written by hand",
+    "the number {d}, handwritten",
+    "a drawing of the digit {w}",
+]
+
+
+def digit_captions(d: int) -> list[str]:
+    """Every caption phrasing for digit `d` (0..9)."""
+    if not 0 <= d <= 9:
+        raise ValueError(f"digit must be in 0..9, got {d}")
+    return [p.format(d=d, w=DIGIT_WORDS[d]) for p in _PHRASINGS]
+
+
+def load_digits(split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    """The fixed split: images uint8 (N, 8, 8) in 0..16 and labels int64 (N,)."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
+    bunch = sk_load_digits()
+    images = bunch.images.astype(np.uint8)  # (1797, 8, 8)
+    labels = bunch.target.astype(np.int64)
+    if split == "all":
+        return images, labels
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(images))
+    n_heldout = int(round(HELDOUT_FRACTION * len(images)))
+    idx = np.sort(order[:n_heldout] if split == "heldout" else order[n_heldout:])
+    return images[idx], labels[idx]
+
+
+class DigitsSource(ImageCaptionSource):
+    """Each image becomes `rows_per_image` rows, rotating through the phrasings."""
+
+    name = "digits"
+    default_image_mode = "L"  # grayscale: the pixel codec keeps 1 channel
+    num_classes = NUM_CLASSES
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.images, self.labels = load_digits(cfg.split)
+
+    def records(self) -> Iterator[Record]:
+        k = max(1, int(self.cfg.rows_per_image))
+        for i, (img, label) in enumerate(zip(self.images, self.labels)):
+            phrasings = digit_captions(int(label))
+            captions = [phrasings[(i * k + j) % len(phrasings)] for j in range(k)]
+            pixels = (img.astype(np.float32) * (255.0 / MAX_VALUE)).round().astype(np.uint8)  # 0..255
+            yield Record(key=f"digits-{self.cfg.split}-{i:04d}", image=pixels, captions=captions, label=int(label))
+
+    def size(self) -> int | None:
+        return len(self.images)
+
+    def metadata(self) -> dict:
+        return {"class_names": DIGIT_WORDS, "split": self.cfg.split, "rows_per_image": self.cfg.rows_per_image}
+
+
+SOURCE = DigitsSource

@@ -1,0 +1,38 @@
+"""A folder of images with same-named .txt captions (`cat.png` + `cat.txt`), searched recursively."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from data_prep.sources.base import IMAGE_EXTENSIONS, ImageCaptionSource, Record, require_path
+
+
+def read_caption(path: Path) -> list[str]:
+    """The caption file's text, or [] when it is missing or blank (counted as a missing caption)."""
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    return [text] if text else []
+
+
+class FolderSource(ImageCaptionSource):
+    name = "folder"
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.root = require_path(cfg, "folder")
+        pattern = "**/*" if cfg.recursive else "*"
+        self.files = sorted(p for p in self.root.glob(pattern) if p.suffix.lower() in IMAGE_EXTENSIONS)
+        if not self.files:
+            raise ValueError(f"source.path={self.root}: no images ({', '.join(IMAGE_EXTENSIONS)}) found.")
+
+    def records(self) -> Iterator[Record]:
+        for f in self.files:
+            key = str(f.relative_to(self.root))
+            yield Record(key=key, image=f, captions=read_caption(f.with_suffix(".txt")))
+
+    def size(self) -> int | None:
+        return len(self.files)
+
+
+SOURCE = FolderSource

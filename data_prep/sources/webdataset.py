@@ -1,0 +1,63 @@
+"""WebDataset tar shards of image + .txt pairs, as img2dataset writes them (00000.tar: 000000001.jpg,
+000000001.txt, 000000001.json, ...). Read with the standard library; no network.
+
+`source.path` is one .tar file or a folder searched recursively for *.tar.
+"""
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+from typing import Iterator
+
+from data_prep.sources.base import IMAGE_EXTENSIONS, ImageCaptionSource, Record, require_path
+
+
+def _split_member(name: str) -> tuple[str, str]:
+    """'dir/000001.jpg' -> ('dir/000001', 'jpg'); webdataset keys end at the first dot of the basename."""
+    head, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{head}/{stem}" if head else stem), ext.lower()
+
+
+class WebDatasetSource(ImageCaptionSource):
+    name = "webdataset"
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        path = require_path(cfg, "webdataset")
+        self.tars = [path] if path.is_file() else sorted(path.rglob("*.tar"))
+        if not self.tars:
+            raise ValueError(f"source.path={path}: no .tar shards found.")
+
+    def _samples(self, tar_path: Path) -> Iterator[Record]:
+        group: dict[str, bytes] = {}
+        current = None
+        try:
+            tar = tarfile.open(tar_path)
+        except tarfile.TarError as err:
+            raise ValueError(f"{tar_path}: not a readable tar file ({err}).") from None
+        with tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, ext = _split_member(member.name)
+                if key != current and current is not None:
+                    yield self._record(tar_path, current, group)
+                    group = {}
+                current = key
+                group[ext] = tar.extractfile(member).read()
+        if current is not None:
+            yield self._record(tar_path, current, group)
+
+    @staticmethod
+    def _record(tar_path: Path, key: str, group: dict[str, bytes]) -> Record:
+        image = next((group[e] for e in group if f".{e}" in IMAGE_EXTENSIONS), None)
+        text = group.get("txt", b"").decode("utf-8", errors="replace").strip()
+        return Record(key=f"{tar_path.name}:{key}", image=image, captions=[text] if text else [])
+
+    def records(self) -> Iterator[Record]:
+        for tar_path in self.tars:
+            yield from self._samples(tar_path)
+
+
+SOURCE = WebDatasetSource

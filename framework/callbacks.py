@@ -1,0 +1,69 @@
+"""Framework callbacks (not plugins): sample grids during training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from framework.pipeline import Pipeline, save_grid
+
+
+class SampleGrid(pl.Callback):
+    """Draws a prompt grid every `every_n_steps` steps and when training ends; saves it under run.dir/samples.
+
+    Every rank runs the sampler (a sharded model needs all ranks in each forward); rank 0 writes.
+    """
+
+    def __init__(self, cfg: Any, out_dir: str | Path) -> None:
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.paths: list[Path] = []
+        self._pipe: Pipeline | None = None
+        self._last_step = -1
+
+    def _pipeline(self, pl_module: pl.LightningModule) -> Pipeline:
+        if self._pipe is None:
+            self._pipe = Pipeline(
+                pl_module.model, pl_module.objective, pl_module.empty_text, pl_module.dataset_info, pl_module.device
+            )
+        return self._pipe
+
+    def draw(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path | None:
+        step = trainer.global_step
+        if step == self._last_step:
+            return None
+        self._last_step = step
+        c = self.cfg
+        prompts = [p for p in c.prompts for _ in range(c.per_prompt)]
+        labels = None
+        if pl_module.model_cfg.num_classes is not None:
+            from framework.judge import prompt_digit
+
+            labels = [prompt_digit(p) for p in prompts]
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels)
+        finally:
+            pl_module.train(was_training)
+        if trainer.global_rank != 0:
+            return None
+        # Column = prompt, row = seed.
+        order = [i * c.per_prompt + r for r in range(c.per_prompt) for i in range(len(c.prompts))]
+        path = save_grid(images[order], [prompts[i] for i in order], self.out_dir / f"step{step:07d}.png", ncol=len(c.prompts))
+        self.paths.append(path)
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_image"):
+                logger.log_image(key="samples", images=[str(path)], step=step)
+        return path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        n = self.cfg.every_n_steps
+        if n and trainer.global_step % n == 0 and trainer.global_step > 0:
+            self.draw(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with torch.inference_mode(False):
+            self.draw(trainer, pl_module)

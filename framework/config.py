@@ -1,0 +1,219 @@
+"""Typed run configuration: one dataclass per config group, registered with Hydra's ConfigStore.
+
+Every YAML file in conf/ is merged into these dataclasses, so a misspelled key or a wrong type
+fails when the config is composed, and `validate()` adds the checks that span several groups.
+Each component owns its config class; this file only assembles them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from framework.data import DataConfig
+from framework.models import ModelConfig
+from framework.objectives import SAMPLERS, ObjectiveConfig, check_sampler
+from framework.optim import OptimizerConfig
+
+# --------------------------------------------------------------------------------------------
+# Groups owned by the training entry point
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StrategyConfig:
+    """How the model is spread over devices."""
+
+    name: str = "single"
+    """single (one device)."""
+    sharding: str = "SHARD_GRAD_OP"
+    """fsdp only: SHARD_GRAD_OP (params stay gathered between forward and backward) or FULL_SHARD."""
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGIES:
+            raise ValueError(f"strategy.name={self.name!r} is not available; choose one of {STRATEGIES}")
+        if self.sharding not in ("SHARD_GRAD_OP", "FULL_SHARD"):
+            raise ValueError(f"strategy.sharding={self.sharding!r}: expected SHARD_GRAD_OP or FULL_SHARD")
+
+
+STRATEGIES = ("single",)
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning Trainer arguments plus the run's checkpoint and safety settings."""
+
+    max_steps: int = 1000
+    """Optimizer steps to train for."""
+    devices: Any = "auto"
+    """Devices per node (an int, a list, or auto)."""
+    num_nodes: int = 1
+    """Nodes in the job."""
+    accelerator: str = "auto"
+    """auto, cpu, gpu or cuda."""
+    precision: str | None = None
+    """null: bf16-mixed on a GPU, 32-true on a CPU; or any Lightning precision string."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step."""
+    log_every_n_steps: int = 10
+    """How often train/loss and throughput are logged."""
+    val_check_interval: Any = None
+    """Passed to Lightning; the trainer has no validation set unless the data config gives one."""
+    gradient_clip_val: float | None = 1.0
+    """Clip the global gradient norm to this value (null: no clipping)."""
+    checkpoint_every_n_steps: int = 500
+    """Write checkpoints/last.ckpt (and a numbered copy) every this many steps, and at the end."""
+    skip_nonfinite: bool = False
+    """Skip optimizer steps whose loss is NaN/inf instead of stopping the run."""
+    enable_progress_bar: bool = True
+    """Show the progress bar."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps <= 0:
+            raise ValueError(f"trainer.max_steps={self.max_steps} must be > 0")
+        if self.accumulate_grad_batches < 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={self.accumulate_grad_batches} must be >= 1")
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go."""
+
+    name: str = "csv"
+    """csv (run.dir/metrics.csv), wandb (offline when no API key is configured) or none."""
+    project: str = "latentforge"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("csv", "wandb", "none"):
+            raise ValueError(f"logger={self.name!r}: expected csv, wandb or none")
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives on disk. Keep it stable across restarts so resume=auto finds the checkpoint."""
+
+    dir: str = "runs/${name}"
+    """Run directory: config.yaml, checkpoints/, samples/, metrics.csv."""
+
+
+@dataclass
+class SampleConfig:
+    """Sample grids drawn during training and at its end."""
+
+    every_n_steps: int = 0
+    """Draw a grid every this many steps (0: only at the end)."""
+    prompts: list[str] = field(default_factory=lambda: ["a photo of a cat", "a red car", "a mountain lake"])
+    """Prompts of the grid, one column each."""
+    per_prompt: int = 2
+    """Images per prompt (rows)."""
+    steps: int = 20
+    """Sampler steps."""
+    guidance: float = 4.0
+    """Classifier-free guidance scale (1: none)."""
+    sampler: str | None = None
+    """ddim, dpm++ or flow_euler; null: the objective's default."""
+    seed: int = 0
+    """Seed of the grid's noise, fixed so grids are comparable across steps."""
+
+    def __post_init__(self) -> None:
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            raise ValueError(f"sample.sampler={self.sampler!r}: choose one of {sorted(SAMPLERS)}")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation run after training (the quickstart) or by framework.eval."""
+
+    at_end: bool = False
+    """Evaluate the final weights when training ends and print the summary."""
+    seeds: int = 4
+    """Seeds per prompt."""
+    phrasings: int = 3
+    """Caption phrasings per class (digits)."""
+    steps: int = 20
+    """Sampler steps."""
+    guidance: float = 4.0
+    """Classifier-free guidance scale."""
+    sampler: str | None = None
+    """null: the objective's default sampler."""
+    batch_size: int = 64
+    """Images generated per forward pass."""
+
+
+@dataclass
+class TrainConfig:
+    """The whole run."""
+
+    name: str = "run"
+    """Run name; the default run.dir is runs/<name>."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    plugins: dict[str, Any] = field(default_factory=dict)
+    """Plugin callbacks by name, each with its own fields (plugins=[ema,...])."""
+    resume: str | None = None
+    """auto: continue from run.dir/checkpoints/last.ckpt when it exists; or a checkpoint path."""
+    init_from: str | None = None
+    """Load weights only: a checkpoint, a .safetensors file or a diffusers folder."""
+    seed: int = 0
+    """Global seed: the same seed and data give the same run."""
+
+
+def register() -> None:
+    """Register the schema so conf/config.yaml can extend it (`defaults: [train_schema, ...]`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation across groups
+# --------------------------------------------------------------------------------------------
+
+
+def to_object(cfg: DictConfig) -> TrainConfig:
+    """Instantiate the dataclasses (running each __post_init__) and check cross-group rules."""
+    try:
+        obj: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except Exception as e:  # OmegaConf wraps the __post_init__ error; show the user only the message
+        cause = e.__cause__ or e
+        raise ValueError(f"invalid config: {cause}") from None
+    validate(obj)
+    return obj
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need more than one group."""
+    m = cfg.model
+    if cfg.sample.sampler is not None:
+        check_sampler(cfg.objective.name, cfg.sample.sampler)
+    if cfg.eval.sampler is not None:
+        check_sampler(cfg.objective.name, cfg.eval.sampler)
+    if m.family == "dit" and cfg.objective.caption_dropout > 0 and not m.num_classes:
+        raise ValueError("model.num_classes must be set for the class-conditional dit family")
+    if cfg.data.prepare:
+        prep = cfg.data.prepare
+        channels = {"L": 1, "RGB": 3}.get(prep.get("image_mode") or "", None)
+        if prep.get("vae", "pixel") == "pixel" and channels is not None and channels != m.in_channels:
+            raise ValueError(
+                f"model.in_channels={m.in_channels} but data.prepare writes {channels}-channel pixel latents"
+                f" (image_mode={prep.get('image_mode')}); set model.in_channels={channels}"
+            )
+        res = prep.get("resolution")
+        if prep.get("vae", "pixel") == "pixel" and res is not None and res != m.sample_size:
+            raise ValueError(
+                f"model.sample_size={m.sample_size} but data.prepare writes {res}x{res} pixel latents;"
+                f" set model.sample_size={res}"
+            )

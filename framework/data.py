@@ -1,0 +1,362 @@
+"""Training data: MDS latent shards (written by data_prep.precompute) -> padded, scaled batches.
+
+The trainer never runs a VAE or a text encoder. Each batch is a dict:
+    latents      float32 (B, C, h, w)  scaled ONCE here: (raw - shift_factor) * scaling_factor
+    text_embeds  float32 (B, L, D)     zero-padded to the longest caption in the batch
+    text_mask    bool    (B, L)        True on real tokens
+    label        int64   (B,)          only when the dataset has a `label` column
+    caption, key list[str]
+Caption dropout is not done here (it would freeze the dropped rows into the loader's shuffle);
+the LightningModule calls `apply_caption_dropout` per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+
+DATASET_FILE = "dataset.json"
+INDEX_FILE = "index.json"
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    """Where the latent shards are and how to stream them."""
+
+    path: str = "data/digits"  # dataset folder or any remote Streaming supports (s3://, gs://, ...)
+    local: Optional[str] = None  # local cache folder; required for remote paths, optional for local ones
+    batch_size: int = 32  # per-device micro-batch
+    num_workers: int = 0  # DataLoader worker processes
+    shuffle: bool = True  # shuffle samples (Streaming's py1e block shuffle)
+    shuffle_seed: Optional[int] = None  # null = the run seed
+    drop_last: bool = True  # keep every step's batch the same size
+    predownload: Optional[int] = None  # samples to fetch ahead per worker; null = Streaming's 8 * batch_size
+    cache_limit: Optional[str] = None  # cap on the local cache for remote data ("10gb"); null = no cap
+    num_canonical_nodes: Optional[int] = None  # Streaming's shuffle/partition unit; null = its default
+    persistent_workers: bool = False  # keep workers alive between epochs (needs num_workers > 0)
+    validate: str = "size"  # start-up shard check for local data: "none", "size" (cheap) or "hash" (xxh64)
+    prepare: Optional[dict[str, Any]] = None  # a data_prep PrecomputeConfig: build `path` if it is missing
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size={self.batch_size}: must be >= 1 (it is the per-device batch).")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0.")
+        if self.validate not in ("none", "size", "hash"):
+            raise ValueError(f"data.validate={self.validate!r}: use none, size or hash.")
+        if _is_remote(self.path) and not self.local:
+            raise ValueError(f"data.path={self.path} is remote: set data.local=DIR as the local cache.")
+        if self.persistent_workers and self.num_workers == 0:
+            raise ValueError("data.persistent_workers=true needs data.num_workers > 0.")
+
+
+@dataclass
+class DatasetInfo:
+    """What dataset.json says, plus the empty-caption embedding; the model must fit it."""
+
+    latent_channels: int
+    latent_size: tuple[int, int]
+    text_dim: int
+    scaling_factor: float
+    shift_factor: float
+    num_classes: Optional[int]
+    image_codec: str
+    text_encoder: str
+    image_mode: str
+    resolution: int
+    path: str  # the dataset.json file this came from (named in error messages)
+    num_samples: int
+    empty_text_embeds: torch.Tensor  # (L0, D) float32
+    downsample: int = 1
+    posterior: str = "none"
+    raw: dict = field(default_factory=dict)  # the whole dataset.json
+
+
+def _is_remote(path: str) -> bool:
+    return urllib.parse.urlparse(str(path)).scheme not in ("", "file")
+
+
+# ---------------------------------------------------------------------------------------------
+# dataset.json and shard checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _fetch(path: str, name: str, local: Optional[str]) -> Path:
+    """A file of the dataset as a local Path (downloaded into `local` for remote datasets)."""
+    if not _is_remote(path):
+        return Path(path).expanduser() / name
+    from streaming.base.storage.download import CloudDownloader
+
+    dest = Path(local).expanduser() / name
+    if not dest.is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            CloudDownloader.direct_download(f"{path.rstrip('/')}/{name}", str(dest))
+        except Exception as err:
+            raise FileNotFoundError(f"could not fetch {path.rstrip('/')}/{name}: {err}") from None
+    return dest
+
+
+def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
+    """Read dataset.json (+ the empty-caption file) with one clear error for each way it can be wrong."""
+    from safetensors.torch import load_file
+
+    file = _fetch(path, DATASET_FILE, local)
+    if not file.is_file():
+        if (file.parent / "precompute.json").is_file():
+            raise FileNotFoundError(f"{file} is missing: the precompute run into {path} did not finish. "
+                                    "Re-run the same `python -m data_prep.precompute ...` to complete it.")
+        raise FileNotFoundError(f"{file} not found: {path} is not a LatentForge dataset. Build one with "
+                                f"`python -m data_prep.precompute out={path}` (or set data.prepare).")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is corrupt ({err}); re-run data_prep.precompute into a new folder.") from None
+    need = ["latent_channels", "latent_size", "text_dim", "scaling_factor", "shift_factor", "num_samples",
+            "empty_caption", "image_codec", "text_encoder", "resolution"]
+    missing = [k for k in need if k not in raw]
+    if missing:
+        raise ValueError(f"{file} lacks {missing}; it was not written by this version of data_prep.precompute.")
+    empty_file = _fetch(path, raw["empty_caption"], local)
+    try:
+        empty = load_file(str(empty_file))["text_embeds"].float()  # (L0, D)
+    except Exception as err:
+        raise ValueError(f"{empty_file} (the empty-caption embedding named in {file}) is missing or corrupt: "
+                         f"{err}") from None
+    if empty.ndim != 2 or empty.shape[1] != raw["text_dim"]:
+        raise ValueError(f"{empty_file}: shape {tuple(empty.shape)} does not match text_dim={raw['text_dim']} "
+                         f"in {file}.")
+    return DatasetInfo(
+        latent_channels=int(raw["latent_channels"]), latent_size=tuple(raw["latent_size"]),
+        text_dim=int(raw["text_dim"]), scaling_factor=float(raw["scaling_factor"]),
+        shift_factor=float(raw["shift_factor"]), num_classes=raw.get("num_classes"),
+        image_codec=raw["image_codec"]["name"], text_encoder=raw["text_encoder"]["name"],
+        image_mode=raw.get("image_mode", "RGB"), resolution=int(raw["resolution"]), path=str(file),
+        num_samples=int(raw["num_samples"]), empty_text_embeds=empty, downsample=int(raw.get("downsample", 1)),
+        posterior=raw.get("posterior", "none"), raw=raw,
+    )
+
+
+def check_compatible(info: DatasetInfo, in_channels: int, sample_size: int, text_dim: Optional[int]) -> None:
+    """Raise ValueError naming the model key, the dataset value and dataset.json when they do not fit."""
+    problems = []
+    if in_channels != info.latent_channels:
+        problems.append(f"model.in_channels={in_channels} but the latents have {info.latent_channels} channels")
+    if sample_size not in info.latent_size or len(set(info.latent_size)) != 1:
+        problems.append(f"model.sample_size={sample_size} but the latents are "
+                        f"{info.latent_size[0]}x{info.latent_size[1]}")
+    if text_dim is not None and text_dim != info.text_dim:
+        problems.append(f"model.text_dim={text_dim} but the text embeddings have dim {info.text_dim} "
+                        f"(text encoder {info.text_encoder})")
+    if problems:
+        raise ValueError(f"the model does not fit the dataset described by {info.path}: " + "; ".join(problems)
+                         + ". Change the model config or point data.path at a dataset built for it.")
+
+
+def check_shards(path: str, mode: str = "size") -> None:
+    """Every shard listed in index.json exists with the recorded size (and hash, mode='hash')."""
+    if mode == "none":
+        return
+    root = Path(path).expanduser()
+    index_file = root / INDEX_FILE
+    try:
+        index = json.loads(index_file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{index_file} is missing; re-run data_prep.precompute.") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{index_file} is corrupt ({err}); re-run data_prep.precompute.") from None
+    for shard in index["shards"]:
+        entry = shard.get("zip_data") or shard["raw_data"]
+        file = root / entry["basename"]
+        if not file.is_file():
+            raise FileNotFoundError(f"shard {file} listed in {index_file} is missing.")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise ValueError(f"shard {file} is corrupt: {size} bytes on disk, {entry['bytes']} expected "
+                             f"(truncated or overwritten). Re-run data_prep.precompute into a new folder.")
+        if mode == "hash" and "xxh64" in entry.get("hashes", {}):
+            import xxhash
+
+            if xxhash.xxh64(file.read_bytes()).hexdigest() != entry["hashes"]["xxh64"]:
+                raise ValueError(f"shard {file} is corrupt: its xxh64 hash differs from {index_file}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching and caption dropout
+# ---------------------------------------------------------------------------------------------
+
+
+class LatentCollate:
+    """Stack latents and scale them (the one place scaling happens); pad text and build the mask."""
+
+    def __init__(self, scaling_factor: float, shift_factor: float) -> None:
+        self.scaling_factor, self.shift_factor = scaling_factor, shift_factor
+
+    def __call__(self, samples: list[dict]) -> dict[str, Any]:
+        latents = torch.from_numpy(np.stack([s["latents"] for s in samples])).float()  # (B, C, h, w)
+        latents = (latents - self.shift_factor) * self.scaling_factor
+        embeds = [torch.from_numpy(np.array(s["text_embeds"], dtype=np.float32)) for s in samples]  # (L_i, D)
+        B, L, D = len(embeds), max(e.shape[0] for e in embeds), embeds[0].shape[1]
+        text = torch.zeros(B, L, D)
+        mask = torch.zeros(B, L, dtype=torch.bool)
+        for i, e in enumerate(embeds):
+            text[i, : e.shape[0]] = e
+            mask[i, : e.shape[0]] = True
+        batch = {"latents": latents, "text_embeds": text, "text_mask": mask,
+                 "caption": [s["caption"] for s in samples], "key": [s.get("key", "") for s in samples]}
+        if "label" in samples[0]:
+            batch["label"] = torch.tensor([int(s["label"]) for s in samples], dtype=torch.long)
+        return batch
+
+
+def apply_caption_dropout(text_embeds: torch.Tensor, text_mask: torch.Tensor, empty_text_embeds: torch.Tensor,
+                          p: float, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace each row's caption by the empty caption with probability p (for classifier-free guidance).
+
+    text_embeds (B, L, D), text_mask (B, L), empty_text_embeds (L0, D) -> new tensors (B, max(L, L0), D),
+    (B, max(L, L0)); the inputs are not modified.
+    """
+    if p <= 0.0:
+        return text_embeds, text_mask
+    B, L, D = text_embeds.shape
+    L0 = empty_text_embeds.shape[0]
+    gen_device = generator.device if generator is not None else "cpu"
+    drop = (torch.rand(B, generator=generator, device=gen_device) < p).to(text_embeds.device)  # (B,)
+    if not bool(drop.any()):
+        return text_embeds, text_mask
+    Lt = max(L, L0)
+    embeds = text_embeds.new_zeros(B, Lt, D)
+    embeds[:, :L] = text_embeds
+    mask = text_mask.new_zeros(B, Lt)
+    mask[:, :L] = text_mask
+    embeds[drop] = 0.0
+    embeds[drop, :L0] = empty_text_embeds.to(embeds.device, embeds.dtype)
+    mask[drop] = False
+    mask[drop, :L0] = True
+    return embeds, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# The data module
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_complete(path: str) -> bool:
+    return _is_remote(path) or (Path(path).expanduser() / DATASET_FILE).is_file()
+
+
+class LatentDataModule(L.LightningDataModule):
+    """StreamingDataset + StreamingDataLoader over precomputed latents, one shard partition per rank."""
+
+    def __init__(self, cfg: DataConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg, self.seed = cfg, seed
+        # Build a missing dataset once, on global rank 0 only: on a shared filesystem two nodes'
+        # local rank 0 would otherwise write the same folder at once.
+        self.prepare_data_per_node = False
+        self.info: Optional[DatasetInfo] = None
+        self.dataset = None
+
+    def prepare_data(self) -> None:
+        if self.cfg.prepare and not _is_complete(self.cfg.path):
+            from data_prep.precompute import precompute
+
+            # One process builds it, even inside a DDP job whose RANK/WORLD_SIZE say otherwise.
+            precompute({**dict(self.cfg.prepare), "out": self.cfg.path}, rank=0, world_size=1)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.dataset is not None:
+            return
+        if self.trainer is not None:
+            # Streaming partitions samples by these variables; Lightning knows them before
+            # torch.distributed may even be initialised (and they are absent on a single device).
+            t = self.trainer
+            os.environ.update(RANK=str(t.global_rank), WORLD_SIZE=str(t.world_size),
+                              LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.num_devices))
+        self.info = read_dataset_info(self.cfg.path, self.cfg.local)
+        self.dataset = self._build_dataset()
+
+    def _build_dataset(self):
+        from streaming import StreamingDataset
+
+        cfg = self.cfg
+        if _is_remote(cfg.path) or cfg.local:
+            remote, local = cfg.path, cfg.local  # Streaming copies/downloads shards into `local`
+        else:
+            remote, local = None, cfg.path
+        if not _is_remote(cfg.path):
+            check_shards(cfg.path, cfg.validate)
+        try:
+            return StreamingDataset(
+                remote=remote, local=str(Path(local).expanduser()) if local else local,
+                batch_size=cfg.batch_size, shuffle=cfg.shuffle,
+                shuffle_seed=self.seed if cfg.shuffle_seed is None else cfg.shuffle_seed,
+                predownload=cfg.predownload, cache_limit=cfg.cache_limit,
+                num_canonical_nodes=cfg.num_canonical_nodes,
+            )
+        except Exception as err:
+            raise RuntimeError(f"could not open the shards of {cfg.path} (local cache {local}): "
+                               f"{type(err).__name__}: {err}") from err
+
+    def train_dataloader(self):
+        from streaming import StreamingDataLoader
+
+        if self.dataset is None:
+            self.setup("fit")
+        # A StreamingDataLoader has state_dict/load_state_dict, so Lightning's fit loop stores it in
+        # checkpoints ("combined_loader") and restores it on resume; because the loader has a
+        # length, Lightning does not prefetch a batch ahead, so the saved sample count is exact.
+        return StreamingDataLoader(
+            self.dataset, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers,
+            collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor),
+            drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput (reused by `python -m framework.bench data`)
+# ---------------------------------------------------------------------------------------------
+
+
+def dataset_bytes_per_sample(path: str) -> dict[str, float]:
+    """On-disk (compressed) and raw bytes per sample of a local dataset, from its index.json."""
+    index = json.loads((Path(path).expanduser() / INDEX_FILE).read_text())
+    n = sum(s["samples"] for s in index["shards"])
+    disk = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in index["shards"])
+    raw = sum(s["raw_data"]["bytes"] for s in index["shards"])
+    return {"samples": n, "disk_bytes_per_sample": disk / n, "raw_bytes_per_sample": raw / n}
+
+
+def measure_loader_throughput(path: str, batch_size: int = 64, num_workers: int = 0, num_batches: int = 50,
+                              local: Optional[str] = None, warmup: int = 2) -> dict[str, float]:
+    """Samples/s one process reads through LatentDataModule (shuffled, collated); first batches excluded."""
+    cfg = DataConfig(path=path, local=local, batch_size=batch_size, num_workers=num_workers)
+    dm = LatentDataModule(cfg)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    seen, start, done = 0, None, 0
+    while done < num_batches + warmup:
+        for batch in loader:
+            done += 1
+            if done == warmup:
+                start = time.perf_counter()
+            elif done > warmup:
+                seen += batch["latents"].shape[0]
+            if done >= num_batches + warmup:
+                break
+    seconds = time.perf_counter() - start
+    del loader
+    return {"samples_per_s": seen / seconds, "samples": seen, "seconds": seconds,
+            "batch_size": batch_size, "num_workers": num_workers}

@@ -1,0 +1,62 @@
+"""Training FLOPs per sample of a Denoiser, for model-FLOPs utilisation (MFU) in the throughput monitor.
+
+Counted, not estimated: torch's FlopCounterMode runs one forward + backward on a batch of 1-2 real
+samples, so every family (linear attention, convs, unet resnets) is covered without per-family formulas.
+Gap filled here: FlopCounterMode has no formula for the fused CPU attention kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu`), so on a CPU attention would count as zero; we
+map it (and its backward) to torch's own SDPA formulas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import flop_counter
+
+from framework.models import Denoiser
+
+
+def _cpu_sdpa(query, key, value, *args: Any, out_shape=None, **kwargs: Any) -> int:
+    return flop_counter.sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward(grad_out, query, key, value, *args: Any, out_shape=None, **kwargs: Any) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+_CUSTOM = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
+}
+
+
+def count_train_flops_per_sample(denoiser: Denoiser, batch_example: dict[str, Any], n: int = 2) -> int:
+    """FLOPs of forward + backward for one sample, measured on the first `n` samples of a batch.
+
+    `batch_example` is a training batch (`latents`, `text_embeds`, `text_mask`, optional `label`).
+    The parameters' existing `.grad` are put back afterwards, so a live model can be measured mid-run.
+    (torch.autograd.grad would avoid touching `.grad`, but FlopCounterMode's module hooks reject it.)
+    """
+    device = next(denoiser.parameters()).device
+    x = batch_example["latents"][:n].to(device)  # (n, C, h, w)
+    n = x.shape[0]
+    text = batch_example.get("text_embeds")
+    mask = batch_example.get("text_mask")
+    labels = batch_example.get("label")
+    text = None if text is None else text[:n].to(device)  # (n, L, D)
+    mask = None if mask is None else mask[:n].to(device)  # (n, L)
+    labels = None if labels is None else labels[:n].to(device)  # (n,)
+    t = torch.full((n,), 500.0, device=device)  # any timestep costs the same
+    params = [p for p in denoiser.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=_CUSTOM) as counter:
+            out = denoiser(x, t, text, mask, labels)  # (n, C, h, w)
+            out.float().square().mean().backward()
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+    return int(counter.get_total_flops() // n)

@@ -1,0 +1,49 @@
+"""Loggers: Lightning's CSV and W&B loggers, set up for stable run directories that get resumed."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's writer deletes an existing metrics.csv; a resumed run must append to it instead."""
+
+    def _check_log_dir_exists(self) -> None:
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as f:
+                self.metrics_keys = list(next(csv.reader(f), []))
+
+
+class RunCSVLogger(CSVLogger):
+    """metrics.csv directly in run.dir (no version sub-folders), kept across restarts."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__(save_dir=str(run_dir), name="", version="")
+
+    @property
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def wandb_logger(run_dir: Path, project: str, entity: str | None) -> Any:
+    """W&B, offline when no API key is configured; a resumed run continues the same W&B run id."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    offline = not (os.environ.get("WANDB_API_KEY") or Path("~/.netrc").expanduser().exists())
+    id_file = run_dir / "wandb_id.txt"
+    if not id_file.exists():
+        import wandb
+
+        id_file.write_text(wandb.util.generate_id())
+    return WandbLogger(
+        project=project, entity=entity, save_dir=str(run_dir), offline=offline, id=id_file.read_text().strip(), resume="allow"
+    )

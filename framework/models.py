@@ -1,0 +1,389 @@
+"""Diffusion backbones: typed config, the four diffusers families, one uniform `Denoiser`, weight loading.
+
+Reads top to bottom: the config, helpers that turn it into diffusers arguments, the attention backend,
+the `Denoiser` wrapper, `build_denoiser`, `load_weights`, and the presets (YAML files in conf/model/).
+The networks themselves come from diffusers; this file only owns the glue diffusers does not provide:
+one call signature for all families, validated sizes, and safe xformers selection.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    DiTTransformer2DModel,
+    PixArtTransformer2DModel,
+    SanaTransformer2DModel,
+    UNet2DConditionModel,
+)
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+FAMILIES: dict[str, type[nn.Module]] = {
+    "pixart": PixArtTransformer2DModel,
+    "sana": SanaTransformer2DModel,
+    "dit": DiTTransformer2DModel,
+    "unet": UNet2DConditionModel,
+}
+ATTENTION_BACKENDS = ("sdpa", "xformers")
+PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+# Diffusers arguments that ModelConfig's own fields set; giving them again in `kwargs` would be ambiguous.
+_DERIVED = {
+    "pixart": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
+               "sample_size", "patch_size", "caption_channels", "cross_attention_dim"},
+    "sana": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
+             "sample_size", "patch_size", "caption_channels", "cross_attention_dim"},
+    "dit": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
+            "sample_size", "patch_size", "num_embeds_ada_norm"},
+    "unet": {"in_channels", "out_channels", "sample_size", "layers_per_block", "cross_attention_dim",
+             "attention_head_dim", "num_attention_heads"},
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    """One backbone: family, sizes and family-specific diffusers arguments (presets in conf/model/)."""
+
+    name: str = "pixart_debug"
+    # preset name, for logs and checkpoints; conf/model/<name>.yaml
+    family: str = "pixart"
+    # "pixart" | "sana" | "dit" | "unet": which diffusers class is built
+    in_channels: int = 4
+    # latent channels (4 for SD-VAE, 32 for DC-AE, 1 for the quickstart's pixel digits)
+    sample_size: int = 8
+    # latent side length h = w the net is built for (image side / VAE downsample)
+    patch_size: int = 2
+    # transformer patch side; the unet works on pixels of the latent, so 1
+    num_layers: int = 4
+    # transformer blocks; for the unet: resnet/attention layers per down block (`layers_per_block`)
+    num_heads: int | None = 4
+    # self-attention heads; for the unet leave null (per level: block_out_channels[i] // head_dim)
+    head_dim: int = 32
+    # channels per attention head
+    width: int | None = None
+    # hidden size; null derives num_heads * head_dim, a value must equal it (a cross-check for presets)
+    text_dim: int | None = 4096
+    # caption-embedding dim the net reads (T5-XXL 4096, Gemma-2-2B 2304, OpenCLIP-H 1024); unused by dit
+    learned_sigma: bool = False
+    # net also predicts a variance (out channels doubled); Denoiser drops that half (fixed-variance samplers)
+    num_classes: int | None = None
+    # class count for the class-conditional dit; the label `num_classes` means "no class"
+    attention: str = "sdpa"
+    # "sdpa" (torch) | "xformers" (GPU + xformers package; only softmax attention is switched)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # extra diffusers constructor arguments of the family's class (e.g. sana's mlp_ratio, unet block types)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"model.family={self.family!r} is unknown; choose one of {sorted(FAMILIES)}.")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention={self.attention!r} is unknown; choose one of {ATTENTION_BACKENDS}.")
+        for key in ("in_channels", "sample_size", "patch_size", "num_layers", "head_dim"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be positive.")
+        if self.sample_size % self.patch_size:
+            raise ValueError(f"model.sample_size={self.sample_size} is not divisible by "
+                             f"model.patch_size={self.patch_size}; pick a latent size that is a multiple of it.")
+        self.kwargs = _plain(self.kwargs)
+        self._check_kwargs()
+        if self.family == "unet":
+            self._check_unet()
+        else:
+            self._check_transformer()
+        if self.family == "dit" and (self.num_classes is None or self.num_classes <= 0):
+            raise ValueError("model.num_classes must be set (> 0) for model.family=dit: DiT is class-conditional.")
+        if self.family != "dit" and not self.text_dim:
+            raise ValueError(f"model.text_dim must be set for model.family={self.family}: it is the caption "
+                             "embedding size of the dataset's text encoder.")
+
+    def _check_kwargs(self) -> None:
+        allowed = set(inspect.signature(FAMILIES[self.family].__init__).parameters) - {"self"}
+        for key in self.kwargs:
+            if key in _DERIVED[self.family]:
+                raise ValueError(f"model.kwargs.{key} is set from ModelConfig's own fields for "
+                                 f"model.family={self.family}; set those fields instead.")
+            if key not in allowed:
+                raise ValueError(f"model.kwargs.{key} is not an argument of {FAMILIES[self.family].__name__}.")
+        if self.family == "pixart" and self.kwargs.get("use_additional_conditions"):
+            raise ValueError("model.kwargs.use_additional_conditions=true is not supported: batches carry no "
+                             "resolution / aspect-ratio conditions. Remove it.")
+
+    def _check_transformer(self) -> None:
+        if not self.num_heads or self.num_heads <= 0:
+            raise ValueError(f"model.num_heads must be set (> 0) for model.family={self.family}.")
+        if self.width is not None and self.width != self.num_heads * self.head_dim:
+            raise ValueError(f"model.width={self.width} but model.num_heads * model.head_dim = "
+                             f"{self.num_heads} * {self.head_dim} = {self.num_heads * self.head_dim}; make them agree.")
+        if self.family == "sana":
+            heads, dim = _sana_cross_heads(self)
+            if heads * dim != self.hidden_size:
+                raise ValueError(f"model.kwargs.num_cross_attention_heads * model.kwargs.cross_attention_head_dim "
+                                 f"= {heads} * {dim} must equal the width {self.hidden_size}.")
+
+    def _check_unet(self) -> None:
+        if self.num_heads is not None:
+            raise ValueError("model.num_heads must be null for model.family=unet: heads per level are "
+                             "block_out_channels[i] // model.head_dim.")
+        if self.patch_size != 1:
+            raise ValueError("model.patch_size must be 1 for model.family=unet (it has no patch embedding).")
+        for c in _unet_channels(self):
+            if c % self.head_dim:
+                raise ValueError(f"model.kwargs.block_out_channels entry {c} is not divisible by "
+                                 f"model.head_dim={self.head_dim}.")
+        levels = len(_unet_channels(self))
+        if self.sample_size % 2 ** (levels - 1):
+            raise ValueError(f"model.sample_size={self.sample_size} must be divisible by {2 ** (levels - 1)} "
+                             f"(the unet halves it {levels - 1} times).")
+
+    @property
+    def hidden_size(self) -> int:
+        """Transformer width (num_heads * head_dim)."""
+        return (self.num_heads or 0) * self.head_dim
+
+    @property
+    def out_channels(self) -> int:
+        """Channels the diffusers net outputs: twice the input when it also predicts a variance."""
+        return self.in_channels * (2 if self.learned_sigma else 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers: config -> diffusers constructor arguments
+# --------------------------------------------------------------------------------------------------
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers -> plain Python (diffusers stores its config as JSON)."""
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_container(value, resolve=True)
+    return dict(value) if isinstance(value, dict) else value
+
+
+def _sana_cross_heads(cfg: ModelConfig) -> tuple[int, int]:
+    """SANA's cross-attention heads: from kwargs, else the self-attention head size."""
+    dim = cfg.kwargs.get("cross_attention_head_dim", cfg.head_dim)
+    return cfg.kwargs.get("num_cross_attention_heads", cfg.hidden_size // dim), dim
+
+
+def _unet_channels(cfg: ModelConfig) -> list[int]:
+    default = inspect.signature(UNet2DConditionModel.__init__).parameters["block_out_channels"].default
+    return list(cfg.kwargs.get("block_out_channels", default))
+
+
+def diffusers_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """The constructor arguments of `FAMILIES[cfg.family]` for this config."""
+    size = dict(in_channels=cfg.in_channels, out_channels=cfg.out_channels, sample_size=cfg.sample_size)
+    if cfg.family == "unet":
+        # diffusers' UNet calls the per-level head *count* `attention_head_dim` (SD2: [5, 10, 20, 20]).
+        heads = [c // cfg.head_dim for c in _unet_channels(cfg)]
+        return dict(size, layers_per_block=cfg.num_layers, cross_attention_dim=cfg.text_dim,
+                    attention_head_dim=heads, **cfg.kwargs)
+    args = dict(size, num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
+                num_layers=cfg.num_layers, patch_size=cfg.patch_size)
+    if cfg.family == "pixart":
+        # Captions are projected to the width before cross-attention, hence cross_attention_dim = width.
+        args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size,
+                    use_additional_conditions=False)
+    elif cfg.family == "sana":
+        heads, dim = _sana_cross_heads(cfg)
+        args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size,
+                    num_cross_attention_heads=heads, cross_attention_head_dim=dim)
+    elif cfg.family == "dit":
+        args.update(num_embeds_ada_norm=cfg.num_classes)
+    args.update(cfg.kwargs)
+    return args
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention backend
+# --------------------------------------------------------------------------------------------------
+
+# Processors computing plain softmax(QK^T)V with to_q/to_k/to_v/to_out, which xformers' processor
+# reproduces. SANA's self-attention is *linear* attention (SanaLinearAttnProcessor2_0): switching it
+# would silently turn it into a different model, which `enable_xformers_memory_efficient_attention()`
+# on the whole net does. So we select modules one by one.
+_SOFTMAX_PROCESSORS = (AttnProcessor, AttnProcessor2_0, SanaAttnProcessor2_0)
+
+
+def xformers_targets(net: nn.Module) -> dict[str, Attention]:
+    """The Attention modules of `net` that `model.attention=xformers` switches (softmax ones, no qk-norm)."""
+    return {
+        name: m for name, m in net.named_modules()
+        if isinstance(m, Attention) and isinstance(m.processor, _SOFTMAX_PROCESSORS)
+        and m.norm_q is None and m.norm_k is None  # xformers' processor does not apply qk-norm
+    }
+
+
+def apply_attention_backend(net: nn.Module, attention: str) -> None:
+    """Switch the softmax attention of `net` to xformers when asked; "sdpa" leaves diffusers' default."""
+    if attention == "sdpa":
+        return
+    from diffusers.utils import is_xformers_available
+
+    if not is_xformers_available() or not torch.cuda.is_available():
+        raise RuntimeError(
+            "model.attention=xformers needs the xformers package and a CUDA GPU "
+            f"(xformers installed: {is_xformers_available()}, GPU: {torch.cuda.is_available()}). "
+            "Install `latentforge[xformers]` on a GPU machine, or set model.attention=sdpa.")
+    for module in xformers_targets(net).values():
+        module.set_use_memory_efficient_attention_xformers(True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Denoiser: one call signature for every family
+# --------------------------------------------------------------------------------------------------
+
+class Denoiser(nn.Module):
+    """Wraps a diffusers backbone as `forward(x, t, text, text_mask, labels) -> prediction shaped like x`.
+
+    Samplers here use fixed variances, so a learned-sigma net's variance channels are split off and
+    dropped. DiT's built-in 10% label dropout is switched off: like caption dropout, label dropout is
+    the training module's job (with `null_labels`), so it is seeded and configurable in one place.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.net = FAMILIES[cfg.family](**diffusers_kwargs(cfg))
+        self._after_build()
+
+    def _after_build(self) -> None:
+        if self.cfg.family == "dit":
+            for block in self.net.transformer_blocks:
+                labels = block.norm1.emb.class_embedder
+                # The "no class" row exists only when diffusers built the table with dropout_prob > 0.
+                assert labels.embedding_table.num_embeddings == self.cfg.num_classes + 1, "no null-class row"
+                labels.dropout_prob = 0.0
+        apply_attention_backend(self.net, self.cfg.attention)
+
+    def null_labels(self, batch_size: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """Labels meaning "unconditional" (the extra embedding row) for dit; None for text families."""
+        if self.cfg.family != "dit":
+            return None
+        return torch.full((batch_size,), self.cfg.num_classes, dtype=torch.long, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        text: torch.Tensor | None = None,
+        text_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (B, C, h, w), t (B,) on the 0..1000 scale, text (B, L, D), text_mask (B, L) True = token."""
+        t = t.expand(x.shape[0]) if t.ndim == 0 else t  # (B,)
+        family = self.cfg.family
+        if family == "dit":
+            labels = self.null_labels(x.shape[0], x.device) if labels is None else labels
+            out = self.net(x, timestep=t, class_labels=labels, return_dict=False)[0]  # (B, C', h, w)
+        else:
+            if text is None:
+                raise ValueError(f"model.family={family} is text-conditional: pass `text` (B, L, D) embeddings.")
+            # diffusers wants a 1 = keep / 0 = drop mask and turns it into an additive -10000 bias itself.
+            mask = None if text_mask is None else text_mask.to(x.dtype)  # (B, L)
+            if family == "pixart":
+                out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
+                               added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                               return_dict=False)[0]
+            elif family == "sana":
+                out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
+                               return_dict=False)[0]
+            else:
+                out = self.net(x, t, encoder_hidden_states=text, encoder_attention_mask=mask,
+                               return_dict=False)[0]
+        if self.cfg.learned_sigma:
+            out, _variance = out.chunk(2, dim=1)  # (B, C, h, w) each
+        return out
+
+
+def to_model_config(cfg: ModelConfig | DictConfig | dict) -> ModelConfig:
+    """A validated ModelConfig from a dataclass, a Hydra node or a dict."""
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg)
+    return OmegaConf.to_object(merged)
+
+
+def build_denoiser(cfg: ModelConfig | DictConfig | dict) -> Denoiser:
+    """Build the backbone for `cfg` with random weights (load trained ones with `load_weights`)."""
+    return Denoiser(to_model_config(cfg))
+
+
+# --------------------------------------------------------------------------------------------------
+# init_from: loading weights
+# --------------------------------------------------------------------------------------------------
+
+def _read_state_dict(path: Path, denoiser: Denoiser) -> dict[str, torch.Tensor]:
+    """Denoiser-keyed (`net.*`) state dict from a diffusers folder, .safetensors or Lightning .ckpt."""
+    if path.is_dir():
+        root, sub = path, None
+        if (path / "model_index.json").exists():  # a whole pipeline: take its backbone
+            sub = "unet" if denoiser.cfg.family == "unet" else "transformer"
+        try:
+            net = FAMILIES[denoiser.cfg.family].from_pretrained(root, subfolder=sub, low_cpu_mem_usage=False)
+        except Exception as err:
+            raise ValueError(f"init_from={path}: cannot load a {FAMILIES[denoiser.cfg.family].__name__} "
+                             f"from this folder ({err}).") from err
+        state = net.state_dict()
+    elif path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        state = load_file(str(path))
+    elif path.suffix == ".ckpt":
+        # Our own Lightning checkpoints (optimizer state and hyper-parameters included), hence not weights_only.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        state = {k[len("model."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
+        if not state:
+            raise ValueError(f"init_from={path}: no `model.*` weights in its state_dict; expected a LatentForge "
+                             "Lightning checkpoint.")
+    else:
+        raise ValueError(f"init_from={path}: expected a diffusers folder, a .safetensors file or a .ckpt.")
+    if not any(k.startswith("net.") for k in state):
+        state = {f"net.{k}": v for k, v in state.items()}  # a bare diffusers state dict
+    return state
+
+
+def load_weights(denoiser: Denoiser, path: str | Path) -> Denoiser:
+    """Load weights only (`init_from=PATH`) into `denoiser`, with one clear error on any mismatch."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"init_from={path} does not exist.")
+    state = _read_state_dict(path, denoiser)
+    own = denoiser.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"init_from={path} looks like a checkpoint from another model: it does not fit model "
+            f"{denoiser.cfg.name!r} (family {denoiser.cfg.family}). {len(missing)} missing keys "
+            f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}, {len(shapes)} shape "
+            f"mismatches {shapes[:3]}. Pick the model= preset the weights were trained with.")
+    denoiser.load_state_dict(state)
+    return denoiser
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets: the YAML files in conf/model/ are the single source of sizes
+# --------------------------------------------------------------------------------------------------
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets (conf/model/*.yaml)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str, **overrides: Any) -> ModelConfig:
+    """ModelConfig of conf/model/<name>.yaml with field overrides, e.g. load_preset("pixart_debug", in_channels=1)."""
+    file = PRESET_DIR / f"{name}.yaml"
+    if not file.exists():
+        raise ValueError(f"model={name} is not a preset; choose one of {preset_names()}.")
+    return to_model_config(OmegaConf.merge(OmegaConf.load(file), overrides))

@@ -1,0 +1,176 @@
+"""The LightningModule: one diffusion training step on precomputed latents.
+
+Everything random in a step (noise, noise level, caption dropout) is drawn from a generator seeded
+by (seed, micro-batch counter) for the whole *global* batch, and each rank takes its slice. So a
+run is reproducible, resumes exactly from any checkpoint, and a 2-rank run draws the same numbers
+for the same samples as a 1-rank run with the same global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+from framework.models import Denoiser, ModelConfig, build_denoiser
+from framework.objectives import Objective, ObjectiveConfig
+from framework.optim import OptimizerConfig, build_optimizer, lr_lambda
+
+CKPT_KEY = "latentforge"  # our own entry in the Lightning checkpoint dict
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised when the loss is NaN/inf and skipping such steps was not asked for."""
+
+
+def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (L_i, D) sequences to (N, L, D) with zeros, plus the (N, L) bool mask of real tokens."""
+    n, d = len(seqs), seqs[0].shape[-1]
+    L = max(max(s.shape[0] for s in seqs), 1)
+    out = seqs[0].new_zeros(n, L, d)
+    mask = torch.zeros(n, L, dtype=torch.bool, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        out[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = True
+    return out, mask
+
+
+def drop_captions(
+    text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D)."""
+    if not bool(drop.any()):
+        return text, mask
+    L = max(text.shape[1], empty.shape[0])
+    if L > text.shape[1]:  # the empty caption is longer than every caption in this batch
+        text = F.pad(text, (0, 0, 0, L - text.shape[1]))
+        mask = F.pad(mask, (0, L - mask.shape[1]))
+    e = torch.zeros_like(text[0])
+    e[: empty.shape[0]] = empty
+    em = torch.zeros_like(mask[0])
+    em[: empty.shape[0]] = True
+    d = drop.view(-1, 1)
+    return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
+
+
+class DiffusionModule(pl.LightningModule):
+    """Denoiser + objective + optimizer; the loss lives in training_step."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        objective: ObjectiveConfig,
+        optimizer: OptimizerConfig,
+        max_steps: int,
+        seed: int = 0,
+        skip_nonfinite: bool = False,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.model_cfg, self.optimizer_cfg = model, optimizer
+        self.model: Denoiser = build_denoiser(model)
+        self.objective = Objective(objective)
+        self.max_steps, self.seed, self.skip_nonfinite = max_steps, seed, skip_nonfinite
+        self.config = config or {}  # the resolved run config, stored in every checkpoint
+        # Set from the dataset in setup(); kept in checkpoints so sampling needs no dataset.
+        self.empty_text: torch.Tensor | None = None
+        self.dataset_info: dict[str, Any] = {}
+        self.skipped_steps = 0
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None:
+            return
+        from framework.data import check_compatible
+
+        info = dm.info
+        check_compatible(info, self.model_cfg.in_channels, self.model_cfg.sample_size, self.model_cfg.text_dim)
+        self.empty_text = info.empty_text_embeds.float()
+        # Plain values only: checkpoints load with weights_only=True.
+        self.dataset_info = {
+            "path": info.path,
+            "source": info.raw.get("source"),
+            "image_codec": info.image_codec,
+            "text_encoder": info.text_encoder,
+            "image_mode": info.image_mode,
+            "scaling_factor": info.scaling_factor,
+            "shift_factor": info.shift_factor,
+            "num_classes": info.num_classes,
+            "latent_channels": info.latent_channels,
+            "latent_size": list(info.latent_size),
+            "text_dim": info.text_dim,
+        }
+
+    def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
+        # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
+        if not hasattr(self, "flops_per_batch"):
+            from framework.flops import count_train_flops_per_sample
+
+            self.flops_per_batch = count_train_flops_per_sample(self.model, batch) * batch["latents"].shape[0]
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = build_optimizer(params, self.optimizer_cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.optimizer_cfg, self.max_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- the training step --------------------------------------------------------------
+
+    def _generator(self) -> torch.Generator:
+        """CPU generator for this micro-batch, independent of rank count and of restarts."""
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        micro = self.global_step * accumulate + self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
+        return torch.Generator().manual_seed(hash((self.seed, micro)) & 0x7FFF_FFFF_FFFF)
+
+    def _draw(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Noise, noise level and caption-drop flags for this rank's slice of the global batch."""
+        B, W, r = x0.shape[0], self.trainer.world_size, self.global_rank
+        g = self._generator()
+        noise, u = self.objective.draw(x0.new_empty((W * B, *x0.shape[1:]), device="cpu"), g)
+        drop = torch.rand(W * B, generator=g) < self.objective.cfg.caption_dropout
+        sl = slice(r * B, (r + 1) * B)
+        return noise[sl].to(x0.device), u[sl].to(x0.device), drop[sl].to(x0.device)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
+        x0 = batch["latents"]  # (B, C, h, w), already scaled by the data module
+        noise, u, drop = self._draw(x0)
+        text, mask = batch["text_embeds"], batch["text_mask"]  # (B, L, D), (B, L)
+        text, mask = drop_captions(text, mask, self.empty_text.to(text), drop)
+        labels = batch.get("label")
+        if labels is not None and self.model_cfg.num_classes is not None:
+            labels = torch.where(drop, self.model.null_labels(x0.shape[0]).to(labels), labels)
+        else:
+            labels = None
+
+        xt, t, target = self.objective.corrupt(x0, noise, u)
+        pred = self.model(xt, t, text, mask, labels)  # (B, C, h, w)
+        loss = F.mse_loss(pred.float(), target.float())
+
+        if not torch.isfinite(loss):
+            if not self.skip_nonfinite:
+                raise NonFiniteLossError(
+                    f"loss is {loss.item()} at step {self.global_step}; stopping with the last good checkpoint intact."
+                    " Lower optimizer.lr, enable gradient clipping, or set trainer.skip_nonfinite=true to skip such steps."
+                )
+            self.skipped_steps += 1
+            return None  # Lightning skips backward and the optimizer step
+        self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0])
+        return loss
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CKPT_KEY] = {
+            "config": self.config,
+            "dataset": self.dataset_info,
+            "empty_text": None if self.empty_text is None else self.empty_text.cpu(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        extra = checkpoint.get(CKPT_KEY, {})
+        if extra.get("empty_text") is not None:
+            self.empty_text = extra["empty_text"]

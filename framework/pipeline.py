@@ -1,0 +1,197 @@
+"""Prompt -> image generation, shared by training grids, framework.sample and framework.eval.
+
+Text is encoded with the encoder recorded in the dataset's dataset.json, latents are decoded with
+its image codec, and the denoiser comes either from the live LightningModule or a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from framework.models import Denoiser, ModelConfig, build_denoiser
+from framework.objectives import Objective, ObjectiveConfig, sample_latents
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint loading
+# --------------------------------------------------------------------------------------------
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a single-file Lightning checkpoint of ours (weights_only: no pickled code runs)."""
+    from framework.module import CKPT_KEY
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt={path} does not exist")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if CKPT_KEY not in ckpt or "state_dict" not in ckpt:
+        raise ValueError(f"ckpt={path} is not a LatentForge training checkpoint (no '{CKPT_KEY}' entry)")
+    return ckpt
+
+
+def model_weights(ckpt: dict[str, Any], weights: str = "ema") -> dict[str, torch.Tensor]:
+    """The denoiser's state dict: EMA weights when present and asked for, else the trained ones."""
+    from framework.module import CKPT_KEY
+
+    if weights not in ("ema", "train"):
+        raise ValueError(f"weights={weights!r}: expected ema or train")
+    ema = ckpt[CKPT_KEY].get("ema_state")
+    if weights == "ema" and ema:
+        return dict(ema)
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------
+
+
+class Pipeline:
+    """Denoiser + objective + the dataset's encoders, ready to turn prompts into images."""
+
+    def __init__(
+        self,
+        model: Denoiser,
+        objective: Objective,
+        empty_text: torch.Tensor,
+        dataset_info: dict[str, Any],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        from data_prep.encoders import load_image_codec
+
+        self.model, self.objective, self.info = model, objective, dataset_info
+        self.device = torch.device(device)
+        self.empty_text = empty_text.float()
+        self.codec = load_image_codec(
+            dataset_info["image_codec"], device=self.device, image_mode=dataset_info.get("image_mode", "RGB")
+        )
+        self._text_encoder = None
+        self._cache: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", weights: str = "ema") -> "Pipeline":
+        from framework.module import CKPT_KEY
+
+        ckpt = read_checkpoint(path)
+        extra = ckpt[CKPT_KEY]
+        cfg = extra["config"]
+        model = build_denoiser(ModelConfig(**cfg["model"]))
+        missing, unexpected = model.load_state_dict(model_weights(ckpt, weights), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"ckpt={path} does not fit its own model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        objective = Objective(ObjectiveConfig(**cfg["objective"]))
+        return cls(model.to(device).eval(), objective, extra["empty_text"], extra["dataset"], device)
+
+    def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
+        """Per-token embeddings of each prompt (cached; the encoder loads on first use)."""
+        todo = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        if todo:
+            if self._text_encoder is None:
+                from data_prep.encoders import load_text_encoder
+
+                self._text_encoder = load_text_encoder(self.info["text_encoder"], device=self.device)
+            for p, e in zip(todo, self._text_encoder.encode(list(todo))):
+                self._cache[p] = e.float().cpu()
+        return [self._cache[p] for p in prompts]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[str],
+        steps: int = 20,
+        guidance: float = 4.0,
+        sampler: str | None = None,
+        seed: int = 0,
+        labels: Sequence[int | None] | None = None,
+        batch_size: int = 64,
+    ) -> torch.Tensor:
+        """Images (N, C, H, W) in [-1, 1]; image i depends only on (prompt i, seed, i)."""
+        from framework.module import drop_captions, pad_and_stack
+
+        n = len(prompts)
+        C, S = self.model.cfg.in_channels, self.model.cfg.sample_size
+        g = torch.Generator().manual_seed(seed)
+        noise_seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
+        class_cond = self.model.cfg.num_classes is not None
+        if class_cond and (labels is None or any(lbl is None for lbl in labels)):
+            raise ValueError("this model is class-conditional: give a class label for every prompt")
+        out = []
+        for i in range(0, n, batch_size):
+            chunk = list(prompts[i : i + batch_size])
+            b = len(chunk)
+            text, mask = pad_and_stack([e.to(self.device) for e in self.encode(chunk)])  # (b, L, D)
+            drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(self.device)
+            text2, mask2 = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), self.empty_text.to(self.device), drop)
+            lab = None
+            if class_cond:
+                lab = torch.tensor(list(labels[i : i + batch_size]), device=self.device)
+                lab = torch.cat([lab, self.model.null_labels(b).to(self.device)])
+
+            def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                pred = self.model(x.repeat(2, 1, 1, 1), t.repeat(2), text2, mask2, lab).float()
+                cond, uncond = pred.chunk(2)
+                return uncond + guidance * (cond - uncond)
+
+            # One generator per image keeps image i independent of the batch it lands in.
+            x = torch.stack([torch.randn(C, S, S, generator=torch.Generator().manual_seed(s)) for s in noise_seeds[i : i + b]])
+            z = sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
+            out.append(self.decode(z))
+        return torch.cat(out)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling)."""
+        raw = z / self.info["scaling_factor"] + self.info["shift_factor"]
+        return self.codec.decode(raw).float().clamp(-1, 1).cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# Pictures
+# --------------------------------------------------------------------------------------------
+
+
+def to_pil(img: torch.Tensor, size: int | None = None) -> Image.Image:
+    """(C, H, W) in [-1, 1] -> PIL image, upscaled with nearest neighbour to `size` (tiny latents stay crisp)."""
+    arr = ((img.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+    im = Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
+    if size and im.width < size:
+        im = im.resize((size, size), Image.NEAREST)
+    return im
+
+
+def save_grid(images: torch.Tensor, captions: Sequence[str], path: str | os.PathLike, ncol: int | None = None, cell: int = 96) -> Path:
+    """Write a PNG grid with each image's prompt printed under it."""
+    n = len(images)
+    ncol = ncol or min(n, 10)
+    nrow = math.ceil(n / ncol)
+    label_h = 28
+    grid = Image.new("RGB", (ncol * cell, nrow * (cell + label_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    font = ImageFont.load_default()
+    for i, (img, cap) in enumerate(zip(images, captions)):
+        r, c = divmod(i, ncol)
+        x, y = c * cell, r * (cell + label_h)
+        grid.paste(to_pil(img, cell).convert("RGB").resize((cell, cell), Image.NEAREST), (x, y))
+        for k, line in enumerate(_wrap(cap, max(4, cell // 6))[:2]):
+            draw.text((x + 2, y + cell + 1 + 12 * k), line, fill="black", font=font)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines, cur = [], ""
+    for word in text.split():
+        if cur and len(cur) + 1 + len(word) > width:
+            lines.append(cur)
+            cur = word
+        else:
+            cur = f"{cur} {word}".strip()
+    return lines + ([cur] if cur else [])

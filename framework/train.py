@@ -1,0 +1,172 @@
+"""`python -m framework.train [key=value ...]`: compose the config, build data, module, callbacks
+and trainer, and fit. With no arguments this is the quickstart (conf/experiment/quickstart.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from omegaconf import DictConfig, OmegaConf
+
+from framework import config as config_lib
+from framework.callbacks import SampleGrid
+from framework.config import TrainConfig
+from framework.data import LatentDataModule
+from framework.loggers import RunCSVLogger, wandb_logger
+from framework.module import DiffusionModule
+
+config_lib.register()
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------
+
+
+def build_logger(cfg: TrainConfig, run_dir: Path) -> Any:
+    if cfg.logger.name == "none":
+        return False
+    if cfg.logger.name == "csv":
+        return RunCSVLogger(run_dir)
+    return wandb_logger(run_dir, cfg.logger.project, cfg.logger.entity)
+
+
+def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
+    cbs: list[pl.Callback] = [
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
+            filename="step{step:07d}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+            save_top_k=-1,
+            save_last=True,
+        ),
+        SampleGrid(cfg.sample, run_dir / "samples"),
+    ]
+    if cfg.logger.name != "none":
+        cbs.append(LearningRateMonitor(logging_interval="step"))
+        cbs.append(ThroughputMonitor(batch_size_fn=lambda b: b["latents"].shape[0]))
+    return cbs
+
+
+def default_precision(cfg: TrainConfig) -> str:
+    if cfg.trainer.precision:
+        return cfg.trainer.precision
+    on_gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    return "bf16-mixed" if on_gpu else "32-true"
+
+
+def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
+    t = cfg.trainer
+    return pl.Trainer(
+        max_steps=t.max_steps,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        accelerator=t.accelerator,
+        precision=default_precision(cfg),
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval,
+        limit_val_batches=0,
+        gradient_clip_val=t.gradient_clip_val,
+        enable_progress_bar=t.enable_progress_bar,
+        logger=build_logger(cfg, run_dir),
+        callbacks=callbacks,
+        default_root_dir=str(run_dir),
+        enable_model_summary=False,
+    )
+
+
+def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
+    if cfg.resume in (None, "", "null"):
+        return None
+    if cfg.resume == "auto":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        return str(last) if last.exists() else None
+    if not Path(cfg.resume).exists():
+        raise FileNotFoundError(f"resume={cfg.resume} does not exist; give a checkpoint path, auto or null")
+    return cfg.resume
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def train(dcfg: DictConfig) -> dict[str, Any]:
+    """Run training (and the final evaluation when eval.at_end); returns what was written."""
+    cfg = config_lib.to_object(dcfg)
+    run_dir = Path(cfg.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    dm = LatentDataModule(cfg.data, seed=cfg.seed)
+    module = DiffusionModule(
+        cfg.model,
+        cfg.objective,
+        cfg.optimizer,
+        max_steps=cfg.trainer.max_steps,
+        seed=cfg.seed,
+        skip_nonfinite=cfg.trainer.skip_nonfinite,
+        config=OmegaConf.to_container(dcfg, resolve=True),
+    )
+    if cfg.init_from:
+        from framework.models import load_weights
+
+        load_weights(module.model, cfg.init_from)
+    callbacks = build_callbacks(cfg, run_dir)
+    trainer = build_trainer(cfg, run_dir, callbacks)
+    trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir))
+    # Checkpoints land every N steps; the final weights are always written too.
+    last = run_dir / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(last)
+
+    written: dict[str, Any] = {"run_dir": str(run_dir), "config": str(run_dir / "config.yaml"), "checkpoint": str(last)}
+    grids = next(cb for cb in callbacks if isinstance(cb, SampleGrid)).paths
+    if grids:
+        written["samples"] = [str(p) for p in grids]
+    if (run_dir / "metrics.csv").exists():
+        written["metrics"] = str(run_dir / "metrics.csv")
+    if cfg.eval.at_end and trainer.global_rank == 0:
+        written["eval"] = final_eval(cfg, module, run_dir)
+    return written
+
+
+def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path) -> dict[str, Any]:
+    from framework.eval import evaluate_digits, is_digits
+    from framework.pipeline import Pipeline
+
+    if not is_digits(module.dataset_info):
+        return {}
+    module.eval()
+    pipe = Pipeline(module.model, module.objective, module.empty_text, module.dataset_info, module.device)
+    e = cfg.eval
+    metrics = evaluate_digits(pipe, e.seeds, e.phrasings, e.steps, e.guidance, e.sampler, e.batch_size, run_dir / "eval" / "judged.png")
+    (run_dir / "eval" / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    written = train(dcfg)
+    metrics = written.pop("eval", None)
+    print("\nwrote:")
+    for k, v in written.items():
+        for p in v if isinstance(v, list) else [v]:
+            print(f"  {k:<10} {p}")
+    if metrics:
+        print(f"  {'eval':<10} {Path(written['run_dir']) / 'eval'}")
+        print(f"\nprompt_accuracy {metrics['prompt_accuracy']:.3f}  (judge accuracy on held-out real digits "
+              f"{metrics['judge_heldout_accuracy']:.3f}, {metrics['num_images']} images)")
+        print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny random encoders built from config and a tiny digits dataset.
+
+Streaming keeps shared memory keyed by a dataset's *local* folder, and two live StreamingDatasets
+with the same local folder in one process fail. Tests that read a shared dataset therefore pass
+their own cache folder (`data.local=tmp_path / "cache"`), which makes Streaming copy the shards.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders (plain functions: other test files import them)
+# ---------------------------------------------------------------------------------------------
+
+
+def make_tiny_vae(root: Path, scaling_factor: float = 0.5, shift_factor: float = 0.1, seed: int = 0) -> Path:
+    """A random 2-level AutoencoderKL (downsample 2, 4 latent channels) saved as a diffusers folder."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=4, sample_size=16, scaling_factor=scaling_factor, shift_factor=shift_factor,
+    )
+    vae.save_pretrained(root)
+    return Path(root)
+
+
+def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0) -> Path:
+    """A random 2-layer BertModel with MiniLM's tokenizer files copied in (no download needed)."""
+    from transformers import BertConfig, BertModel
+
+    from data_prep.encoders import minilm_path
+
+    torch.manual_seed(seed)
+    src = minilm_path()
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = sum(1 for _ in open(src / "vocab.txt", encoding="utf-8"))
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=2 * hidden_size, max_position_embeddings=128)
+    BertModel(cfg).save_pretrained(root)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, root / name)
+    return root
+
+
+def make_image_folder(root: Path, n: int = 6, size: int = 20, seed: int = 0) -> Path:
+    """n random RGB PNGs with same-named .txt captions, half of them in a sub-folder."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    root = Path(root)
+    for i in range(n):
+        folder = root / ("sub" if i % 2 else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        arr = rng.integers(0, 256, (size, size + 4, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(folder / f"img{i:03d}.png")
+        (folder / f"img{i:03d}.txt").write_text(f"a random picture number {i}" + " with stripes" * (i % 3))
+    return root
+
+
+def digits_config(out: Path, text_encoder: str = "minilm", **overrides) -> dict:
+    """A precompute config (plain dict) for the digits source at resolution 8 with the pixel codec."""
+    cfg = {"source": {"name": "digits"}, "vae": "pixel", "text_encoder": text_encoder, "resolution": 8,
+           "out": str(out), "progress": False}
+    cfg.update(overrides)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_vae_dir(tmp_path_factory) -> Path:
+    return make_tiny_vae(tmp_path_factory.mktemp("tiny_vae"))
+
+
+@pytest.fixture(scope="session")
+def tiny_text_encoder_dir(tmp_path_factory) -> Path:
+    return make_tiny_text_encoder(tmp_path_factory.mktemp("tiny_text_encoder"))
+
+
+@pytest.fixture(scope="session")
+def digits_shards(tmp_path_factory) -> Path:
+    """The real digits training set (1,438 images x 3 captions) at 8x8, pixel codec, MiniLM text.
+
+    Read-only: build data modules over it with their own `local` cache folder (see module doc).
+    """
+    from data_prep.precompute import precompute
+
+    return precompute(digits_config(tmp_path_factory.mktemp("digits") / "data"), rank=0, world_size=1)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_streaming_env():
+    """Each test starts single-process; LatentDataModule.setup sets these, so restore them after."""
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    yield
+    for k in keys:
+        os.environ.pop(k, None)
+    os.environ.update(saved)

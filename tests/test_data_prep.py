@@ -1,0 +1,204 @@
+"""data_prep: sources, encoders, the precompute app's guarantees (no-op re-run, refusal, restart, bad input)."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from streaming import StreamingDataset
+
+from data_prep.encoders import load_image_codec, load_text_encoder
+from data_prep.precompute import load_pixels, precompute
+from data_prep.sources.digits import digit_captions, load_digits
+from tests.conftest import digits_config, make_image_folder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def folder_config(src: Path, out: Path, text_encoder: Path, **kw) -> dict:
+    cfg = {"source": {"name": "folder", "path": str(src)}, "vae": "pixel", "text_encoder": str(text_encoder),
+           "resolution": 8, "out": str(out), "progress": False}
+    cfg.update(kw)
+    return cfg
+
+
+def read_rows(path: Path) -> list[dict]:
+    ds = StreamingDataset(local=str(path), shuffle=False, batch_size=1)
+    rows = [ds[i] for i in range(len(ds))]
+    del ds
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# digits
+# ---------------------------------------------------------------------------------------------
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    xtr, ytr = load_digits("train")
+    xho, yho = load_digits("heldout")
+    assert len(xtr) + len(xho) == 1797 and len(xho) == 359
+    assert xtr.dtype == np.uint8 and xtr.shape[1:] == (8, 8) and xtr.max() <= 16 and ytr.dtype == np.int64
+    train_rows = {x.tobytes() + bytes([y]) for x, y in zip(xtr, ytr)}
+    assert not any(x.tobytes() + bytes([y]) in train_rows for x, y in zip(xho, yho))
+    np.testing.assert_array_equal(load_digits("heldout")[0], xho)  # same split every call
+    assert len(set(digit_captions(7))) >= 3 and "a handwritten 7" in digit_captions(7)
+
+
+def test_digits_dataset_json_and_rows(digits_shards, capsys):
+    info = json.loads((digits_shards / "dataset.json").read_text())
+    assert info["num_samples"] == 1438 * 3 and info["num_classes"] == 10
+    assert info["latent_channels"] == 1 and info["latent_size"] == [8, 8] and info["image_mode"] == "L"
+    assert info["scaling_factor"] == 1.0 and info["shift_factor"] == 0.0 and info["text_dim"] == 384
+    assert (digits_shards / info["empty_caption"]).is_file()
+    # re-run: nothing to do, and it says so
+    precompute(digits_config(digits_shards), rank=0, world_size=1)
+    assert "nothing to do" in capsys.readouterr().out
+    # a different config on the same folder is refused, naming the difference
+    with pytest.raises(FileExistsError, match="resolution"):
+        precompute(digits_config(digits_shards, resolution=16), rank=0, world_size=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# folder / manifest / webdataset, tiny VAE + tiny text encoder
+# ---------------------------------------------------------------------------------------------
+
+
+def test_folder_with_vae_matches_encoder(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs")
+    out = precompute(folder_config(src, tmp_path / "ds", tiny_text_encoder_dir, vae=str(tiny_vae_dir),
+                                   resolution=16), rank=0, world_size=1)
+    info = json.loads((out / "dataset.json").read_text())
+    assert info["latent_channels"] == 4 and info["latent_size"] == [8, 8] and info["downsample"] == 2
+    assert info["scaling_factor"] == 0.5 and info["shift_factor"] == 0.1 and info["posterior"] == "mean"
+    assert info["num_samples"] == 6 and info["num_classes"] is None and info["image_mode"] == "RGB"
+    codec = load_image_codec(str(tiny_vae_dir))
+    text = load_text_encoder(str(tiny_text_encoder_dir))
+    for row in read_rows(out):
+        name = row["key"].split("#")[0]
+        expect = codec.encode(load_pixels(src / name, "RGB", 16)[None])[0].numpy()
+        assert row["latents"].dtype == np.float16 and "label" not in row
+        np.testing.assert_allclose(row["latents"].astype(np.float32), expect, atol=2e-3, rtol=1e-3)
+        emb = text.encode([row["caption"]])[0].numpy()
+        assert row["text_embeds"].shape == emb.shape  # trimmed to the real token count
+        np.testing.assert_allclose(row["text_embeds"].astype(np.float32), emb, atol=5e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_manifest(tmp_path, tiny_text_encoder_dir, fmt):
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow", reason="parquet needs pyarrow (a declared dependency)")
+    src = make_image_folder(tmp_path / "imgs", n=4)
+    rows = [{"image": str(p.relative_to(tmp_path)), "caption": p.with_suffix(".txt").read_text(), "label": i}
+            for i, p in enumerate(sorted(src.rglob("*.png")))]
+    manifest = tmp_path / f"m.{fmt}"
+    df = pd.DataFrame(rows)
+    df.to_json(manifest, orient="records", lines=True) if fmt == "jsonl" else df.to_parquet(manifest)
+    cfg = folder_config(manifest, tmp_path / "ds", tiny_text_encoder_dir)
+    cfg["source"] = {"name": "manifest", "path": str(manifest)}
+    out = precompute(cfg, rank=0, world_size=1)
+    got = read_rows(out)
+    assert sorted(r["label"] for r in got) == [0, 1, 2, 3]
+    assert {r["caption"] for r in got} == {r["caption"] for r in rows}
+
+
+def test_webdataset(tmp_path, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs", n=5)
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "00000.tar", "w") as tar:
+        for i, png in enumerate(sorted(src.rglob("*.png"))):
+            for ext, data in (("jpg", _as_jpeg(png)), ("txt", png.with_suffix(".txt").read_bytes()),
+                              ("json", b"{}")):
+                info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    cfg = folder_config(tmp_path / "wds", tmp_path / "ds", tiny_text_encoder_dir)
+    cfg["source"] = {"name": "webdataset", "path": str(tmp_path / "wds")}
+    out = precompute(cfg, rank=0, world_size=1)
+    assert json.loads((out / "dataset.json").read_text())["num_samples"] == 5
+
+
+def _as_jpeg(png: Path) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(png).convert("RGB").save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input, restarts, several ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_images_and_missing_captions(tmp_path, tiny_text_encoder_dir, capsys):
+    src = make_image_folder(tmp_path / "imgs", n=6)
+    data = (src / "img000.png").read_bytes()
+    (src / "img000.png").write_bytes(data[: len(data) // 2])  # truncated
+    (src / "img002.txt").unlink()  # missing caption
+    with pytest.raises(RuntimeError, match=r"2 of 6 records unusable.*max_bad_fraction"):
+        precompute(folder_config(src, tmp_path / "strict", tiny_text_encoder_dir), rank=0, world_size=1)
+    assert not (tmp_path / "strict" / "dataset.json").exists()  # never looks complete
+    out = precompute(folder_config(src, tmp_path / "lenient", tiny_text_encoder_dir, max_bad_fraction=0.5),
+                     rank=0, world_size=1)
+    info = json.loads((out / "dataset.json").read_text())
+    assert info["num_samples"] == 4 and info["skipped"] == {"bad_images": 1, "missing_captions": 1}
+    assert "img000.png: unreadable image" in capsys.readouterr().out
+
+
+def test_wrong_encoder_paths(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs", n=2)
+    with pytest.raises(ValueError, match="not a diffusers AutoencoderKL"):
+        precompute(folder_config(src, tmp_path / "a", tiny_text_encoder_dir, vae=str(tiny_text_encoder_dir)),
+                   rank=0, world_size=1)
+    with pytest.raises(ValueError, match="not a transformers text encoder"):
+        precompute(folder_config(src, tmp_path / "b", tiny_vae_dir), rank=0, world_size=1)
+    with pytest.raises(ValueError, match="no config.json"):
+        precompute(folder_config(src, tmp_path / "c", tmp_path), rank=0, world_size=1)
+
+
+def test_interrupted_run_restarts_cleanly(tmp_path, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs", n=4)
+    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir)
+    out = precompute(cfg, rank=0, world_size=1)
+    first = json.loads((out / "dataset.json").read_text())
+    # simulate a crash mid-way: the rank had not finished and dataset.json was never written
+    (out / "dataset.json").unlink()
+    (out / "rank_00000" / "done.json").unlink()
+    (out / "rank_00000" / "junk.partial").write_text("half a shard")
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        from framework.data import read_dataset_info
+
+        read_dataset_info(str(out))
+    precompute(cfg, rank=0, world_size=1)
+    assert json.loads((out / "dataset.json").read_text())["num_samples"] == first["num_samples"]
+    assert not (out / "rank_00000" / "junk.partial").exists()
+
+
+def test_two_ranks_merge(tmp_path, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs", n=5)
+    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir)
+    precompute(cfg, rank=1, world_size=2)  # rank 1 writes its part and returns
+    assert not (tmp_path / "ds" / "dataset.json").exists()
+    out = precompute(cfg, rank=0, world_size=2)  # rank 0 writes its part, then merges
+    index = json.loads((out / "index.json").read_text())
+    assert {s["raw_data"]["basename"].split("/")[0] for s in index["shards"]} == {"rank_00000", "rank_00001"}
+    keys = [r["key"] for r in read_rows(out)]
+    assert len(keys) == 5 and len(set(keys)) == 5
+
+
+def test_cli_hydra_app(tmp_path, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs", n=3)
+    cmd = [sys.executable, "-m", "data_prep.precompute", "source=folder", f"source.path={src}", "vae=pixel",
+           f"text_encoder={tiny_text_encoder_dir}", "resolution=8", f"out={tmp_path / 'ds'}", "progress=false",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    for expect in ("wrote 3 samples", "nothing to do"):
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert expect in res.stdout

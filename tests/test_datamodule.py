@@ -1,0 +1,238 @@
+"""framework.data: batches, scaling once, caption dropout, start-up checks, ranks, loader state and resume."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from data_prep.encoders import load_image_codec
+from data_prep.precompute import load_pixels, precompute
+from data_prep.sources.digits import DIGIT_WORDS, load_digits
+from framework.data import (DataConfig, LatentDataModule, apply_caption_dropout, check_compatible,
+                            measure_loader_throughput, read_dataset_info)
+from tests.conftest import make_image_folder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def module(path, tmp_path, name="cache", **kw) -> LatentDataModule:
+    dm = LatentDataModule(DataConfig(path=str(path), local=str(tmp_path / name), **kw), seed=0)
+    dm.setup("fit")
+    return dm
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+
+
+def test_digits_batches(digits_shards, tmp_path):
+    dm = module(digits_shards, tmp_path, batch_size=16)
+    assert dm.info.num_classes == 10 and dm.info.empty_text_embeds.shape[1] == 384
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["latents"].shape == (16, 1, 8, 8) and batch["latents"].dtype == torch.float32
+    B, L, D = batch["text_embeds"].shape
+    assert (B, D) == (16, 384) and batch["text_mask"].shape == (16, L) and batch["text_mask"].dtype == torch.bool
+    assert batch["text_mask"].sum(1).max() == L  # padded to the longest caption, no further
+    assert (batch["text_embeds"][~batch["text_mask"]] == 0).all()
+    assert batch["label"].dtype == torch.int64
+    images, labels = load_digits("train")
+    for i in range(B):
+        idx = int(batch["key"][i].split("-")[2].split("#")[0])
+        expect = torch.from_numpy(np.round(images[idx] * 255.0 / 16)).float() / 127.5 - 1  # pixel codec
+        torch.testing.assert_close(batch["latents"][i, 0], expect, atol=1e-3, rtol=1e-3)  # fp16 storage
+        assert int(batch["label"][i]) == labels[idx]
+        assert str(labels[idx]) in batch["caption"][i] or DIGIT_WORDS[labels[idx]] in batch["caption"][i]
+
+
+def test_vae_latents_scaled_exactly_once(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs", n=4)
+    out = precompute({"source": {"name": "folder", "path": str(src)}, "vae": str(tiny_vae_dir),
+                      "text_encoder": str(tiny_text_encoder_dir), "resolution": 16, "out": str(tmp_path / "ds"),
+                      "progress": False}, rank=0, world_size=1)
+    dm = module(out, tmp_path, batch_size=4, shuffle=False)
+    batch = next(iter(dm.train_dataloader()))
+    assert "label" not in batch and batch["latents"].shape == (4, 4, 8, 8)
+    codec = load_image_codec(str(tiny_vae_dir))
+    for i, key in enumerate(batch["key"]):
+        raw = codec.encode(load_pixels(src / key.split("#")[0], "RGB", 16)[None])[0]  # unscaled
+        torch.testing.assert_close(batch["latents"][i], (raw - 0.1) * 0.5, atol=2e-3, rtol=1e-3)
+
+
+def test_prepare_data_builds_missing_dataset(tmp_path, tiny_text_encoder_dir):
+    src = make_image_folder(tmp_path / "imgs", n=3)
+    prepare = {"source": {"name": "folder", "path": str(src)}, "text_encoder": str(tiny_text_encoder_dir),
+               "resolution": 8, "progress": False}
+    dm = LatentDataModule(DataConfig(path=str(tmp_path / "ds"), batch_size=2, prepare=prepare))
+    dm.prepare_data()
+    dm.setup("fit")
+    assert dm.info.num_samples == 3 and len(list(dm.train_dataloader())) == 1  # drop_last
+
+
+# ---------------------------------------------------------------------------------------------
+# Caption dropout and compatibility
+# ---------------------------------------------------------------------------------------------
+
+
+def test_apply_caption_dropout():
+    text, mask = torch.randn(16, 3, 5), torch.tensor([[1, 1, 0]] * 16, dtype=torch.bool)
+    empty = torch.randn(4, 5)  # longer than the batch's captions
+    same = apply_caption_dropout(text, mask, empty, 0.0)
+    assert same[0] is text and same[1] is mask
+    t, m = apply_caption_dropout(text, mask, empty, 1.0, torch.Generator().manual_seed(0))
+    assert t.shape == (16, 4, 5) and (t == empty).all() and m.all()
+    t1, m1 = apply_caption_dropout(text, mask, empty, 0.5, torch.Generator().manual_seed(3))
+    t2, _ = apply_caption_dropout(text, mask, empty, 0.5, torch.Generator().manual_seed(3))
+    assert torch.equal(t1, t2)  # reproducible under a seeded generator
+    dropped = m1[:, 3]
+    assert 0 < dropped.sum() < 16
+    assert torch.equal(t1[~dropped, :3], text[~dropped]) and (t1[~dropped, 3] == 0).all()
+    assert torch.equal(text, text.clone()) and mask[:, 2].logical_not().all()  # inputs untouched
+
+
+def test_check_compatible(digits_shards):
+    info = read_dataset_info(str(digits_shards))
+    check_compatible(info, in_channels=1, sample_size=8, text_dim=384)
+    check_compatible(info, in_channels=1, sample_size=8, text_dim=None)  # class-conditional model
+    with pytest.raises(ValueError, match=r"dataset\.json: model\.in_channels=4 but the latents have 1 channels") as err:
+        check_compatible(info, in_channels=4, sample_size=8, text_dim=384)
+    assert str(digits_shards / "dataset.json") in str(err.value)
+    with pytest.raises(ValueError, match=r"model\.sample_size=32"):
+        check_compatible(info, in_channels=1, sample_size=32, text_dim=384)
+    with pytest.raises(ValueError, match=r"model\.text_dim=768.*384"):
+        check_compatible(info, in_channels=1, sample_size=8, text_dim=768)
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up failures
+# ---------------------------------------------------------------------------------------------
+
+
+def test_missing_dataset_and_corrupt_shards(digits_shards, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a LatentForge dataset.*data_prep.precompute"):
+        read_dataset_info(str(tmp_path / "nothing"))
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    shard = next(copy.glob("rank_*/shard.*"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])  # truncated
+    with pytest.raises(ValueError, match=f"shard {shard} is corrupt"):
+        LatentDataModule(DataConfig(path=str(copy))).setup("fit")
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(flipped))  # same size, different bytes: only the hash sees it
+    with pytest.raises(ValueError, match="xxh64 hash differs"):
+        LatentDataModule(DataConfig(path=str(copy), validate="hash")).setup("fit")
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"shard {shard} listed in .* is missing"):
+        LatentDataModule(DataConfig(path=str(copy))).setup("fit")
+    (copy / "dataset.json").write_text("{not json")
+    with pytest.raises(ValueError, match="dataset.json is corrupt"):
+        read_dataset_info(str(copy))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks and loader state
+# ---------------------------------------------------------------------------------------------
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from framework.data import DataConfig, LatentDataModule
+    dm = LatentDataModule(DataConfig(path=sys.argv[1], local=sys.argv[2], batch_size=50, drop_last=False))
+    dm.setup("fit")
+    keys = [k for batch in dm.train_dataloader() for k in batch["key"]]
+    json.dump(keys, open(sys.argv[3], "w"))
+""")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_read_disjoint_cover(digits_shards, tmp_path):
+    # Streaming itself opens a short-lived gloo group when WORLD_SIZE > 1 and none exists (under
+    # Lightning DDP one already does), so the two processes need a rendezvous address.
+    procs, port = [], str(_free_port())
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        cmd = [sys.executable, "-c", RANK_SCRIPT, str(digits_shards), str(tmp_path / "cache"),
+               str(tmp_path / f"keys{rank}.json")]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    k0, k1 = (set(json.loads((tmp_path / f"keys{r}.json").read_text())) for r in range(2))
+    assert not k0 & k1 and len(k0 | k1) == 1438 * 3 and abs(len(k0) - len(k1)) <= 50
+
+
+def test_loader_state_resumes_at_same_sample(digits_shards, tmp_path):
+    dm = module(digits_shards, tmp_path, "a", batch_size=32)
+    it = iter(dm.train_dataloader())
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    expected = [next(it)["key"] for _ in range(3)]
+    fresh = module(digits_shards, tmp_path, "b", batch_size=32)
+    loader2 = fresh.train_dataloader()
+    loader2.load_state_dict(state)
+    it2 = iter(loader2)
+    assert [next(it2)["key"] for _ in range(3)] == expected
+
+
+class KeyRecorder(L.LightningModule):
+    """Records the sample keys of every training step; the loss only needs a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[list[str]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["key"])
+        return (self.w * batch["latents"].mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(digits_shards, tmp_path, cache: str, max_steps: int, ckpt_in=None, ckpt_out=None) -> list:
+    dm = LatentDataModule(DataConfig(path=str(digits_shards), local=str(tmp_path / cache), batch_size=64))
+    model = KeyRecorder()
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, dm, ckpt_path=ckpt_in)
+    if ckpt_out:
+        trainer.save_checkpoint(ckpt_out)
+    return model.seen
+
+
+def test_lightning_resume_continues_mid_epoch(digits_shards, tmp_path):
+    """Lightning 2.6 saves the StreamingDataLoader's state under loops.fit_loop.state_dict.combined_loader
+    and restores it on resume: a run cut at step 30 (epoch 1 = 67 steps of 64) continues where it stopped."""
+    full = _fit(digits_shards, tmp_path, "full", 90)
+    first = _fit(digits_shards, tmp_path, "first", 30, ckpt_out=tmp_path / "cut.ckpt")
+    ckpt = torch.load(tmp_path / "cut.ckpt", weights_only=False)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["sample_in_epoch"] == 30 * 64
+    second = _fit(digits_shards, tmp_path, "second", 90, ckpt_in=tmp_path / "cut.ckpt")
+    assert first == full[:30]
+    assert second == full[30:]  # includes the epoch boundary at step 67
+
+
+def test_measure_loader_throughput(digits_shards, tmp_path):
+    res = measure_loader_throughput(str(digits_shards), batch_size=32, num_batches=5, local=str(tmp_path / "c"))
+    assert res["samples"] == 5 * 32 and res["samples_per_s"] > 0

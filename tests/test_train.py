@@ -1,0 +1,173 @@
+"""The trainer through its real config: compose conf/, shrink only the cost settings, run on CPU."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from framework import config as config_lib
+from framework.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+config_lib.register()
+
+DEBUG_PRESETS = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug"]
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def cheap(tmp_path: Path, data: Path, *extra: str, steps: int = 3, run: str = "run") -> list[str]:
+    """The quickstart config, shrunk: a few steps, no grids or eval, per-step CSV logging."""
+    return [
+        f"run.dir={tmp_path / run}",
+        f"data.path={data}",
+        f"data.local={tmp_path / run / 'cache'}",
+        "data.batch_size=16",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "eval.at_end=false",
+        "sample.per_prompt=1",
+        "sample.steps=2",
+        "sample.prompts=[a handwritten 3]",
+        *extra,
+    ]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+# --------------------------------------------------------------------------------------------
+# Composition and validation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_experiment_composes(experiment):
+    cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}"]))
+    assert cfg.trainer.max_steps > 0
+
+
+@pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
+def test_every_model_preset_composes(model):
+    cfg = compose_cfg([f"model={model}", "data.prepare=null"])
+    obj = config_lib.to_object(cfg)
+    assert obj.model.name == model
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["model.num_layrs=3"], "num_layrs"),
+        (["trainer.max_steps=many"], "max_steps"),
+        (["objective=flow", "sample.sampler=ddim"], "sampler='ddim' cannot sample a model trained with objective='flow'"),
+        (["model.sample_size=16"], "model.sample_size=16"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1"),
+    ],
+)
+def test_bad_config_fails_at_start_with_the_key(override, message):
+    with pytest.raises((ConfigCompositionException, ValueError)) as err:
+        config_lib.to_object(compose_cfg(override))
+    text = str(err.value) + str(getattr(err.value, "__cause__", ""))
+    assert message in text
+
+
+@pytest.mark.parametrize("override,key", [("model.in_channels=3", "model.in_channels"), ("model.text_dim=512", "model.text_dim")])
+def test_model_that_does_not_fit_the_data_fails_naming_the_key(tmp_path, digits_shards, override, key):
+    with pytest.raises(ValueError, match=key) as err:
+        train(compose_cfg(cheap(tmp_path, digits_shards, override, "data.prepare=null")))
+    assert "dataset.json" in str(err.value)
+
+
+# --------------------------------------------------------------------------------------------
+# Training runs
+# --------------------------------------------------------------------------------------------
+
+
+def _fit_digits(preset: str) -> list[str]:
+    """Overrides that fit a debug preset to the 1-channel 8x8 MiniLM digits latents."""
+    extra = [f"model={preset}", "model.in_channels=1", "model.sample_size=8"]
+    if preset != "dit_debug":
+        extra.append("model.text_dim=384")
+    return extra
+
+
+@pytest.mark.parametrize("preset", DEBUG_PRESETS)
+@pytest.mark.parametrize("objective", ["eps", "v", "flow"])
+def test_debug_presets_train_a_few_steps_with_each_objective(tmp_path, digits_shards, preset, objective):
+    cfg = compose_cfg(cheap(tmp_path, digits_shards, *_fit_digits(preset), f"objective={objective}", "logger=none"))
+    out = train(cfg)
+    ckpt = torch.load(out["checkpoint"], map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 3
+    assert (tmp_path / "run" / "config.yaml").exists()
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").objective.name == objective
+
+
+def test_same_seed_gives_identical_losses(tmp_path, digits_shards):
+    a = train(compose_cfg(cheap(tmp_path, digits_shards, steps=6, run="a")))
+    b = train(compose_cfg(cheap(tmp_path, digits_shards, steps=6, run="b")))
+    la, lb = losses(Path(a["run_dir"])), losses(Path(b["run_dir"]))
+    assert len(la) == 6 and la == lb  # bit-identical
+
+
+def test_loss_goes_down_on_digits(tmp_path, digits_shards):
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, "data.batch_size=32", steps=200)))
+    ls = list(losses(Path(out["run_dir"])).values())
+    first, last = sum(ls[:20]) / 20, sum(ls[-20:]) / 20
+    assert last < 0.7 * first, (first, last)
+
+
+def test_resume_auto_continues_like_an_uninterrupted_run(tmp_path, digits_shards):
+    full = train(compose_cfg(cheap(tmp_path, digits_shards, steps=8, run="full")))
+    common = ["trainer.checkpoint_every_n_steps=4", "resume=auto"]
+    train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=4, run="split")))
+    resumed = train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=8, run="split")))
+    lf, lr = losses(Path(full["run_dir"])), losses(Path(resumed["run_dir"]))
+    assert sorted(lr) == list(range(8)), "metrics.csv keeps the rows from before the restart"
+    assert [lr[s] for s in range(4, 8)] == [lf[s] for s in range(4, 8)]
+    wf = torch.load(full["checkpoint"], weights_only=True)["state_dict"]
+    wr = torch.load(resumed["checkpoint"], weights_only=True)["state_dict"]
+    for k in wf:
+        torch.testing.assert_close(wr[k], wf[k], rtol=0, atol=0)
+
+
+def test_nonfinite_loss_stops_with_a_message(tmp_path, digits_shards):
+    with pytest.raises(Exception, match="loss is nan"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, "optimizer.lr=1e30", "trainer.gradient_clip_val=null", steps=30)))
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling and evaluation from a checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def test_sample_and_eval_run_end_to_end(tmp_path, digits_shards):
+    from framework.sample import SampleCommand, run
+
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, steps=2)))
+    ckpt = out["checkpoint"]
+    paths = run(SampleCommand(ckpt=ckpt, out=str(tmp_path / "s"), prompts=["a handwritten 3", "the digit seven"], steps=2, best_of=2, judge="digits"))
+    assert [p.name for p in paths][-1] == "grid.png" and all(p.exists() for p in paths)
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'e'}", "seeds=1", "phrasings=1", "steps=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0.0 <= metrics["prompt_accuracy"] <= 1.0 and metrics["num_images"] == 10
+    assert metrics["judge_heldout_accuracy"] >= 0.97
