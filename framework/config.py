@@ -25,12 +25,20 @@ from framework.optim import OptimizerConfig
 
 @dataclass
 class StrategyConfig:
-    """How the model is spread over devices."""
+    """How the model is spread over devices (built by framework/strategy.py)."""
 
     name: str = "single"
-    """single (one device)."""
+    """single (one device), ddp (replicated weights, all-reduced gradients) or fsdp (FSDP2 sharding)."""
     sharding: str = "SHARD_GRAD_OP"
     """fsdp only: SHARD_GRAD_OP (params stay gathered between forward and backward) or FULL_SHARD."""
+    activation_checkpointing: bool = False
+    """fsdp/ddp/single: recompute each backbone block's activations in backward (less memory, ~30% more compute)."""
+    compile: bool = False
+    """torch.compile each backbone block (before sharding under fsdp)."""
+    sharded_checkpoint: bool = True
+    """fsdp only: write checkpoints as a distributed-checkpoint folder (one file per rank); false: one file."""
+    mixed_precision: bool = True
+    """fsdp on GPU: bf16 parameters in forward/backward with fp32 gradient reduction (MixedPrecisionPolicy)."""
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -39,7 +47,7 @@ class StrategyConfig:
             raise ValueError(f"strategy.sharding={self.sharding!r}: expected SHARD_GRAD_OP or FULL_SHARD")
 
 
-STRATEGIES = ("single",)
+STRATEGIES = ("single", "ddp", "fsdp")
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Everything random in a step (noise, noise level, caption dropout) is drawn from a generator seeded
 by (seed, micro-batch counter) for the whole *global* batch, and each rank takes its slice. So a
 run is reproducible, resumes exactly from any checkpoint, and a 2-rank run draws the same numbers
-for the same samples as a 1-rank run with the same global batch.
+for the same samples as a 1-rank run with the same global batch (Streaming gives rank r the
+global rows r, r+W, r+2W, ... and _draw takes the same rows).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class DiffusionModule(pl.LightningModule):
         seed: int = 0,
         skip_nonfinite: bool = False,
         config: dict[str, Any] | None = None,
+        strategy: Any = None,
     ) -> None:
         super().__init__()
         self.model_cfg, self.optimizer_cfg = model, optimizer
@@ -74,6 +76,7 @@ class DiffusionModule(pl.LightningModule):
         self.objective = Objective(objective)
         self.max_steps, self.seed, self.skip_nonfinite = max_steps, seed, skip_nonfinite
         self.config = config or {}  # the resolved run config, stored in every checkpoint
+        self.strategy_cfg = strategy  # StrategyConfig: block preparation and sharding in configure_model
         # Set from the dataset in setup(); kept in checkpoints so sampling needs no dataset.
         self.empty_text: torch.Tensor | None = None
         self.dataset_info: dict[str, Any] = {}
@@ -105,6 +108,23 @@ class DiffusionModule(pl.LightningModule):
             "text_dim": info.text_dim,
         }
 
+    def configure_model(self) -> None:
+        """Activation checkpointing / compile per block, then FSDP2 sharding under strategy=fsdp.
+
+        Lightning calls this once the processes exist; under ModelParallelStrategy `device_mesh` is
+        set and the model is sharded here, before the optimizer is built from its (DTensor) parameters.
+        """
+        from framework.strategy import prepare_blocks, shard
+
+        s = self.strategy_cfg
+        if s is None or getattr(self, "_configured", False):
+            return
+        self._configured = True
+        prepare_blocks(self.model, s.activation_checkpointing, s.compile)
+        if s.name == "fsdp":
+            strategy = self.trainer.strategy
+            shard(self.model, self.device_mesh["data_parallel"], s.sharding, strategy.mixed_precision)
+
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
         if not hasattr(self, "flops_per_batch"):
@@ -132,7 +152,9 @@ class DiffusionModule(pl.LightningModule):
         g = self._generator()
         noise, u = self.objective.draw(x0.new_empty((W * B, *x0.shape[1:]), device="cpu"), g)
         drop = torch.rand(W * B, generator=g) < self.objective.cfg.caption_dropout
-        sl = slice(r * B, (r + 1) * B)
+        # Streaming deals a global batch out round-robin: rank r holds global rows r, r+W, r+2W, ...
+        # (tests/test_distributed.py checks this against a 1-rank run with the same global batch).
+        sl = slice(r, W * B, W)
         return noise[sl].to(x0.device), u[sl].to(x0.device), drop[sl].to(x0.device)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
@@ -158,7 +180,9 @@ class DiffusionModule(pl.LightningModule):
                 )
             self.skipped_steps += 1
             return None  # Lightning skips backward and the optimizer step
-        self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0])
+        # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
+        self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0],
+                 sync_dist=self.trainer.world_size > 1)
         return loss
 
     # ---- checkpoints --------------------------------------------------------------------

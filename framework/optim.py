@@ -18,15 +18,23 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule."""
 
     name: str = "adamw"
-    """adamw (torch.optim.AdamW, fused on GPU)."""
+    """adamw (torch.optim.AdamW, fused on GPU); plugins register more (came, came8bit: plugins/came.py)."""
     lr: float = 1e-4
     """Peak learning rate, reached at the end of warm-up."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """Moment decay rates."""
+    """Moment decay rates: 2 for adamw; 3 for came/came8bit (update, squared gradient, instability)."""
     eps: float = 1e-8
-    """Denominator epsilon."""
+    """Denominator epsilon (adamw)."""
+    came_eps: list[float] = field(default_factory=lambda: [1e-30, 1e-16])
+    """came/came8bit: constants added to the squared gradient and to the instability."""
+    clip_threshold: float = 1.0
+    """came/came8bit: the normalised update is scaled down until its RMS is at most this."""
+    block_size: int = 2048
+    """came8bit: elements per quantization block of the 8-bit first moment (one fp32 min and scale each)."""
+    min_8bit_size: int = 16384
+    """came8bit: matrices with more elements than this keep their first moment in 8 bits; smaller stay fp32."""
     warmup_steps: int = 0
     """Linear warm-up from 0 to lr over this many optimizer steps."""
     schedule: str = "constant"
@@ -43,6 +51,9 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.schedule={self.schedule!r}: expected constant, cosine or linear")
         if self.warmup_steps < 0:
             raise ValueError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        # Checks that only make sense for one optimizer live next to it (a plugin registers its own).
+        if self.name in OPTIMIZER_CHECKS:
+            OPTIMIZER_CHECKS[self.name](self)
 
 
 def _adamw(params: Iterable, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -63,6 +74,10 @@ def _tensors(params: list) -> Iterable[torch.Tensor]:
 
 
 OPTIMIZERS: dict[str, Callable[[Iterable, OptimizerConfig], torch.optim.Optimizer]] = {"adamw": _adamw}
+"""Optimizer builders by optimizer.name. Plugins add theirs when `plugins` is imported."""
+
+OPTIMIZER_CHECKS: dict[str, Callable[[OptimizerConfig], None]] = {}
+"""Optional per-optimizer config checks run by OptimizerConfig.__post_init__ (raise ValueError)."""
 
 
 def build_optimizer(params: Iterable, cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -5,6 +5,8 @@ and trainer, and fit. With no arguments this is the quickstart (conf/experiment/
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +16,14 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from omegaconf import DictConfig, OmegaConf
 
+import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.callbacks import SampleGrid
 from framework.config import TrainConfig
 from framework.data import LatentDataModule
 from framework.loggers import RunCSVLogger, wandb_logger
 from framework.module import DiffusionModule
+from framework.registry import build_plugin_callbacks
 
 config_lib.register()
 
@@ -48,6 +52,7 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
             save_last=True,
         ),
         SampleGrid(cfg.sample, run_dir / "samples"),
+        *build_plugin_callbacks(cfg.plugins, cfg),
     ]
     if cfg.logger.name != "none":
         cbs.append(LearningRateMonitor(logging_interval="step"))
@@ -62,9 +67,38 @@ def default_precision(cfg: TrainConfig) -> str:
     return "bf16-mixed" if on_gpu else "32-true"
 
 
+def under_submitit() -> bool:
+    """True inside a job submitted by hydra/launcher=slurm (submitit owns requeueing there)."""
+    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+
+
+def build_plugins(cfg: TrainConfig) -> list[Any]:
+    """Atomic single-file checkpoints, and Slurm: Lightning's SLURMEnvironment when running under srun.
+
+    In the sbatch path Lightning handles the warning signal (SIGUSR1): it saves run.dir/hpc_ckpt_N.ckpt
+    and runs `scontrol requeue`. Under submitit, submitit requeues (SubmititPreemption saves first).
+    """
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    from framework.checkpointing import AtomicCheckpointIO
+
+    plugins: list[Any] = [AtomicCheckpointIO()]
+    if SLURMEnvironment.detect():
+        plugins.append(SLURMEnvironment(auto_requeue=not under_submitit(), requeue_signal=signal.SIGUSR1))
+    return plugins
+
+
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
+    from framework.strategy import build_strategy
+
     t = cfg.trainer
+    if under_submitit():
+        from framework.checkpointing import SubmititPreemption
+
+        callbacks = [*callbacks, SubmititPreemption()]
     return pl.Trainer(
+        strategy=build_strategy(cfg.strategy, t.accelerator),
+        plugins=build_plugins(cfg),
         max_steps=t.max_steps,
         devices=t.devices,
         num_nodes=t.num_nodes,
@@ -86,12 +120,19 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
 def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     if cfg.resume in (None, "", "null"):
         return None
+    from framework.checkpointing import find_resumable, is_sharded
+
     if cfg.resume == "auto":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        return str(last) if last.exists() else None
-    if not Path(cfg.resume).exists():
+        found = find_resumable(run_dir)  # newest of checkpoints/last.ckpt and Slurm's hpc_ckpt_*.ckpt
+        path = str(found) if found else None
+    elif not Path(cfg.resume).exists():
         raise FileNotFoundError(f"resume={cfg.resume} does not exist; give a checkpoint path, auto or null")
-    return cfg.resume
+    else:
+        path = cfg.resume
+    if path and is_sharded(path) and cfg.strategy.name != "fsdp":
+        raise ValueError(f"resume: {path} is a sharded (fsdp) checkpoint folder; resume it with strategy=fsdp "
+                         "(any number of devices, 1 included), or convert the weights with framework.export")
+    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,6 +157,7 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
         seed=cfg.seed,
         skip_nonfinite=cfg.trainer.skip_nonfinite,
         config=OmegaConf.to_container(dcfg, resolve=True),
+        strategy=cfg.strategy,
     )
     if cfg.init_from:
         from framework.models import load_weights

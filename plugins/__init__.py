@@ -1,0 +1,2 @@
+"""LatentForge plugins. Importing this package registers every plugin and plugin optimizer with the
+framework (framework/registry.py, framework/optim.py); one plugin per module."""

@@ -180,7 +180,6 @@ def test_two_ranks_read_disjoint_cover(digits_shards, tmp_path):
 
 def test_loader_state_resumes_at_same_sample(digits_shards, tmp_path):
     dm = module(digits_shards, tmp_path, "a", batch_size=32)
-    it = iter(dm.train_dataloader())
     loader = dm.train_dataloader()
     it = iter(loader)
     for _ in range(5):

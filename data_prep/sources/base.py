@@ -6,13 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-
 # ---------------------------------------------------------------------------------------------
 # Records
 # ---------------------------------------------------------------------------------------------
 
-ImageLike = "bytes | str | Path | np.ndarray"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 

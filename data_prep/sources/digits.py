@@ -21,7 +21,7 @@ MAX_VALUE = 16  # load_digits pixel range is 0..16
 _PHRASINGS = [
     "a handwritten {d}",
     "the digit {w}",
-    "a {w} written by hand",
+    "{a} {w} written by hand",
     "the number {d}, handwritten",
     "a drawing of the digit {w}",
 ]
@@ -31,7 +31,8 @@ def digit_captions(d: int) -> list[str]:
     """Every caption phrasing for digit `d` (0..9)."""
     if not 0 <= d <= 9:
         raise ValueError(f"digit must be in 0..9, got {d}")
-    return [p.format(d=d, w=DIGIT_WORDS[d]) for p in _PHRASINGS]
+    w = DIGIT_WORDS[d]
+    return [p.format(d=d, w=w, a="an" if w[0] in "aeiou" else "a") for p in _PHRASINGS]
 
 
 def load_digits(split: str = "train") -> tuple[np.ndarray, np.ndarray]:

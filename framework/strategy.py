@@ -1,0 +1,188 @@
+"""How the model is spread over devices: `strategy=single|ddp|fsdp`.
+
+single and ddp are Lightning's own strategies. fsdp is FSDP2 (`fully_shard`) applied in
+DiffusionModule.configure_model through Lightning's ModelParallelStrategy on a 1-D data-parallel
+mesh over every device of every node: each backbone block is one FSDP unit, then the root.
+
+    SHARD_GRAD_OP  reshard_after_forward=False: a block's parameters stay gathered from its forward
+                   to its backward (no second all-gather); gradients and optimizer state are sharded.
+    FULL_SHARD     reshard_after_forward=True: parameters are freed after each block's forward and
+                   gathered again in backward (one more all-gather per block, lowest memory).
+
+Lightning writes a sharded (torch.distributed.checkpoint) folder; the gap it leaves is atomicity:
+AtomicModelParallelStrategy writes the folder under a temporary name and swaps it in, so a job
+killed mid-save keeps its last good checkpoint. `sharded_memory_report` measures what each rank
+holds, from the real sharded tensors of a meta-device model on a fake process group.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from torch import nn
+
+from framework.models import Denoiser
+
+# --------------------------------------------------------------------------------------------
+# Units: what becomes one FSDP unit / one activation-checkpointed piece
+# --------------------------------------------------------------------------------------------
+
+
+def shard_units(denoiser: Denoiser) -> list[nn.Module]:
+    """The backbone's blocks in forward order (the unet: its down, mid and up blocks)."""
+    if denoiser.cfg.family == "unet":
+        net = denoiser.net
+        return [*net.down_blocks, *([net.mid_block] if net.mid_block is not None else []), *net.up_blocks]
+    from framework.blocks import blocks
+
+    return list(blocks(denoiser))
+
+
+def prepare_blocks(denoiser: Denoiser, activation_checkpointing: bool, compile: bool) -> None:
+    """Activation checkpointing and torch.compile per block (both before any sharding).
+
+    diffusers already recomputes each block in backward when gradient checkpointing is on (and
+    keeps parameter names unchanged, so checkpoints stay loadable without it). `Module.compile`
+    compiles in place, so state-dict keys keep no `_orig_mod` prefix either.
+    """
+    if activation_checkpointing:
+        denoiser.net.enable_gradient_checkpointing()
+    if compile:
+        for unit in shard_units(denoiser):
+            unit.compile()
+
+
+def shard(denoiser: Denoiser, mesh: Any, sharding: str, mixed_precision: bool) -> Denoiser:
+    """fully_shard every block, then the root, on the 1-D data-parallel `mesh` (in place)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding == "FULL_SHARD"}
+    if mixed_precision:
+        # Gradients are reduced in fp32 so that summing many ranks' bf16 gradients loses nothing.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in shard_units(denoiser):
+        fully_shard(unit, **kwargs)
+    fully_shard(denoiser, **kwargs)
+    return denoiser
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning strategies
+# --------------------------------------------------------------------------------------------
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """ModelParallelStrategy on a pure data-parallel mesh, with swap-in-place sharded checkpoints."""
+
+    def __init__(self, sharding: str, mixed_precision: bool, sharded_checkpoint: bool = True) -> None:
+        super().__init__(save_distributed_checkpoint=sharded_checkpoint)
+        self.sharding, self.mixed_precision = sharding, mixed_precision
+
+    def setup_environment(self) -> None:
+        # All ranks of all nodes form one data-parallel dimension (no tensor parallelism).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # Write <name>.tmp, then swap: the last good folder survives a kill at any moment
+        # (during the swap it is <name>.old, which find_resumable also accepts).
+        path = Path(self.broadcast(str(filepath)))
+        tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        self.barrier()
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            swap_in(tmp, path, old)
+        self.barrier()
+
+
+def swap_in(tmp: Path, path: Path, old: Path) -> None:
+    """Replace `path` (a file or folder) by `tmp`, keeping the previous one as `old` until done."""
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    if old.exists():
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def build_strategy(cfg: Any, accelerator: str) -> Strategy | str:
+    """The Lightning strategy for `strategy.name` (cfg: StrategyConfig)."""
+    if cfg.name == "single":
+        return "auto"
+    if cfg.name == "ddp":
+        # Frozen parameters (requires_grad=False) are skipped by DDP's reducer, so no unused-parameter search.
+        return DDPStrategy(find_unused_parameters=False)
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return FSDPStrategy(cfg.sharding, mixed_precision=cfg.mixed_precision and on_gpu, sharded_checkpoint=cfg.sharded_checkpoint)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory per rank, measured on the real sharded tensors
+# --------------------------------------------------------------------------------------------
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def sharded_memory_report(model_cfg: Any, world_size: int, sharding: str = "SHARD_GRAD_OP",
+                          param_bytes: int = 4, optimizer_states: int = 2, compute_bytes: int = 2) -> dict[str, Any]:
+    """Bytes per rank of parameters, gradients and AdamW state for `model_cfg` (a ModelConfig).
+
+    world_size 1 is the unsharded model. Otherwise the model is built on the meta device and
+    fully_shard'ed on a fake process group of `world_size` ranks in this one process; the numbers
+    are sums of each parameter's local shard (rank 0's, the largest under uneven splits).
+    `peak_gathered_params_bytes` is the extra memory for unsharded parameters held during a step
+    (in the `compute_bytes` dtype, bf16 under mixed precision): FULL_SHARD gathers one block at a
+    time (the largest block, doubled for prefetch of the next one); SHARD_GRAD_OP keeps every
+    block gathered from its forward to its backward, so at the forward/backward turn it holds them all.
+    """
+    import torch.distributed as dist
+
+    from framework.models import build_denoiser
+
+    with torch.device("meta"):
+        model = build_denoiser(model_cfg)
+    units = shard_units(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    full = sum(p.numel() for p in trainable)
+    unit_sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    if world_size > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shard(model, init_device_mesh("cpu", (world_size,)), sharding, mixed_precision=False)
+            local = sum(_local_numel(p) for p in model.parameters() if p.requires_grad)
+        finally:
+            dist.destroy_process_group()
+        if sharding == "FULL_SHARD":
+            gathered = 2 * max(unit_sizes) + (full - sum(unit_sizes))  # the root's own params stay gathered
+        else:
+            gathered = full
+    else:
+        local, gathered = full, 0
+    report = {
+        "model": getattr(model_cfg, "name", "?"), "world_size": world_size,
+        "sharding": sharding if world_size > 1 else "none", "params": full, "local_params": local,
+        "param_bytes": local * param_bytes, "grad_bytes": local * param_bytes,
+        "optimizer_bytes": local * 4 * optimizer_states,  # AdamW: exp_avg + exp_avg_sq in fp32
+        "peak_gathered_params_bytes": gathered * compute_bytes,
+    }
+    report["total_bytes"] = report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
+    return report

@@ -1,0 +1,422 @@
+"""CAME and CAME-8bit: confidence-guided, memory-efficient adaptive optimizers (`optimizer=came|came8bit`).
+
+CAME (Luo et al., ACL 2023, https://arxiv.org/abs/2307.02047) keeps Adafactor's factored second
+moment -- row and column moving averages, O(rows + cols) per matrix -- and replaces Adam's plain
+first-moment step with one scaled by a factored "confidence": the moving average of the
+instability (u - m)^2 between the current update u and its running mean m. SANA-1.5
+(https://arxiv.org/abs/2501.18427) also stores m in 8 bits, block-wise, for large matrices, which
+brings optimizer state to about 1 byte per parameter (AdamW: 8).
+
+Gap filled: torch has no CAME; came-pytorch (the test reference) has neither the 8-bit state nor
+FSDP2 support -- SANA's version breaks on DTensor parameters (Sana issue 260). Here, a parameter
+row-sharded by `fully_shard` keeps its row statistics local to the shard, while column statistics,
+mean(r) and the clipping RMS are summed over the shard group (3 small all-reduces per matrix), so
+2 ranks reproduce one process. States that follow the rows are DTensors like the parameter, so
+torch.distributed.checkpoint saves each rank's piece.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from framework.optim import OPTIMIZER_CHECKS, OPTIMIZERS, OptimizerConfig
+from plugins.quant8 import dequantize_blocks, quantize_blocks
+
+# --------------------------------------------------------------------------------------------
+# Sharding: which rows of a parameter this process holds and whom to sum with
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Shard:
+    """How a parameter is spread: `rows` of dim 0 in total, summed over `groups` (empty: one process)."""
+
+    rows: int
+    groups: tuple
+    world: int
+    param: torch.Tensor
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a small local tensor over the shards holding the other rows (no-op on one process)."""
+        for g in self.groups:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g)
+        return t
+
+    def row_means(self, x: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Means over all rows: of x (rows_l, C) -> (C,), and of row (rows_l,) -> scalar."""
+        if not self.groups:  # torch's own means: bit-identical to the reference implementation
+            return x.mean(dim=0), row.mean()
+        # One all-reduce for both: the column sums of x and the sum of row.
+        sums = self.sum(torch.cat([x.sum(dim=0), row.sum().reshape(1)]))  # (C + 1,)
+        return sums[:-1] / self.rows, sums[-1] / self.rows
+
+    def norm(self, u: torch.Tensor) -> torch.Tensor:
+        """The 2-norm of the whole parameter-shaped u from this shard's piece."""
+        if not self.groups:
+            return u.norm(2)
+        return self.sum((u * u).sum()).sqrt()
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, sharded: bool) -> torch.Tensor:
+        """A state tensor: sharded on dim 0 like the parameter (a DTensor), or the same on every rank."""
+        p = self.param
+        if not isinstance(p, DTensor) or not sharded:
+            return torch.zeros(shape, dtype=dtype, device=_local(p).device)
+        # Shard(0) splits dim 0 like torch.chunk, as fully_shard does, so row states line up with rows.
+        return torch.distributed.tensor.zeros(shape, dtype=dtype, device_mesh=p.device_mesh, placements=p.placements)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's piece of t (t itself unless it is a DTensor); in-place ops on it update t."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_of(p: torch.Tensor) -> _Shard:
+    rows = p.shape[0] if p.dim() else 1
+    if not isinstance(p, DTensor):
+        return _Shard(rows, (), 1, p)
+    groups, world = [], 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard(0):
+            groups.append(p.device_mesh.get_group(dim))
+            world *= p.device_mesh.size(dim)
+        elif not placement.is_replicate():
+            raise ValueError(
+                f"CAME supports parameters that are replicated or sharded on dim 0 (FSDP2 fully_shard);"
+                f" got placements {p.placements}. Shard the model with fully_shard or use optimizer=adamw."
+            )
+    return _Shard(rows, tuple(groups), world, p)
+
+
+# --------------------------------------------------------------------------------------------
+# State layout: one function decides every state tensor, for the optimizer and the benchmark
+# --------------------------------------------------------------------------------------------
+
+F32, U8 = torch.float32, torch.uint8
+
+
+def is_factored(shape: Iterable[int]) -> bool:
+    """2-D weights and 1x1 convolutions (viewed as out x in) get factored statistics.
+
+    Other tensors (biases, norms, k x k convolutions) keep a full second moment: factoring a kernel
+    over its spatial taps, as came-pytorch does for any >= 2-D tensor, has no meaning, and they are small.
+    """
+    shape = tuple(shape)
+    return len(shape) == 2 or (len(shape) == 4 and shape[2:] == (1, 1))
+
+
+def is_8bit(shape: Iterable[int], min_8bit_size: int) -> bool:
+    """Whether CAME-8bit keeps this parameter's first moment in 8 bits."""
+    return is_factored(shape) and math.prod(shape) > min_8bit_size
+
+
+def state_shapes(
+    shape: Iterable[int], *, quantize: bool, block_size: int, min_8bit_size: int, shard_world: int = 1
+) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]]:
+    """name -> (global shape, dtype, sharded on dim 0 like the parameter) of each state tensor.
+
+    The 8-bit blocks follow each rank's local shard; every rank gets as many blocks as the largest
+    shard needs, so the block tensors shard evenly (shard_world ranks of `nb` blocks each).
+    """
+    shape = tuple(shape)
+    if not is_factored(shape):
+        return {"exp_avg": (shape, F32, True), "exp_avg_sq": (shape, F32, True)}
+    rows, cols = shape[0], math.prod(shape[1:])
+    out = {
+        "exp_avg_sq_row": ((rows,), F32, True),
+        "exp_avg_sq_col": ((cols,), F32, False),
+        "exp_avg_res_row": ((rows,), F32, True),
+        "exp_avg_res_col": ((cols,), F32, False),
+    }
+    if quantize and is_8bit(shape, min_8bit_size):
+        nb = math.ceil(math.ceil(rows / shard_world) * cols / block_size)  # blocks per rank
+        out["exp_avg_q"] = ((shard_world * nb, block_size), U8, True)
+        out["exp_avg_min"] = ((shard_world * nb,), F32, True)
+        out["exp_avg_scale"] = ((shard_world * nb,), F32, True)
+    else:
+        out["exp_avg"] = (shape, F32, True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The update, piece by piece (all on this process's rows; `shard.sum` completes the reductions)
+# --------------------------------------------------------------------------------------------
+
+
+def _factored_rsqrt(
+    x: torch.Tensor, row: torch.Tensor, col: torch.Tensor, beta: float, shard: _Shard
+) -> torch.Tensor:
+    """Update the row/column averages of x (rows_l, C) and return 1/sqrt(r c^T / mean(r)) (rows_l, C)."""
+    row_l = _local(row)  # (rows_l,)
+    row_l.mul_(beta).add_(x.mean(dim=1), alpha=1 - beta)
+    col_mean, row_mean = shard.row_means(x, row_l)  # (C,), ()
+    col.mul_(beta).add_(col_mean, alpha=1 - beta)
+    return (row_l / row_mean).rsqrt_().unsqueeze(1) * col.rsqrt().unsqueeze(0)  # (rows_l, C)
+
+
+def _clip_by_rms(u: torch.Tensor, threshold: float, numel: int, shard: _Shard) -> torch.Tensor:
+    """Scale u down so that its RMS over the whole parameter is at most `threshold` (in place)."""
+    rms = shard.norm(u) / numel**0.5
+    return u.div_((rms / threshold).clamp_(min=1.0))
+
+
+def _read_exp_avg(state: dict[str, Any], shape: torch.Size) -> torch.Tensor:
+    """The first moment of this shard in fp32, (rows_l, C) or the parameter's local shape."""
+    if "exp_avg_q" in state:  # 8-bit: a fresh fp32 copy of this one parameter only
+        n = math.prod(shape)
+        return dequantize_blocks(*(_local(state[k]) for k in ("exp_avg_q", "exp_avg_min", "exp_avg_scale")), n).view(shape)
+    return _local(state["exp_avg"]).view(shape)  # fp32: the state itself, updated in place
+
+
+def _write_exp_avg(state: dict[str, Any], m: torch.Tensor) -> None:
+    if "exp_avg_q" in state:
+        quantize_blocks(m.reshape(-1), *(_local(state[k]) for k in ("exp_avg_q", "exp_avg_min", "exp_avg_scale")))
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizer
+# --------------------------------------------------------------------------------------------
+
+
+class CAME(torch.optim.Optimizer):
+    """CAME (quantize=False) or CAME-8bit (quantize=True); every argument may be set per parameter group."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-4,
+        betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+        eps: tuple[float, float] = (1e-30, 1e-16),
+        clip_threshold: float = 1.0,
+        weight_decay: float = 0.0,
+        quantize: bool = False,
+        block_size: int = 2048,
+        min_8bit_size: int = 16384,
+    ) -> None:
+        if lr <= 0:
+            raise ValueError(f"CAME lr={lr} must be > 0")
+        if len(betas) != 3 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"CAME betas={betas}: expected 3 values in [0, 1) (update, squared gradient, instability)")
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=tuple(eps), clip_threshold=clip_threshold, weight_decay=weight_decay,
+            quantize=quantize, block_size=block_size, min_8bit_size=min_8bit_size,
+        )
+        super().__init__(params, defaults)
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any], shard: _Shard) -> None:
+        shapes = state_shapes(
+            p.shape, quantize=group["quantize"], block_size=group["block_size"],
+            min_8bit_size=group["min_8bit_size"], shard_world=shard.world,
+        )
+        for name, (shape, dtype, sharded) in shapes.items():
+            self.state[p][name] = shard.zeros(shape, dtype, sharded)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 (torch's signature)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # One parameter at a time: at most one fp32 copy of one 8-bit first moment exists at once.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        if p.grad.is_sparse:
+            raise RuntimeError("CAME does not support sparse gradients")
+        shard = _shard_of(p)
+        state = self.state[p]
+        if not state:
+            self._init_state(p, group, shard)
+        beta1, beta2, beta3 = group["betas"]
+        eps1, eps2 = group["eps"]
+        factored = is_factored(p.shape)
+
+        g = _local(p.grad).to(torch.float32)
+        if factored:
+            g = g.reshape(g.shape[0], math.prod(p.shape[1:]))  # (rows_l, C): a 1x1 conv squeezed to out x in
+        # Second moment -> the normalised update u = g / sqrt(V), clipped by its RMS.
+        if factored:
+            u = _factored_rsqrt(g * g + eps1, state["exp_avg_sq_row"], state["exp_avg_sq_col"], beta2, shard).mul_(g)
+        else:
+            v = _local(state["exp_avg_sq"])
+            v.mul_(beta2).add_(g * g + eps1, alpha=1 - beta2)
+            u = v.rsqrt().mul_(g)
+        _clip_by_rms(u, group["clip_threshold"], p.numel(), shard)
+
+        # First moment m of the clipped update; matrices step with m / sqrt(S), S the instability average.
+        m = _read_exp_avg(state, u.shape)
+        m.mul_(beta1).add_(u, alpha=1 - beta1)
+        if factored:
+            res = (u - m).square_().add_(eps2)
+            step = _factored_rsqrt(res, state["exp_avg_res_row"], state["exp_avg_res_col"], beta3, shard).mul_(m)
+        else:
+            step = m
+        _write_exp_avg(state, m)
+
+        w = _local(p)
+        w32 = w if w.dtype == torch.float32 else w.float()  # low-precision weights update in fp32
+        if group["weight_decay"] != 0:  # decoupled, as in AdamW
+            w32.add_(w32, alpha=-group["weight_decay"] * group["lr"])
+        w32.sub_(step.view_as(w32) * group["lr"])
+        if w32 is not w:
+            w.copy_(w32)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts floating state to the parameter's dtype; CAME's statistics stay fp32 regardless.
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.is_floating_point() and v.dtype != F32:
+                    state[k] = v.to(F32)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration with the framework's optimizer group
+# --------------------------------------------------------------------------------------------
+
+
+def build_came(params: Iterable, cfg: OptimizerConfig, quantize: bool = False) -> CAME:
+    """CAME from the `optimizer` config group (came8bit: quantize=True)."""
+    return CAME(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=tuple(cfg.came_eps), clip_threshold=cfg.clip_threshold,
+        weight_decay=cfg.weight_decay, quantize=quantize, block_size=cfg.block_size,
+        min_8bit_size=cfg.min_8bit_size,
+    )
+
+
+def check_came_config(cfg: OptimizerConfig) -> None:
+    """Start-up checks of the fields CAME reads."""
+    if len(cfg.betas) != 3 or not all(0.0 <= b < 1.0 for b in cfg.betas):
+        raise ValueError(
+            f"optimizer.betas={list(cfg.betas)}: {cfg.name} needs 3 rates in [0, 1) for the update, the squared"
+            f" gradient and the instability, e.g. optimizer.betas=[0.9,0.999,0.9999]"
+        )
+    if len(cfg.came_eps) != 2 or min(cfg.came_eps) < 0:
+        raise ValueError(f"optimizer.came_eps={list(cfg.came_eps)}: expected 2 values >= 0, e.g. [1e-30,1e-16]")
+    if cfg.clip_threshold <= 0:
+        raise ValueError(f"optimizer.clip_threshold={cfg.clip_threshold} must be > 0 (CAME's default is 1.0)")
+    if cfg.block_size <= 0:
+        raise ValueError(f"optimizer.block_size={cfg.block_size} must be > 0 (SANA-1.5 uses 2048)")
+    if cfg.min_8bit_size < 0:
+        raise ValueError(f"optimizer.min_8bit_size={cfg.min_8bit_size} must be >= 0")
+
+
+OPTIMIZERS["came"] = build_came
+OPTIMIZERS["came8bit"] = lambda params, cfg: build_came(params, cfg, quantize=True)
+OPTIMIZER_CHECKS["came"] = OPTIMIZER_CHECKS["came8bit"] = check_came_config
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark: `python -m framework.bench optimizer` calls optimizer_state_report
+# --------------------------------------------------------------------------------------------
+
+BENCH_OPTIMIZERS = ("adamw", "came", "came8bit")
+
+
+def _bench_config(name: str) -> OptimizerConfig:
+    return OptimizerConfig(name=name, betas=[0.9, 0.999] if name == "adamw" else [0.9, 0.999, 0.9999])
+
+
+def _state_bytes_per_param(preset: str) -> dict[str, Any]:
+    """Bytes of optimizer state per parameter, from the tensors each optimizer really allocates.
+
+    The model is built on the meta device (no memory, so the 1.6B SANA fits anywhere) and every
+    optimizer takes one step on zero gradients, which allocates its state as meta tensors.
+    """
+    from framework.models import build_denoiser, load_preset
+
+    with torch.device("meta"):
+        net = build_denoiser(load_preset(preset))
+    params = [p for p in net.parameters() if p.requires_grad]
+    eligible = {p for p in params if is_8bit(p.shape, _bench_config("came8bit").min_8bit_size)}
+    n_all, n_elig = sum(p.numel() for p in params), sum(p.numel() for p in eligible)
+    row: dict[str, Any] = {"preset": preset, "params": n_all, "eligible_params": n_elig}
+    for name in BENCH_OPTIMIZERS:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = OPTIMIZERS[name](params, _bench_config(name))
+        opt.step()
+        nbytes = {p: sum(v.numel() * v.element_size() for v in opt.state[p].values() if torch.is_tensor(v)) for p in params}
+        row[name] = {
+            "bytes_per_param": sum(nbytes.values()) / n_all,
+            "bytes_per_eligible_param": sum(nbytes[p] for p in eligible) / max(n_elig, 1),
+        }
+        del opt
+    for name in ("came", "came8bit"):
+        row[name]["fraction_of_adamw"] = row[name]["bytes_per_param"] / row["adamw"]["bytes_per_param"]
+    return row
+
+
+def _step_seconds(preset: str, steps: int) -> dict[str, float]:
+    """Mean CPU seconds per optimizer step of each optimizer on a real (debug) model with fixed gradients."""
+    import time
+
+    from framework.models import build_denoiser, load_preset
+
+    torch.manual_seed(0)
+    net = build_denoiser(load_preset(preset))
+    params = [p for p in net.parameters() if p.requires_grad]
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    out = {}
+    for name in BENCH_OPTIMIZERS:
+        opt = OPTIMIZERS[name](params, _bench_config(name))
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()  # allocate state outside the timing
+        start = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        out[name] = (time.perf_counter() - start) / steps
+    out["quantized_param_fraction"] = sum(p.numel() for p in params if is_8bit(p.shape, 16384)) / sum(
+        p.numel() for p in params
+    )
+    return out
+
+
+def optimizer_state_report(
+    presets: Iterable[str] = ("pixart_xl_2_256", "sana_1600m_1024"),
+    timing_preset: str = "pixart_debug",
+    timing_steps: int = 20,
+    out: str | None = None,
+) -> dict[str, Any]:
+    """State bytes per parameter (AdamW fp32, CAME, CAME-8bit) per preset and the CPU step-time ratios."""
+    import json
+
+    timing = _step_seconds(timing_preset, timing_steps)
+    report = {
+        "state": [_state_bytes_per_param(p) for p in presets],
+        "step_time": {"preset": timing_preset, "steps": timing_steps, "device": "cpu", **timing,
+                      "came_over_adamw": timing["came"] / timing["adamw"],
+                      "came8bit_over_adamw": timing["came8bit"] / timing["adamw"]},
+    }
+    if out is not None:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def format_optimizer_report(report: dict[str, Any]) -> str:
+    """The report as a plain-text table."""
+    lines = [f"{'preset':<18}{'optimizer':<10}{'B/param (all)':>15}{'B/param (8-bit eligible)':>26}{'vs AdamW':>10}"]
+    for row in report["state"]:
+        for name in BENCH_OPTIMIZERS:
+            r = row[name]
+            frac = r.get("fraction_of_adamw", 1.0)
+            lines.append(f"{row['preset']:<18}{name:<10}{r['bytes_per_param']:>15.3f}"
+                         f"{r['bytes_per_eligible_param']:>26.3f}{'1/' + format(1 / frac, '.1f'):>10}")
+    t = report["step_time"]
+    lines.append(f"step time on {t['device']} ({t['preset']}, {t['steps']} steps): adamw {t['adamw'] * 1e3:.1f} ms,"
+                 f" came {t['came'] * 1e3:.1f} ms, came8bit {t['came8bit'] * 1e3:.1f} ms;"
+                 f" came8bit/adamw = {t['came8bit_over_adamw']:.2f}"
+                 f" ({t['quantized_param_fraction']:.0%} of the parameters in 8 bits)")
+    return "\n".join(lines)
+

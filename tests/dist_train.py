@@ -1,0 +1,67 @@
+"""`python -m tests.dist_train [train overrides]`: framework.train plus a probe callback, for 2-process tests.
+
+Lightning's launcher re-runs this same command for the other ranks, so every rank gets the probe.
+Each rank writes run.dir/probe_rank<r>.json: the sample keys of each step's batch and, after the
+last step, every parameter's type (DTensor or not), local/global shape, whether it trains, has a
+gradient and has optimizer state. PROBE_FREEZE=<prefix> freezes the parameters whose name starts
+with it before the model is sharded (a stage that trains only some parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from framework import train as train_lib
+
+
+class Probe(pl.Callback):
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.keys = run_dir, {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        prefix = os.environ.get("PROBE_FREEZE")
+        if prefix:
+            for name, p in pl_module.model.named_parameters():
+                if name.startswith(prefix):
+                    p.requires_grad_(False)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        self.keys[trainer.global_step] = list(batch["key"])
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # After backward (parameters resharded, gradients present), before the step; state from earlier steps.
+        from torch.distributed.tensor import DTensor
+
+        state = optimizer.state
+        self.params = {
+            name: {"dtensor": isinstance(p, DTensor), "local_shape": list(p.to_local().shape if isinstance(p, DTensor) else p.shape),
+                   "shape": list(p.shape), "trains": p.requires_grad, "grad": p.grad is not None,
+                   "optimizer_state": bool(state.get(p))}
+            for name, p in pl_module.model.named_parameters()
+        }
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        out = {"world_size": trainer.world_size, "keys": self.keys, "params": getattr(self, "params", {})}
+        (self.run_dir / f"probe_rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+_build_callbacks = train_lib.build_callbacks
+
+
+def build_callbacks(cfg: Any, run_dir: Path) -> list[pl.Callback]:
+    return [*_build_callbacks(cfg, run_dir), Probe(run_dir)]
+
+
+train_lib.build_callbacks = build_callbacks
+
+if __name__ == "__main__":
+    import hydra
+
+    # framework.train's config_path is relative to its own file; from this module give it absolutely.
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    hydra.main(version_base="1.3", config_path=conf, config_name="config")(train_lib.main.__wrapped__)()
