@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,9 @@ class SampleGrid(pl.Callback):
         was_training = pl_module.training
         pl_module.eval()
         try:
-            images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels)
+            # A plugin that averages weights (plugins/ema.py) sets `averaged_weights`: grids show the average.
+            with getattr(pl_module, "averaged_weights", nullcontext)():
+                images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels)
         finally:
             pl_module.train(was_training)
         if trainer.global_rank != 0:

@@ -40,6 +40,23 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(tmp, path)
 
 
+class FinalCheckpoint(pl.Callback):
+    """Write checkpoints/last.ckpt when training ends, unless ModelCheckpoint just did at this step.
+
+    Saved in on_train_end, while the fit loop still holds the data loader: after `fit` returns, a
+    multi-rank StreamingDataLoader reports 0 samples seen and the checkpoint would restart the data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        mc = trainer.checkpoint_callback
+        if mc is not None and getattr(mc, "_last_global_step_saved", -1) == trainer.global_step and _complete(self.path):
+            return
+        trainer.save_checkpoint(self.path)
+
+
 # --------------------------------------------------------------------------------------------
 # resume=auto
 # --------------------------------------------------------------------------------------------

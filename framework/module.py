@@ -188,11 +188,12 @@ class DiffusionModule(pl.LightningModule):
     # ---- checkpoints --------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CKPT_KEY] = {
+        # update, not replace: callbacks' on_save_checkpoint ran first (plugins/ema.py adds ema_state).
+        checkpoint.setdefault(CKPT_KEY, {}).update({
             "config": self.config,
             "dataset": self.dataset_info,
             "empty_text": None if self.empty_text is None else self.empty_text.cpu(),
-        }
+        })
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         extra = checkpoint.get(CKPT_KEY, {})

@@ -23,13 +23,17 @@ from framework.objectives import Objective, ObjectiveConfig, sample_latents
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a single-file Lightning checkpoint of ours (weights_only: no pickled code runs)."""
+    """Load a Lightning checkpoint of ours: one file, or a sharded (fsdp) folder gathered into one dict."""
+    from framework.checkpointing import is_sharded, read_sharded
     from framework.module import CKPT_KEY
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt={path} does not exist")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if path.is_dir() and not is_sharded(path):
+        raise ValueError(f"ckpt={path} is a folder but not a sharded checkpoint (no meta.pt and .metadata)")
+    # weights_only: no pickled code runs.
+    ckpt = read_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True)
     if CKPT_KEY not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"ckpt={path} is not a LatentForge training checkpoint (no '{CKPT_KEY}' entry)")
     return ckpt

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,10 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
     from framework.strategy import build_strategy
 
+    from framework.checkpointing import FinalCheckpoint
+
     t = cfg.trainer
+    callbacks = [*callbacks, FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt")]
     if under_submitit():
         from framework.checkpointing import SubmititPreemption
 
@@ -166,9 +170,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
     callbacks = build_callbacks(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir, callbacks)
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir))
-    # Checkpoints land every N steps; the final weights are always written too.
+    # Checkpoints land every N steps; FinalCheckpoint (added by build_trainer) writes the final state too.
     last = run_dir / "checkpoints" / "last.ckpt"
-    trainer.save_checkpoint(last)
 
     written: dict[str, Any] = {"run_dir": str(run_dir), "config": str(run_dir / "config.yaml"), "checkpoint": str(last)}
     grids = next(cb for cb in callbacks if isinstance(cb, SampleGrid)).paths
@@ -190,7 +193,9 @@ def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path) -> dict
     module.eval()
     pipe = Pipeline(module.model, module.objective, module.empty_text, module.dataset_info, module.device)
     e = cfg.eval
-    metrics = evaluate_digits(pipe, e.seeds, e.phrasings, e.steps, e.guidance, e.sampler, e.batch_size, run_dir / "eval" / "judged.png")
+    # The averaged weights when a plugin keeps them (plugins/ema.py), like framework.eval on the checkpoint.
+    with getattr(module, "averaged_weights", nullcontext)():
+        metrics = evaluate_digits(pipe, e.seeds, e.phrasings, e.steps, e.guidance, e.sampler, e.batch_size, run_dir / "eval" / "judged.png")
     (run_dir / "eval" / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 

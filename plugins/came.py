@@ -18,7 +18,7 @@ torch.distributed.checkpoint saves each rank's piece.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -165,17 +165,21 @@ def _clip_by_rms(u: torch.Tensor, threshold: float, numel: int, shard: _Shard) -
     return u.div_((rms / threshold).clamp_(min=1.0))
 
 
+_QUANT_KEYS = ("exp_avg_q", "exp_avg_min", "exp_avg_scale")  # uint8 codes, fp32 block minimum and scale
+
+
 def _read_exp_avg(state: dict[str, Any], shape: torch.Size) -> torch.Tensor:
     """The first moment of this shard in fp32, (rows_l, C) or the parameter's local shape."""
     if "exp_avg_q" in state:  # 8-bit: a fresh fp32 copy of this one parameter only
         n = math.prod(shape)
-        return dequantize_blocks(*(_local(state[k]) for k in ("exp_avg_q", "exp_avg_min", "exp_avg_scale")), n).view(shape)
+        codes, lo, scale = (_local(state[k]) for k in _QUANT_KEYS)
+        return dequantize_blocks(codes, lo, scale, n).view(shape)
     return _local(state["exp_avg"]).view(shape)  # fp32: the state itself, updated in place
 
 
 def _write_exp_avg(state: dict[str, Any], m: torch.Tensor) -> None:
     if "exp_avg_q" in state:
-        quantize_blocks(m.reshape(-1), *(_local(state[k]) for k in ("exp_avg_q", "exp_avg_min", "exp_avg_scale")))
+        quantize_blocks(m.reshape(-1), *(_local(state[k]) for k in _QUANT_KEYS))
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,10 +249,10 @@ class CAME(torch.optim.Optimizer):
             g = g.reshape(g.shape[0], math.prod(p.shape[1:]))  # (rows_l, C): a 1x1 conv squeezed to out x in
         # Second moment -> the normalised update u = g / sqrt(V), clipped by its RMS.
         if factored:
-            u = _factored_rsqrt(g * g + eps1, state["exp_avg_sq_row"], state["exp_avg_sq_col"], beta2, shard).mul_(g)
+            u = _factored_rsqrt(g.square().add_(eps1), state["exp_avg_sq_row"], state["exp_avg_sq_col"], beta2, shard).mul_(g)
         else:
             v = _local(state["exp_avg_sq"])
-            v.mul_(beta2).add_(g * g + eps1, alpha=1 - beta2)
+            v.mul_(beta2).add_(g.square().add_(eps1), alpha=1 - beta2)
             u = v.rsqrt().mul_(g)
         _clip_by_rms(u, group["clip_threshold"], p.numel(), shard)
 
@@ -271,12 +275,16 @@ class CAME(torch.optim.Optimizer):
             w.copy_(w32)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts floating state to the parameter's dtype; CAME's statistics stay fp32 regardless.
+        # torch casts every state tensor to the parameter's dtype (uint8 codes, and fp32 statistics of
+        # bf16 weights, included); CAME's state keeps its saved dtypes, so put the saved tensors back.
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.is_floating_point() and v.dtype != F32:
-                    state[k] = v.to(F32)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for k, v in saved.get(i, {}).items():
+                if torch.is_tensor(v):
+                    self.state[p][k] = v.to(device=p.device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,7 +353,8 @@ def _state_bytes_per_param(preset: str) -> dict[str, Any]:
             p.grad = torch.zeros_like(p)
         opt = OPTIMIZERS[name](params, _bench_config(name))
         opt.step()
-        nbytes = {p: sum(v.numel() * v.element_size() for v in opt.state[p].values() if torch.is_tensor(v)) for p in params}
+        nbytes = {p: sum(v.numel() * v.element_size() for v in opt.state[p].values() if torch.is_tensor(v))
+                  for p in params}
         row[name] = {
             "bytes_per_param": sum(nbytes.values()) / n_all,
             "bytes_per_eligible_param": sum(nbytes[p] for p in eligible) / max(n_elig, 1),
@@ -357,7 +366,11 @@ def _state_bytes_per_param(preset: str) -> dict[str, Any]:
 
 
 def _step_seconds(preset: str, steps: int) -> dict[str, float]:
-    """Mean CPU seconds per optimizer step of each optimizer on a real (debug) model with fixed gradients."""
+    """Median CPU seconds per optimizer step on a real (debug) model with fixed gradients.
+
+    The optimizers take turns step by step, so a load change on a shared machine hits all of them.
+    """
+    import statistics
     import time
 
     from framework.models import build_denoiser, load_preset
@@ -365,20 +378,20 @@ def _step_seconds(preset: str, steps: int) -> dict[str, float]:
     torch.manual_seed(0)
     net = build_denoiser(load_preset(preset))
     params = [p for p in net.parameters() if p.requires_grad]
-    grads = [torch.randn_like(p) * 1e-3 for p in params]
-    out = {}
-    for name in BENCH_OPTIMIZERS:
-        opt = OPTIMIZERS[name](params, _bench_config(name))
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()  # allocate state outside the timing
-        start = time.perf_counter()
-        for _ in range(steps):
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opts = {name: OPTIMIZERS[name](params, _bench_config(name)) for name in BENCH_OPTIMIZERS}
+    times: dict[str, list[float]] = {name: [] for name in opts}
+    for i in range(steps + 1):
+        for name, opt in opts.items():
+            start = time.perf_counter()
             opt.step()
-        out[name] = (time.perf_counter() - start) / steps
-    out["quantized_param_fraction"] = sum(p.numel() for p in params if is_8bit(p.shape, 16384)) / sum(
-        p.numel() for p in params
-    )
+            if i > 0:  # the first step allocates the state
+                times[name].append(time.perf_counter() - start)
+    out = {name: statistics.median(t) for name, t in times.items()}
+    min_8bit = _bench_config("came8bit").min_8bit_size
+    eligible = sum(p.numel() for p in params if is_8bit(p.shape, min_8bit))
+    out["quantized_param_fraction"] = eligible / sum(p.numel() for p in params)
     return out
 
 
@@ -386,37 +399,57 @@ def optimizer_state_report(
     presets: Iterable[str] = ("pixart_xl_2_256", "sana_1600m_1024"),
     timing_preset: str = "pixart_debug",
     timing_steps: int = 20,
-    out: str | None = None,
 ) -> dict[str, Any]:
     """State bytes per parameter (AdamW fp32, CAME, CAME-8bit) per preset and the CPU step-time ratios."""
-    import json
-
     timing = _step_seconds(timing_preset, timing_steps)
-    report = {
+    return {
         "state": [_state_bytes_per_param(p) for p in presets],
         "step_time": {"preset": timing_preset, "steps": timing_steps, "device": "cpu", **timing,
                       "came_over_adamw": timing["came"] / timing["adamw"],
                       "came8bit_over_adamw": timing["came8bit"] / timing["adamw"]},
     }
-    if out is not None:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
 
 
-def format_optimizer_report(report: dict[str, Any]) -> str:
-    """The report as a plain-text table."""
-    lines = [f"{'preset':<18}{'optimizer':<10}{'B/param (all)':>15}{'B/param (8-bit eligible)':>26}{'vs AdamW':>10}"]
-    for row in report["state"]:
-        for name in BENCH_OPTIMIZERS:
-            r = row[name]
-            frac = r.get("fraction_of_adamw", 1.0)
-            lines.append(f"{row['preset']:<18}{name:<10}{r['bytes_per_param']:>15.3f}"
-                         f"{r['bytes_per_eligible_param']:>26.3f}{'1/' + format(1 / frac, '.1f'):>10}")
+@dataclass
+class OptimizerBench:
+    """Arguments of `python -m framework.bench optimizer`."""
+
+    presets: list[str] = field(default_factory=lambda: ["pixart_xl_2_256", "sana_1600m_1024"])
+    """Presets whose optimizer state is measured (built on the meta device: any size works)."""
+    timing_preset: str = "pixart_debug"
+    """Preset whose optimizer step is timed on the CPU."""
+    timing_steps: int = 20
+    """Timed steps per optimizer."""
+    out: str = "bench_optimizer.json"
+    """JSON rows."""
+
+
+def bench_optimizer(cfg: OptimizerBench) -> list[dict[str, Any]]:
+    """One row per preset and optimizer: state bytes per parameter, and CPU step time on timing_preset."""
+    from framework.bench import print_table
+
+    report = optimizer_state_report(cfg.presets, cfg.timing_preset, cfg.timing_steps)
     t = report["step_time"]
-    lines.append(f"step time on {t['device']} ({t['preset']}, {t['steps']} steps): adamw {t['adamw'] * 1e3:.1f} ms,"
-                 f" came {t['came'] * 1e3:.1f} ms, came8bit {t['came8bit'] * 1e3:.1f} ms;"
-                 f" came8bit/adamw = {t['came8bit_over_adamw']:.2f}"
-                 f" ({t['quantized_param_fraction']:.0%} of the parameters in 8 bits)")
-    return "\n".join(lines)
+    rows = []
+    for r in report["state"]:
+        for name in BENCH_OPTIMIZERS:
+            rows.append({"preset": r["preset"], "optimizer": name, "bytes_per_param": r[name]["bytes_per_param"],
+                         "bytes_per_eligible_param": r[name]["bytes_per_eligible_param"],
+                         "fraction_of_adamw": r[name].get("fraction_of_adamw", 1.0), "params": r["params"],
+                         "eligible_params": r["eligible_params"]})
+    for name in BENCH_OPTIMIZERS:
+        rows.append({"preset": t["preset"], "optimizer": name, "cpu_step_ms": 1e3 * t[name],
+                     "step_time_vs_adamw": t[name] / t["adamw"],
+                     "quantized_param_fraction": t["quantized_param_fraction"]})
+    print_table(rows[:-3], ["preset", "optimizer", "bytes_per_param", "bytes_per_eligible_param", "fraction_of_adamw"])
+    print_table(rows[-3:], ["preset", "optimizer", "cpu_step_ms", "step_time_vs_adamw", "quantized_param_fraction"])
+    return rows
 
+
+def _register_bench() -> None:
+    from framework.bench import register_suite
+
+    register_suite("optimizer", OptimizerBench, bench_optimizer)
+
+
+_register_bench()

@@ -34,11 +34,11 @@ def quantize_blocks(x: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scal
     scale.copy_((high - low) / LEVELS)
     # A constant block has scale 0: dividing by 1 instead maps every element to code 0 = exactly lo.
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = ((padded - lo[:, None]) / safe[:, None]).round_().clamp_(0, LEVELS)  # (nb, block)
-    codes.copy_(q.to(torch.uint8))
+    # x >= lo exactly and (x - lo) / scale <= 255 up to rounding, so the codes need no clamping.
+    codes.copy_(((padded - lo[:, None]) / safe[:, None]).round_())  # (nb, block), cast to uint8 by copy_
 
 
 def dequantize_blocks(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """The first n values of the blocks as a new flat fp32 tensor (n,)."""
-    x = torch.addcmul(lo[:, None], codes.to(torch.float32), scale[:, None])  # (nb, block)
+    x = torch.addcmul(lo[:, None], codes, scale[:, None])  # (nb, block) fp32: uint8 codes promote in the kernel
     return x.view(-1)[:n]  # a contiguous prefix: later .view(rows, cols) works

@@ -48,7 +48,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1].sin() + 0.1 * torch.randn(GLOBAL_BATCH, 1, generator=g)
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, start: int, n: int, rank: int = 0, world: int = 1) -> None:
+def train_steps(
+    model: nn.Module, opt: torch.optim.Optimizer, start: int, n: int, rank: int = 0, world: int = 1
+) -> None:
     """n optimizer steps; each rank takes its slice of the global batch (FSDP averages the gradients)."""
     per = GLOBAL_BATCH // world
     for step in range(start, start + n):
@@ -74,6 +76,17 @@ def _sharded(quantize: bool) -> tuple[nn.Module, CAME]:
     return model, CAME(model.parameters(), quantize=quantize, **OPT_KW)
 
 
+def _check_state(opt: CAME, quantize: bool) -> None:
+    """After a resume the state must still be sharded DTensors / plain tensors of the saved dtypes."""
+    from torch.distributed.tensor import DTensor
+
+    for state in opt.state.values():
+        for k, v in state.items():
+            assert v.dtype == (torch.uint8 if k == "exp_avg_q" else torch.float32), (k, v.dtype)
+            assert isinstance(v, DTensor) == (not k.endswith("_col")), k
+        assert ("exp_avg_q" in state) == (quantize and "exp_avg_sq_row" in state)
+
+
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
 
@@ -94,7 +107,8 @@ def run_variant(out: Path, quantize: bool, rank: int, world: int) -> dict[str, d
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=str(out / f"dcp_{tag}"))
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = {"model": get_model_state_dict(model, options=full), "optim": get_optimizer_state_dict(model, opt, options=full)}
+    sd = {"model": get_model_state_dict(model, options=full),
+          "optim": get_optimizer_state_dict(model, opt, options=full)}
     if rank == 0:
         torch.save(sd, out / f"full_{tag}.pt")
     dist.barrier()
@@ -107,6 +121,7 @@ def run_variant(out: Path, quantize: bool, rank: int, world: int) -> dict[str, d
     dcp.load(state, checkpoint_id=str(out / f"dcp_{tag}"))
     set_model_state_dict(model_b, state["model"])
     set_optimizer_state_dict(model_b, opt_b, state["optim"])
+    _check_state(opt_b, quantize)
     train_steps(model_b, opt_b, STEPS, STEPS, rank, world)
     result["dcp"] = _full_params(model_b)
 
@@ -116,6 +131,7 @@ def run_variant(out: Path, quantize: bool, rank: int, world: int) -> dict[str, d
     load = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model_c, sd["model"], options=load)
     set_optimizer_state_dict(model_c, opt_c, sd["optim"], options=load)
+    _check_state(opt_c, quantize)
     train_steps(model_c, opt_c, STEPS, STEPS, rank, world)
     result["full"] = _full_params(model_c)
     return result

@@ -153,10 +153,25 @@ def test_state_dict_round_trip_continues_the_trajectory(tmp_path, quantize):
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     resumed.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["optim"])
-    assert opt2.state[resumed[3].weight].keys() == opt.state[model[3].weight].keys()
+    for a, b in zip(opt.state.values(), opt2.state.values()):
+        assert {k: v.dtype for k, v in a.items()} == {k: v.dtype for k, v in b.items()}
     train_steps(resumed, opt2, STEPS, STEPS)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def test_bf16_weights_keep_fp32_and_uint8_state_through_a_round_trip():
+    w = nn.Parameter(torch.randn(200, 100, dtype=torch.bfloat16))
+    opt = CAME([w], lr=1e-2, quantize=True, min_8bit_size=0)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    opt2 = CAME([w], lr=1e-2, quantize=True, min_8bit_size=0)
+    opt2.load_state_dict(opt.state_dict())
+    dtypes = {k: v.dtype for k, v in opt2.state[w].items()}
+    assert dtypes.pop("exp_avg_q") == torch.uint8 and set(dtypes.values()) == {torch.float32}
+    for k, v in opt.state[w].items():
+        assert torch.equal(v, opt2.state[w][k]), k
+    assert w.dtype == torch.bfloat16 and torch.isfinite(w.float()).all()
 
 
 def test_per_group_settings():
@@ -266,6 +281,7 @@ def test_short_training_run_with_came8bit(tmp_path, digits_shards):
         "sample.prompts=[a handwritten 3]", "optimizer.warmup_steps=0",
     ])
     train(cfg)
+    assert "name: came8bit" in (run / "config.yaml").read_text()
     with open(run / "metrics.csv", newline="") as f:
         losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
     assert len(losses) >= 5 and all(torch.isfinite(torch.tensor(losses)))

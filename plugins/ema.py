@@ -1,0 +1,395 @@
+"""`plugins=[ema]`: a scheduled exponential moving average (EMA) of the weights.
+
+    ema <- d**k * ema + (1 - d**k) * w        every k optimizer steps, from step `start` on
+
+`d` is the decay per optimizer step (or 0.5 ** (1 / half_life)), so the averaging horizon does not
+change with `every`. Before `start` nothing is allocated and each step costs one integer compare;
+at `start` the current weights are copied. MosaicML's SD2 recipe kept an EMA only over the last
+50k of 1.4M steps, which is what `start` is for.
+
+The gap this fills: Lightning's EMA callback (WeightAveraging) does not support sharded models and
+Composer's EMA gathers full parameters at every update. Here every tensor is averaged where it
+lives: under fsdp each rank keeps the EMA of its own local shards (the EMA tensors are DTensors
+with the parameters' placements; updates touch only `.to_local()`: no all-gather, no full copy on
+any rank); under ddp each rank keeps the full EMA (the replicas are identical).
+
+The framework never imports this file. It reaches the EMA through one attribute the callback sets
+on the LightningModule: `pl_module.averaged_weights()`, a context manager that swaps the EMA into
+the model and swaps the training weights back exactly on exit (SampleGrid, final_eval; validation
+is swapped by the callback's own hooks). Checkpoints:
+  * one file (single, ddp, fsdp with sharded_checkpoint=false): `checkpoint['latentforge']
+    ['ema_state']` is the denoiser's full state dict with the averaged tensors in it, which
+    framework.pipeline.model_weights (sample, eval, export) uses by default;
+  * a sharded folder (fsdp): the EMA shards go into the DCP `state_dict` as `ema_state.<name>`,
+    written and read by every rank for its own shards (resumable at another world size).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from framework.registry import register_plugin
+
+EMA_KEY = "ema_state"  # framework.pipeline.model_weights reads checkpoint['latentforge'][EMA_KEY]
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EMAConfig:
+    """Fields of `plugins.ema.*`."""
+
+    decay: float | None = 0.9999
+    """Decay per optimizer step, in (0, 1). Set null when giving half_life."""
+    half_life: float | None = None
+    """Half-life in optimizer steps (decay = 0.5 ** (1 / half_life)); needs decay=null."""
+    every: int = 1
+    """Update every this many optimizer steps (the decay is compounded, so the horizon stays the same)."""
+    start: float = 0
+    """First step of the EMA: an optimizer step (>= 1, e.g. 1350000), or a fraction of trainer.max_steps in [0, 1)."""
+    buffers: bool = True
+    """Also average floating-point buffers that are saved in the state dict (e.g. running statistics)."""
+
+    def __post_init__(self) -> None:
+        if self.decay is not None and self.half_life is not None:
+            raise ValueError(f"plugins.ema.decay={self.decay} and plugins.ema.half_life={self.half_life} are both set;"
+                             " give one of them (add plugins.ema.decay=null to use the half-life)")
+        if self.decay is None and self.half_life is None:
+            raise ValueError("plugins.ema: give plugins.ema.decay (e.g. 0.9999) or plugins.ema.half_life (in steps)")
+        if self.decay is not None and not 0.0 < self.decay < 1.0:
+            raise ValueError(f"plugins.ema.decay={self.decay} must be in (0, 1), e.g. 0.9999")
+        if self.half_life is not None and self.half_life <= 0:
+            raise ValueError(f"plugins.ema.half_life={self.half_life} must be > 0 steps")
+        if self.every < 1:
+            raise ValueError(f"plugins.ema.every={self.every} must be >= 1 optimizer step")
+        if self.start < 0 or (self.start >= 1 and self.start != int(self.start)):
+            raise ValueError(f"plugins.ema.start={self.start}: give a whole step >= 1 or a fraction of"
+                             " trainer.max_steps in [0, 1), e.g. plugins.ema.start=0.9")
+
+    @property
+    def step_decay(self) -> float:
+        return self.decay if self.decay is not None else 0.5 ** (1.0 / self.half_life)
+
+    def start_step(self, max_steps: int) -> int:
+        """`start` as an optimizer step (fractions round down)."""
+        return int(self.start) if self.start >= 1 else int(math.floor(self.start * max_steps))
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: which tensors, and their local parts
+# --------------------------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP2 DTensor, else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a DTensor: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _reshard(model: nn.Module) -> None:
+    """Put FSDP2 modules back to their sharded parameters.
+
+    After a forward without backward (a sample grid) with reshard_after_forward=False, FSDP2 keeps
+    the gathered parameters and would reuse them in the next forward; the swap edits the shards,
+    so the gathered copies must go first. A no-op without FSDP2 or when already sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def averaged_tensors(model: nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
+    """Name -> tensor of what the EMA averages: trainable parameters, and persistent float buffers.
+
+    Names are the model's state-dict keys. Frozen parameters never change, so they are not copied.
+    """
+    _reshard(model)
+    out = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if buffers:
+        for n, b in model.named_buffers():
+            owner, _, leaf = n.rpartition(".")
+            persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+            if b.is_floating_point() and persistent:
+                out[n] = b
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The callback
+# --------------------------------------------------------------------------------------------
+
+
+class EMA(pl.Callback):
+    """Keeps `self.ema` (name -> tensor, shards under fsdp) from the start step on; None before."""
+
+    def __init__(self, cfg: EMAConfig) -> None:
+        self.cfg = cfg
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.start: int = 0  # resolved in setup() from trainer.max_steps
+        self.last_step = -1  # global step of the last copy/update
+        self.num_updates = 0
+        self._trainer: pl.Trainer | None = None
+        self._module: pl.LightningModule | None = None
+        self._swapped = False
+
+    # ---- the average ------------------------------------------------------------------------
+
+    def _begin(self, model: nn.Module, step: int) -> None:
+        """Copy the current weights (each rank its own shards: DTensor.clone is local)."""
+        with torch.no_grad():
+            self.ema = {n: t.detach().clone() for n, t in averaged_tensors(model, self.cfg.buffers).items()}
+        self.last_step = step
+
+    def _update(self, model: nn.Module, step: int) -> None:
+        """ema <- lerp(ema, w, 1 - d**k) over the local parts, k = steps since the last update."""
+        live = averaged_tensors(model, self.cfg.buffers)
+        weight = 1.0 - self.cfg.step_decay ** (step - self.last_step)
+        with torch.no_grad():
+            torch._foreach_lerp_([_local(self.ema[n]) for n in live], [_local(t) for t in live.values()], weight)
+        self.last_step, self.num_updates = step, self.num_updates + 1
+
+    def maybe_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start or update when due; idempotent within a step (also called before a swap-in)."""
+        step = trainer.global_step
+        if step == self.last_step or step < self.start:
+            return  # before the start: nothing allocated, nothing done
+        if self.ema is None:
+            self._begin(pl_module.model, step)
+        elif step - self.last_step >= self.cfg.every:
+            self._update(pl_module.model, step)
+
+    # ---- swapping in and out ----------------------------------------------------------------
+
+    def _swap(self, model: nn.Module) -> None:
+        """Exchange model and EMA values in place, tensor by tensor (an involution: bit-exact)."""
+        _reshard(model)
+        live = averaged_tensors(model, self.cfg.buffers)
+        with torch.no_grad():
+            for n, t in live.items():
+                w, e = _local(t), _local(self.ema[n])
+                tmp = w.clone()
+                w.copy_(e)
+                e.copy_(tmp)
+        self._swapped = not self._swapped
+
+    @contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """The EMA swapped into the model for the body; a no-op before the start."""
+        if self._trainer is not None and self._module is not None and self._trainer.training:
+            self.maybe_update(self._trainer, self._module)  # a grid drawn before this step's update sees it
+        if self.ema is None or self._swapped:
+            yield
+            return
+        model = self._module.model
+        self._swap(model)
+        try:
+            yield
+        finally:
+            self._swap(model)
+
+    # ---- Lightning hooks --------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer, self._module = trainer, pl_module
+        self.start = self.cfg.start_step(trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0)
+        # The framework's one entry point to the EMA (see the module docstring).
+        pl_module.averaged_weights = self.averaged_weights
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.maybe_update(trainer, pl_module)  # start=0: the average begins at the initial weights
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.maybe_update(trainer, pl_module)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ema is not None and not self._swapped:
+            self._swap(pl_module.model)
+            self._validation_swap = True
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if getattr(self, "_validation_swap", False):
+            self._swap(pl_module.model)
+            self._validation_swap = False
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "last_step": self.last_step, "num_updates": self.num_updates,
+                "started": self.ema is not None, "step_decay": self.cfg.step_decay, "every": self.cfg.every}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_step, self.num_updates = state["last_step"], state["num_updates"]
+        if state["started"] and self.ema is None:
+            raise RuntimeError("plugins.ema: the checkpoint's EMA had started but its tensors were not found in it")
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.ema is None:
+            return
+        if self._swapped:  # the model holds the EMA right now: its state dict would be the wrong weights
+            raise RuntimeError("plugins.ema: a checkpoint was saved while the EMA was swapped into the model")
+        if _sharded_save(trainer):
+            # Into the DCP state: each rank writes its own shards (DTensors), with the model's.
+            checkpoint["state_dict"].update({f"{EMA_KEY}.{n}": t for n, t in self.ema.items()})
+            return
+        from framework.module import CKPT_KEY
+
+        # One file: the denoiser's full state dict with the averaged tensors in it. The other
+        # entries are the very tensors of checkpoint['state_dict'], which torch.save writes once.
+        full = {n: _full(t).detach().cpu() for n, t in self.ema.items()}  # collective under fsdp
+        prefix = "model."
+        state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+        state.update(full)
+        checkpoint.setdefault(CKPT_KEY, {})[EMA_KEY] = state
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        from framework.module import CKPT_KEY
+
+        mine = (checkpoint.get("callbacks") or {}).get(self.state_key)
+        if not mine or not mine.get("started"):
+            return
+        live = averaged_tensors(pl_module.model, self.cfg.buffers)
+        with torch.no_grad():
+            self.ema = {n: torch.zeros_like(t) for n, t in live.items()}
+        stored = checkpoint.get(CKPT_KEY, {}).get(EMA_KEY)
+        if stored is not None:
+            _load_full(self.ema, stored)
+        else:
+            _load_sharded(self.ema, Path(trainer.ckpt_path))
+
+
+def _sharded_save(trainer: pl.Trainer) -> bool:
+    """True when the strategy writes a distributed-checkpoint folder (fsdp, sharded_checkpoint=true)."""
+    return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
+
+
+def _load_full(ema: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> None:
+    """Fill EMA tensors (plain or sharded) from full tensors every rank holds: no communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    missing = [n for n in ema if n not in stored]
+    if missing:
+        raise RuntimeError(f"plugins.ema: the checkpoint's EMA lacks {missing[:3]}; was it written for another model?")
+    with torch.no_grad():
+        for n, t in ema.items():
+            src = stored[n].to(device=_local(t).device, dtype=t.dtype)
+            if isinstance(t, DTensor):  # src_data_rank=None: each rank cuts its own chunk locally
+                src = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
+            _local(t).copy_(src)
+
+
+def _load_sharded(ema: dict[str, torch.Tensor], path: Path) -> None:
+    """Read this rank's EMA shards from a DCP folder (DCP reshards for another world size)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state_dict": {f"{EMA_KEY}.{n}": t for n, t in ema.items()}}
+    dcp.load(state, checkpoint_id=str(path))
+
+
+def build(cfg: EMAConfig, run_cfg: Any) -> EMA:
+    return EMA(cfg)
+
+
+register_plugin("ema", EMAConfig, build)
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark: the cost per step before and after the start
+# --------------------------------------------------------------------------------------------
+
+
+def _fit_step_times(preset: str, callbacks: list[pl.Callback], steps: int, warmup: int, batch_size: int) -> list[float]:
+    """Seconds per optimizer step of the real training module (Lightning fit, CPU, synthetic batches)."""
+    import tempfile
+
+    from framework.bench import _bench_module, _StepTimer, _SyntheticBatches
+    from framework.models import load_preset
+
+    mcfg = load_preset(preset)
+    torch.manual_seed(0)
+    module = _bench_module(mcfg, None)
+    C, S, D = mcfg.in_channels, mcfg.sample_size, mcfg.text_dim or 1
+    data = _SyntheticBatches((warmup + steps) * batch_size, C, S, D, 16, mcfg.num_classes, None)
+    timer = _StepTimer(warmup)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=warmup + steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[*callbacks, timer], default_root_dir=tempfile.mkdtemp(prefix="lf-ema-bench-"))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=batch_size))
+    return timer.times
+
+
+def ema_cost_report(preset: str = "pixart_debug", steps: int = 20, warmup: int = 3, batch_size: int = 8,
+                    out: str | None = None) -> dict[str, Any]:
+    """Median step time without the plugin, with it before its start, and after it (update every step).
+
+    The EMA callback runs before the step timer's end hook, so its update is inside the timed step.
+    Also: bytes the EMA holds before and after the start, and the update alone (median of 20).
+    """
+    import json
+
+    total = warmup + steps
+    runs = {
+        "no_ema": [],
+        "before_start": [EMA(EMAConfig(start=10 * total))],
+        "after_start": [EMA(EMAConfig(start=0))],
+    }
+    report: dict[str, Any] = {"preset": preset, "device": "cpu", "steps": steps, "batch_size": batch_size}
+    for name, cbs in runs.items():
+        report[f"{name}_step_ms"] = statistics.median(_fit_step_times(preset, cbs, steps, warmup, batch_size)) * 1e3
+        if cbs:
+            ema = cbs[0]
+            report[f"{name}_ema_bytes"] = sum(_local(t).numel() * t.element_size() for t in (ema.ema or {}).values())
+    ema = runs["after_start"][0]
+    model = ema._module.model
+    report["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    update_times = []
+    for i in range(20):
+        t0 = time.perf_counter()
+        ema._update(model, ema.last_step + 1)
+        update_times.append(time.perf_counter() - t0)
+    report["update_ms"] = statistics.median(update_times) * 1e3
+    report["before_start_overhead"] = report["before_start_step_ms"] / report["no_ema_step_ms"] - 1
+    report["after_start_overhead"] = report["after_start_step_ms"] / report["no_ema_step_ms"] - 1
+    if out is not None:
+        Path(out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def format_ema_cost_report(r: dict[str, Any]) -> str:
+    """The report as a few plain lines."""
+    return "\n".join([
+        f"EMA cost, {r['preset']} on {r['device']}, batch {r['batch_size']}, median of {r['steps']} steps:",
+        f"  no plugin          {r['no_ema_step_ms']:8.2f} ms/step",
+        f"  before start       {r['before_start_step_ms']:8.2f} ms/step ({r['before_start_overhead']:+.1%}),"
+        f" EMA bytes {r['before_start_ema_bytes']}",
+        f"  after start        {r['after_start_step_ms']:8.2f} ms/step ({r['after_start_overhead']:+.1%}),"
+        f" EMA bytes {r['after_start_ema_bytes']} (trainable params {r['param_bytes']} bytes)",
+        f"  one update alone   {r['update_ms']:8.3f} ms",
+    ])
+
+
+if __name__ == "__main__":  # python -m plugins.ema: print the cost report
+    warnings.filterwarnings("ignore")
+    print(format_ema_cost_report(ema_cost_report()))

@@ -1,0 +1,29 @@
+"""The benchmark command runs and writes the JSON rows it promises (figures are not asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_train_writes_one_row_per_mode(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.bench", "train", "model=pixart_debug", "batch_size=2", "warmup=1", "steps=2",
+         "modes=[precomputed,fp32,online]", "online_text_encoder=t5_base", f"out={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["precomputed", "fp32", "online"]
+    for r in rows:
+        assert r["samples_per_s"] > 0 and r["mfu"] is None and r["peak_mem_bytes"] > 0
+        assert r["flops_per_sample"] > 0
+    assert "samples_per_s" in proc.stdout  # the printed table
+
+
+def test_bench_rejects_an_unknown_suite():
+    proc = subprocess.run([sys.executable, "-m", "framework.bench", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "SUITE is one of" in proc.stderr

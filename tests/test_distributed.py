@@ -1,0 +1,202 @@
+"""fsdp/ddp against one process, exact resumption, world-size changes and Slurm preemption, on CPU.
+
+Every training here is a subprocess (`python -m tests.dist_train`, framework.train plus a probe
+callback); Lightning's launcher starts rank 1 itself (gloo). Runs are shared through module-scoped
+fixtures so the whole file costs a handful of tiny trainings:
+
+    ref      1 process,  global batch 16, 4 steps                    (the reference)
+    sgo      2 ranks x 8, fsdp SHARD_GRAD_OP, 1 loader worker each, 4 steps (also "uninterrupted")
+    full     2 ranks x 8, fsdp FULL_SHARD, 4 steps
+    split    as sgo, stopped at step 2, then resumed with resume=auto to step 4
+    to1      split's step-2 sharded checkpoint resumed on 1 rank (fsdp) to step 4
+
+All of them freeze one projection (PROBE_FREEZE) to check that frozen parameters get neither
+gradients nor optimizer state, sharded or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train import losses
+
+ROOT = Path(__file__).resolve().parents[1]
+FROZEN = "net.transformer_blocks.1.attn1.to_q"
+STEPS = 4
+# fsdp reduces gradients in another order than one process sums them: float32 round-off only.
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, env: dict | None = None,
+              wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+    """Start `python -m tests.dist_train` on the digits shards with its own run.dir, cache and TMPDIR."""
+    tmp = run_dir.parent / f"{run_dir.name}_tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "tests.dist_train", f"run.dir={run_dir}", f"data.path={data}",
+        f"data.local={tmp / 'cache'}", "model=pixart_debug", "model.in_channels=1", "model.sample_size=8",
+        "model.text_dim=384", "trainer.accelerator=cpu", "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false", "eval.at_end=false", "sample.every_n_steps=0",
+        "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]", "resume=auto", *overrides,
+    ]
+    full_env = {**os.environ, "TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        full_env.pop(k, None)
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def fsdp(sharding: str = "SHARD_GRAD_OP", devices: int = 2, batch: int = 8) -> list[str]:
+    return ["strategy=fsdp", f"strategy.sharding={sharding}", f"trainer.devices={devices}",
+            f"data.batch_size={batch}", "data.num_workers=1", "trainer.checkpoint_every_n_steps=2"]
+
+
+def probe(run_dir: Path, rank: int = 0) -> dict:
+    return json.loads((run_dir / f"probe_rank{rank}.json").read_text())
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    from framework.pipeline import model_weights, read_checkpoint
+
+    return model_weights(read_checkpoint(ckpt), "train")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dist")
+    out = {name: root / name for name in ("ref", "sgo", "full", "split", "to1")}
+    run_train(out["ref"], digits_shards, "data.batch_size=16", "trainer.checkpoint_every_n_steps=2",
+              f"trainer.max_steps={STEPS}")
+    run_train(out["sgo"], digits_shards, *fsdp(), f"trainer.max_steps={STEPS}")
+    run_train(out["full"], digits_shards, *fsdp("FULL_SHARD"), f"trainer.max_steps={STEPS}")
+    run_train(out["split"], digits_shards, *fsdp(), "trainer.max_steps=2")
+    shutil.copytree(out["split"] / "checkpoints" / "step0000002.ckpt", out["to1"] / "checkpoints" / "last.ckpt")
+    shutil.copy(out["split"] / "metrics.csv", out["to1"] / "metrics.csv")
+    run_train(out["split"], digits_shards, *fsdp(), f"trainer.max_steps={STEPS}")
+    run_train(out["to1"], digits_shards, *fsdp(devices=1, batch=16), f"trainer.max_steps={STEPS}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Same global batch, same trajectory
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sgo", "full"])
+def test_fsdp_on_two_ranks_follows_the_single_process_losses(runs, name):
+    ref, got = losses(runs["ref"]), losses(runs[name])
+    assert sorted(got) == list(range(STEPS))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
+                               torch.tensor([ref[s] for s in range(STEPS)]), **TOL)
+    wr, wg = weights(runs["ref"] / "checkpoints" / "last.ckpt"), weights(runs[name] / "checkpoints" / "last.ckpt")
+    for k in wr:
+        torch.testing.assert_close(wg[k], wr[k], **TOL)
+
+
+@pytest.mark.parametrize("name", ["sgo", "full"])
+def test_fsdp_parameters_are_sharded_dtensors_and_frozen_ones_get_no_state(runs, name):
+    for rank in (0, 1):
+        p = probe(runs[name], rank)
+        assert p["world_size"] == 2
+        for pname, info in p["params"].items():
+            assert info["dtensor"], pname
+            dim0 = info["shape"][0]
+            # fully_shard splits dim 0 like torch.chunk: rank 0 takes ceil(n / 2), rank 1 the rest.
+            assert info["local_shape"][0] == ((dim0 + 1) // 2 if rank == 0 else dim0 - (dim0 + 1) // 2), pname
+            assert info["local_shape"][1:] == info["shape"][1:]
+            frozen = pname.startswith(FROZEN)
+            assert info["trains"] is not frozen and info["grad"] is not frozen, pname
+            assert info["optimizer_state"] is not frozen, pname
+    # The two ranks saw disjoint halves of each global batch, together the reference's batch.
+    ref, r0, r1 = probe(runs["ref"])["keys"], probe(runs[name], 0)["keys"], probe(runs[name], 1)["keys"]
+    for step in ref:
+        assert sorted(r0[step] + r1[step]) == sorted(ref[step])
+
+
+def test_single_process_frozen_parameters_get_no_state(runs):
+    params = probe(runs["ref"])["params"]
+    assert not any(v["dtensor"] for v in params.values())
+    assert all(v["optimizer_state"] is not k.startswith(FROZEN) for k, v in params.items())
+
+
+# --------------------------------------------------------------------------------------------
+# Resumption
+# --------------------------------------------------------------------------------------------
+
+
+def test_fsdp_resume_with_workers_continues_like_an_uninterrupted_run(runs):
+    full, split = losses(runs["sgo"]), losses(runs["split"])
+    assert sorted(split) == list(range(STEPS))
+    assert [split[s] for s in range(STEPS)] == [full[s] for s in range(STEPS)]  # bit-identical
+    assert (runs["split"] / "checkpoints" / "last.ckpt" / "meta.pt").is_file(), "fsdp writes a sharded folder"
+    wf, ws = weights(runs["sgo"] / "checkpoints" / "last.ckpt"), weights(runs["split"] / "checkpoints" / "last.ckpt")
+    for k in wf:
+        torch.testing.assert_close(ws[k], wf[k], rtol=0, atol=0)
+    # Resumed batches are the uninterrupted run's batches.
+    assert probe(runs["split"])["keys"] == {k: v for k, v in probe(runs["sgo"])["keys"].items() if int(k) >= 2}
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(runs):
+    ref, got = losses(runs["ref"]), losses(runs["to1"])
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(2, STEPS)]),
+                               torch.tensor([ref[s] for s in range(2, STEPS)]), **TOL)
+    wr, wg = weights(runs["ref"] / "checkpoints" / "last.ckpt"), weights(runs["to1"] / "checkpoints" / "last.ckpt")
+    for k in wr:
+        torch.testing.assert_close(wg[k], wr[k], **TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# Slurm preemption (Lightning's SLURMEnvironment, scontrol replaced by a recorder)
+# --------------------------------------------------------------------------------------------
+
+
+def _slurm_env(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls.txt"}\n')
+    scontrol.chmod(0o755)
+    # SLURMEnvironment.detect(): SLURM_NTASKS set and a job name other than bash/interactive.
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
+            "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
+
+
+def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path, digits_shards):
+    run_dir = tmp_path / "run"
+    common = ["data.batch_size=16", "trainer.checkpoint_every_n_steps=1000"]
+    proc = run_train(run_dir, digits_shards, *common, "trainer.max_steps=10000", env=_slurm_env(tmp_path), wait=False)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(losses(run_dir) if (run_dir / "metrics.csv").exists() else {}) < 2:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)
+        calls = tmp_path / "scontrol_calls.txt"
+        while time.time() < deadline and not calls.exists():
+            time.sleep(0.2)
+        assert calls.read_text().split() == ["requeue", "4242"]
+    finally:
+        proc.kill()
+        proc.wait()
+    hpc = sorted(run_dir.glob("hpc_ckpt_*.ckpt"))
+    assert [p.name for p in hpc] == ["hpc_ckpt_1.ckpt"]
+    step = torch.load(hpc[0], weights_only=True)["global_step"]
+    assert step >= 2 and not (run_dir / "checkpoints" / "last.ckpt").exists()
+    # The requeued job: same command and run.dir; resume=auto finds the hpc checkpoint.
+    rerun = run_train(run_dir, digits_shards, *common, f"trainer.max_steps={step + 1}")
+    assert f"Restoring states from the checkpoint path at {hpc[0]}" in rerun.stdout + rerun.stderr
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 1
