@@ -19,13 +19,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+
+from framework.cli import quiet_hydra
+from framework.registry import BENCH_SUITES, register_suite
 
 # Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), matched on the device name.
 PEAK_BF16_FLOPS = {"h200": 989e12, "h100 pcie": 756e12, "h100": 989e12, "a100": 312e12}
@@ -290,26 +293,19 @@ def bench_data(cfg: DataBench) -> list[dict[str, Any]]:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
-SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
-    "train": (TrainBench, bench_train),
-    "data": (DataBench, bench_data),
-}
-
-
-def register_suite(name: str, config: type, run: Callable[[Any], list[dict[str, Any]]]) -> None:
-    """Plugins add their own suites (optimizer state, EMA cost, ...)."""
-    SUITES[name] = (config, run)
+register_suite("train", TrainBench, bench_train)
+register_suite("data", DataBench, bench_data)
 
 
 def main() -> None:
     import plugins  # noqa: F401  (plugins register their suites)
 
-    if len(sys.argv) < 2 or sys.argv[1] not in SUITES:
-        raise SystemExit(f"usage: python -m framework.bench SUITE [key=value ...]; SUITE is one of {sorted(SUITES)}")
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCH_SUITES:
+        raise SystemExit(f"usage: python -m framework.bench SUITE [key=value ...]; SUITE is one of {sorted(BENCH_SUITES)}")
     suite = sys.argv.pop(1)
-    config, run = SUITES[suite]
+    config, run = BENCH_SUITES[suite]
     ConfigStore.instance().store(name=f"bench_{suite}", node=config)
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    quiet_hydra()
 
     @hydra.main(version_base="1.3", config_path=None, config_name=f"bench_{suite}")
     def _run(cfg: Any) -> None:

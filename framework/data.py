@@ -322,6 +322,7 @@ class LatentDataModule(L.LightningDataModule):
             self.dataset, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers,
             collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor),
             drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
+            pin_memory=torch.cuda.is_available(),  # lets Lightning copy batches to the GPU asynchronously
         )
 
 

@@ -19,6 +19,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from framework.cli import quiet_hydra
 from framework.pipeline import Pipeline, save_grid
 
 
@@ -127,4 +128,5 @@ def main(cfg: EvalCommand) -> None:
 
 
 if __name__ == "__main__":
+    quiet_hydra()
     main()

@@ -249,7 +249,8 @@ class CAME(torch.optim.Optimizer):
             g = g.reshape(g.shape[0], math.prod(p.shape[1:]))  # (rows_l, C): a 1x1 conv squeezed to out x in
         # Second moment -> the normalised update u = g / sqrt(V), clipped by its RMS.
         if factored:
-            u = _factored_rsqrt(g.square().add_(eps1), state["exp_avg_sq_row"], state["exp_avg_sq_col"], beta2, shard).mul_(g)
+            v_row, v_col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            u = _factored_rsqrt(g.square().add_(eps1), v_row, v_col, beta2, shard).mul_(g)
         else:
             v = _local(state["exp_avg_sq"])
             v.mul_(beta2).add_(g.square().add_(eps1), alpha=1 - beta2)
@@ -447,7 +448,7 @@ def bench_optimizer(cfg: OptimizerBench) -> list[dict[str, Any]]:
 
 
 def _register_bench() -> None:
-    from framework.bench import register_suite
+    from framework.registry import register_suite
 
     register_suite("optimizer", OptimizerBench, bench_optimizer)
 

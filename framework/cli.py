@@ -1,0 +1,15 @@
+"""Shared set-up of the small Hydra commands (sample, eval, export, bench)."""
+
+from __future__ import annotations
+
+import sys
+
+# These commands write where their `out=` says; Hydra's own outputs/<date>/ folder and log files
+# would only litter the working directory.
+QUIET = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def quiet_hydra() -> None:
+    """Append the QUIET overrides to sys.argv unless the user set those keys."""
+    given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]}
+    sys.argv += [q for q in QUIET if q.split("=", 1)[0] not in given]
