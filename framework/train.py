@@ -152,7 +152,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     # TF32 tensor cores for the matmuls that stay in fp32 under bf16-mixed (norms' neighbours, fp32 runs).
-    torch.set_float32_matmul_precision("high")
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
 
     dm = LatentDataModule(cfg.data, seed=cfg.seed)
     module = DiffusionModule(
