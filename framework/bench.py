@@ -5,6 +5,10 @@ Suites:
              time, counted FLOPs, TFLOP/s, MFU, peak memory; comparisons precomputed vs online
              encoders, fp32 vs bf16-mixed, SDPA vs xformers, torch.compile, activation checkpointing
   data       the Streaming data module's samples/s from local shards, and bytes per sample
+  memory     per-rank parameter + gradient + optimizer bytes under single / fsdp (framework/strategy.py)
+  optimizer  optimizer-state bytes per parameter, AdamW vs CAME vs CAME-8bit (plugins/came.py)
+  ema        EMA cost per step before and after its start (plugins/ema.py)
+  norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
 Each prints a table and writes one JSON row per configuration to `out`.
 """
 
@@ -298,6 +302,7 @@ register_suite("data", DataBench, bench_data)
 
 
 def main() -> None:
+    import framework.strategy  # noqa: F401  (registers the memory suite)
     import plugins  # noqa: F401  (plugins register their suites)
 
     if len(sys.argv) < 2 or sys.argv[1] not in BENCH_SUITES:

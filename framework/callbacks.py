@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from framework.pipeline import Pipeline, save_grid
+from framework.strategy import reshard
 
 
 class SampleGrid(pl.Callback):
@@ -50,6 +51,7 @@ class SampleGrid(pl.Callback):
             with getattr(pl_module, "averaged_weights", nullcontext)():
                 images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels)
         finally:
+            reshard(pl_module.model)
             pl_module.train(was_training)
         if trainer.global_rank != 0:
             return None

@@ -45,11 +45,17 @@ def model_weights(ckpt: dict[str, Any], weights: str = "ema") -> dict[str, torch
 
     if weights not in ("ema", "train"):
         raise ValueError(f"weights={weights!r}: expected ema or train")
-    ema = ckpt[CKPT_KEY].get("ema_state")
-    if weights == "ema" and ema:
+    state = ckpt["state_dict"]
+    trained = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    if weights == "train":
+        return trained
+    ema = ckpt[CKPT_KEY].get("ema_state")  # single-file checkpoints: the whole averaged state dict
+    if ema:
         return dict(ema)
-    prefix = "model."
-    return {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    # Sharded checkpoints keep the EMA shards beside the model as `ema_state.<name>`; tensors the EMA
+    # does not average (integer buffers) come from the model.
+    averaged = {k[len("ema_state.") :]: v for k, v in state.items() if k.startswith("ema_state.")}
+    return {**trained, **averaged}
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch import nn
 
 from framework.models import Denoiser
+from framework.registry import register_suite
 
 # --------------------------------------------------------------------------------------------
 # Units: what becomes one FSDP unit / one activation-checkpointed piece
@@ -186,3 +188,46 @@ def sharded_memory_report(model_cfg: Any, world_size: int, sharding: str = "SHAR
     }
     report["total_bytes"] = report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
     return report
+
+
+
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2 modules back to their sharded parameters (a no-op without FSDP2).
+
+    After a forward without backward (a sample grid, an evaluation) under reshard_after_forward=False,
+    FSDP2 keeps the gathered parameters and would reuse those inference-time copies in the next
+    training forward; anything that edits the shards must drop them first.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+# `python -m framework.bench memory`
+@dataclass
+class MemoryBench:
+    """Arguments of `python -m framework.bench memory`: per-rank bytes from really sharded tensors."""
+
+    model: str = "pixart_xl_2_256"
+    world_sizes: list[int] = field(default_factory=lambda: [1, 2, 8])
+    out: str = "bench_memory.json"
+
+
+def _bench_memory(cfg: MemoryBench) -> list[dict[str, Any]]:
+    from framework.bench import print_table
+    from framework.models import load_preset
+
+    mcfg = load_preset(cfg.model)
+    rows = []
+    for w in cfg.world_sizes:
+        for sharding in ["none"] if w == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"]:
+            r = sharded_memory_report(mcfg, w, "SHARD_GRAD_OP" if sharding == "none" else sharding)
+            rows.append({"mode": f"{w} rank{'s' * (w > 1)} {sharding}", "mfu": None, **r})
+    cols = [c for c in rows[0] if c not in ("mfu",) and not isinstance(rows[0][c], (dict, list))]
+    print_table(rows, cols)
+    return rows
+
+
+register_suite("memory", MemoryBench, _bench_memory)

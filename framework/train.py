@@ -51,6 +51,8 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
             every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
             save_top_k=-1,
             save_last=True,
+            # A resumed run overwrites last.ckpt (written by FinalCheckpoint) instead of adding last-v1.ckpt.
+            enable_version_counter=False,
         ),
         SampleGrid(cfg.sample, run_dir / "samples"),
         *build_plugin_callbacks(cfg.plugins, cfg),

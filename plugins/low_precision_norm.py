@@ -17,7 +17,7 @@ and in a run without mixed precision the plugin warns and changes nothing.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from framework.registry import register_plugin
+from framework.registry import register_plugin, register_suite
 
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")  # Lightning precisions that run under autocast
 
@@ -236,6 +236,30 @@ def format_norm_effect_report(rows: list[dict[str, Any]]) -> str:
                      f"{r['step_ms_median']:>10.2f}{mem:>10}{'-' if tx is None else format(tx, '.3f'):>8}"
                      f"{'-' if mx is None else format(mx, '.3f'):>8}  {r['device']}")
     return "\n".join(lines)
+
+
+# `python -m framework.bench norm`
+@dataclass
+class NormBench:
+    """Arguments of `python -m framework.bench norm` (meant for a GPU; on a CPU pass debug presets)."""
+
+    presets: list[str] = field(default_factory=lambda: ["sd2_base", "pixart_xl_2_256"])
+    steps: int = 20
+    warmup: int = 5
+    batch_size: int = 8
+    precision: str = "bf16-mixed"
+    device: str = "auto"
+    sample_size: int | None = None
+    out: str = "bench_norm.json"
+
+
+def _bench_norm(cfg: NormBench) -> list[dict[str, Any]]:
+    rows = norm_effect_report(tuple(cfg.presets), cfg.steps, cfg.warmup, cfg.batch_size, cfg.precision, cfg.device, cfg.sample_size)
+    print(format_norm_effect_report(rows))
+    return [{"mode": "lp_norm" if r["low_precision_norm"] else "fp32_norm", "mfu": None, **r} for r in rows]
+
+
+register_suite("norm", NormBench, _bench_norm)
 
 
 if __name__ == "__main__":  # python -m plugins.low_precision_norm: the report on this machine

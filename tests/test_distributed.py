@@ -35,6 +35,9 @@ FROZEN = "net.transformer_blocks.1.attn1.to_q"
 STEPS = 4
 # fsdp reduces gradients in another order than one process sums them: float32 round-off only.
 TOL = dict(rtol=1e-4, atol=1e-5)
+# Weights: Adam turns round-off in near-zero gradients into whole lr-sized steps (lr <= 2e-5 here
+# during warm-up), so parameters are compared to within a few learning rates.
+WTOL = dict(rtol=0, atol=1e-4)
 
 
 def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, env: dict | None = None,
@@ -103,7 +106,7 @@ def test_fsdp_on_two_ranks_follows_the_single_process_losses(runs, name):
                                torch.tensor([ref[s] for s in range(STEPS)]), **TOL)
     wr, wg = weights(runs["ref"] / "checkpoints" / "last.ckpt"), weights(runs[name] / "checkpoints" / "last.ckpt")
     for k in wr:
-        torch.testing.assert_close(wg[k], wr[k], **TOL)
+        torch.testing.assert_close(wg[k], wr[k], **WTOL)
 
 
 @pytest.mark.parametrize("name", ["sgo", "full"])
@@ -155,7 +158,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
                                torch.tensor([ref[s] for s in range(2, STEPS)]), **TOL)
     wr, wg = weights(runs["ref"] / "checkpoints" / "last.ckpt"), weights(runs["to1"] / "checkpoints" / "last.ckpt")
     for k in wr:
-        torch.testing.assert_close(wg[k], wr[k], **TOL)
+        torch.testing.assert_close(wg[k], wr[k], **WTOL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,3 +203,23 @@ def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path,
     rerun = run_train(run_dir, digits_shards, *common, f"trainer.max_steps={step + 1}")
     assert f"Restoring states from the checkpoint path at {hpc[0]}" in rerun.stdout + rerun.stderr
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 1
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded folders outside training: sampling and export
+# --------------------------------------------------------------------------------------------
+
+
+def test_sharded_folder_exports_and_samples(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from framework.export import ExportCommand, export
+    from framework.pipeline import Pipeline
+
+    folder = runs["split"] / "checkpoints" / "last.ckpt"
+    out = export(ExportCommand(ckpt=str(folder), out=str(tmp_path / "m.safetensors")))
+    exported = load_file(str(out))
+    for k, v in weights(folder).items():
+        torch.testing.assert_close(exported[k[len("net."):]], v, rtol=0, atol=0)
+    pipe = Pipeline.from_checkpoint(folder)
+    assert pipe.generate(["a handwritten 3"], steps=1).shape == (1, 1, 8, 8)
