@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from framework.data import DataConfig
+from framework.eval import EvalSettings
 from framework.models import ModelConfig
 from framework.objectives import SAMPLERS, ObjectiveConfig, check_sampler
 from framework.optim import OptimizerConfig
@@ -135,23 +136,11 @@ class SampleConfig:
 
 
 @dataclass
-class EvalConfig:
-    """Evaluation run after training (the quickstart) or by framework.eval."""
+class EvalConfig(EvalSettings):
+    """Evaluation after training (the quickstart); the same settings as `python -m framework.eval`."""
 
     at_end: bool = False
     """Evaluate the final weights when training ends and print the summary."""
-    seeds: int = 4
-    """Seeds per prompt."""
-    phrasings: int = 3
-    """Caption phrasings per class (digits)."""
-    steps: int = 20
-    """Sampler steps."""
-    guidance: float = 4.0
-    """Classifier-free guidance scale."""
-    sampler: str | None = None
-    """null: the objective's default sampler."""
-    batch_size: int = 64
-    """Images generated per forward pass."""
 
 
 @dataclass

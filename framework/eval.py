@@ -83,7 +83,25 @@ def evaluate_digits(
 
 
 @dataclass
-class EvalCommand:
+class EvalSettings:
+    """What is generated and how (shared by `python -m framework.eval` and the end-of-training eval)."""
+
+    seeds: int = 4
+    """Seeds per prompt."""
+    phrasings: int = 3
+    """Caption phrasings per class (digits)."""
+    steps: int = 20
+    """Sampler steps."""
+    guidance: float = 4.0
+    """Classifier-free guidance scale."""
+    sampler: str | None = None
+    """null: the objective's default sampler."""
+    batch_size: int = 64
+    """Images generated per forward pass."""
+
+
+@dataclass
+class EvalCommand(EvalSettings):
     """Arguments of `python -m framework.eval`."""
 
     ckpt: str = "???"
@@ -92,13 +110,8 @@ class EvalCommand:
     """Folder for the judged grid and metrics.json (default: beside the checkpoint's run dir)."""
     weights: str = "ema"
     """ema (when the checkpoint has EMA weights) or train."""
-    seeds: int = 4
-    phrasings: int = 3
-    steps: int = 20
-    guidance: float = 4.0
-    sampler: str | None = None
-    batch_size: int = 64
     device: str = "auto"
+    """auto: a GPU when present."""
 
 
 def resolve_device(name: str) -> str:

@@ -16,6 +16,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from framework.cli import quiet_hydra
+
 
 @dataclass
 class ExportCommand:
@@ -70,4 +72,5 @@ def main(cfg: ExportCommand) -> None:
 
 
 if __name__ == "__main__":
+    quiet_hydra()
     main()

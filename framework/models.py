@@ -338,8 +338,8 @@ def _read_state_dict(path: Path, denoiser: Denoiser) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
         state = load_file(str(path))
     elif path.suffix == ".ckpt":
-        # Our own Lightning checkpoints (optimizer state and hyper-parameters included), hence not weights_only.
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        # Our checkpoints hold only tensors and plain values, so no pickled code needs to run.
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         state = {k[len("model."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
         if not state:
             raise ValueError(f"init_from={path}: no `model.*` weights in its state_dict; expected a LatentForge "

@@ -174,7 +174,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
         load_weights(module.model, cfg.init_from)
     callbacks = build_callbacks(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir, callbacks)
-    trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir))
+    # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
+    trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)
     # Checkpoints land every N steps; FinalCheckpoint (added by build_trainer) writes the final state too.
     last = run_dir / "checkpoints" / "last.ckpt"
 

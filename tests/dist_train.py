@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 
@@ -50,18 +50,20 @@ class Probe(pl.Callback):
         (self.run_dir / f"probe_rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
-_build_callbacks = train_lib.build_callbacks
-
-
-def build_callbacks(cfg: Any, run_dir: Path) -> list[pl.Callback]:
-    return [*_build_callbacks(cfg, run_dir), Probe(run_dir)]
-
-
-train_lib.build_callbacks = build_callbacks
-
-if __name__ == "__main__":
+def main_with_probe(probe: Callable[[Path], pl.Callback]) -> None:
+    """Run framework.train's Hydra app with `probe(run_dir)` added to the callbacks."""
     import hydra
 
+    base = train_lib.build_callbacks
+
+    def build_callbacks(cfg: Any, run_dir: Path) -> list[pl.Callback]:
+        return [*base(cfg, run_dir), probe(run_dir)]
+
+    train_lib.build_callbacks = build_callbacks
     # framework.train's config_path is relative to its own file; from this module give it absolutely.
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     hydra.main(version_base="1.3", config_path=conf, config_name="config")(train_lib.main.__wrapped__)()
+
+
+if __name__ == "__main__":
+    main_with_probe(Probe)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 
-from framework import train as train_lib
+from tests.dist_train import main_with_probe
 
 
 class EMAProbe(pl.Callback):
@@ -36,18 +35,5 @@ class EMAProbe(pl.Callback):
         (self.run_dir / f"ema_probe_rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
-_build_callbacks = train_lib.build_callbacks
-
-
-def build_callbacks(cfg: Any, run_dir: Path) -> list[pl.Callback]:
-    return [*_build_callbacks(cfg, run_dir), EMAProbe(run_dir)]
-
-
-train_lib.build_callbacks = build_callbacks
-
 if __name__ == "__main__":
-    import hydra
-
-    # framework.train's config_path is relative to its own file; from this module give it absolutely.
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
-    hydra.main(version_base="1.3", config_path=conf, config_name="config")(train_lib.main.__wrapped__)()
+    main_with_probe(EMAProbe)

@@ -9,6 +9,9 @@ fixtures so the whole file costs a handful of tiny trainings:
     full     2 ranks x 8, fsdp FULL_SHARD, 4 steps
     split    as sgo, stopped at step 2, then resumed with resume=auto to step 4
     to1      split's step-2 sharded checkpoint resumed on 1 rank (fsdp) to step 4
+    to2      1 rank fsdp (batch 16) to step 2, then resumed on 2 ranks x 8 to step 4
+    ddp      2 ranks x 8, ddp, 1 loader worker each, 4 steps
+    ddp_split  as ddp, stopped at step 2, then resumed with resume=auto to step 4
 
 All of them freeze one projection (PROBE_FREEZE) to check that frozen parameters get neither
 gradients nor optimizer state, sharded or not.
@@ -80,7 +83,7 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dist")
-    out = {name: root / name for name in ("ref", "sgo", "full", "split", "to1")}
+    out = {name: root / name for name in ("ref", "sgo", "full", "split", "to1", "to2", "ddp", "ddp_split")}
     run_train(out["ref"], digits_shards, "data.batch_size=16", "trainer.checkpoint_every_n_steps=2",
               f"trainer.max_steps={STEPS}")
     run_train(out["sgo"], digits_shards, *fsdp(), f"trainer.max_steps={STEPS}")
@@ -90,6 +93,12 @@ def runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
     shutil.copy(out["split"] / "metrics.csv", out["to1"] / "metrics.csv")
     run_train(out["split"], digits_shards, *fsdp(), f"trainer.max_steps={STEPS}")
     run_train(out["to1"], digits_shards, *fsdp(devices=1, batch=16), f"trainer.max_steps={STEPS}")
+    run_train(out["to2"], digits_shards, *fsdp(devices=1, batch=16), "trainer.max_steps=2")
+    run_train(out["to2"], digits_shards, *fsdp(), f"trainer.max_steps={STEPS}")
+    ddp = ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1", "trainer.checkpoint_every_n_steps=2"]
+    run_train(out["ddp"], digits_shards, *ddp, f"trainer.max_steps={STEPS}")
+    run_train(out["ddp_split"], digits_shards, *ddp, "trainer.max_steps=2")
+    run_train(out["ddp_split"], digits_shards, *ddp, f"trainer.max_steps={STEPS}")
     return out
 
 
@@ -98,8 +107,8 @@ def runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sgo", "full"])
-def test_fsdp_on_two_ranks_follows_the_single_process_losses(runs, name):
+@pytest.mark.parametrize("name", ["sgo", "full", "ddp"])
+def test_two_ranks_follow_the_single_process_losses(runs, name):
     ref, got = losses(runs["ref"]), losses(runs[name])
     assert sorted(got) == list(range(STEPS))
     torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
@@ -152,11 +161,21 @@ def test_fsdp_resume_with_workers_continues_like_an_uninterrupted_run(runs):
     assert probe(runs["split"])["keys"] == {k: v for k, v in probe(runs["sgo"])["keys"].items() if int(k) >= 2}
 
 
-def test_two_rank_checkpoint_resumes_on_one_rank(runs):
-    ref, got = losses(runs["ref"]), losses(runs["to1"])
+def test_ddp_resume_with_workers_continues_like_an_uninterrupted_run(runs):
+    full, split = losses(runs["ddp"]), losses(runs["ddp_split"])
+    assert [split[s] for s in range(STEPS)] == [full[s] for s in range(STEPS)]  # bit-identical
+    wf = weights(runs["ddp"] / "checkpoints" / "last.ckpt")
+    ws = weights(runs["ddp_split"] / "checkpoints" / "last.ckpt")
+    for k in wf:
+        torch.testing.assert_close(ws[k], wf[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["to1", "to2"])
+def test_sharded_checkpoint_resumes_on_another_world_size(runs, name):
+    ref, got = losses(runs["ref"]), losses(runs[name])
     torch.testing.assert_close(torch.tensor([got[s] for s in range(2, STEPS)]),
                                torch.tensor([ref[s] for s in range(2, STEPS)]), **TOL)
-    wr, wg = weights(runs["ref"] / "checkpoints" / "last.ckpt"), weights(runs["to1"] / "checkpoints" / "last.ckpt")
+    wr, wg = weights(runs["ref"] / "checkpoints" / "last.ckpt"), weights(runs[name] / "checkpoints" / "last.ckpt")
     for k in wr:
         torch.testing.assert_close(wg[k], wr[k], **WTOL)
 
