@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -286,8 +287,9 @@ def bench_data(cfg: DataBench) -> list[dict[str, Any]]:
     size = dataset_bytes_per_sample(cfg.path)
     rows = []
     for nw in cfg.workers:
-        with tempfile.TemporaryDirectory(prefix="lf-bench-cache-") as cache:
-            r = measure_loader_throughput(cfg.path, batch_size=cfg.batch_size, num_workers=nw, num_batches=cfg.num_batches, local=cache)
+        cache = tempfile.mkdtemp(prefix="lf-bench-cache-")
+        r = measure_loader_throughput(cfg.path, batch_size=cfg.batch_size, num_workers=nw, num_batches=cfg.num_batches, local=cache)
+        shutil.rmtree(cache, ignore_errors=True)  # loader workers may still be closing files in it
         rows.append({"mode": f"workers={nw}", **(r if isinstance(r, dict) else {"samples_per_s": r}), **size, "mfu": None, "peak_mem_bytes": None})
     print_table(rows, [k for k in rows[0] if k not in ("mfu", "peak_mem_bytes")])
     return rows

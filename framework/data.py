@@ -337,7 +337,7 @@ def dataset_bytes_per_sample(path: str) -> dict[str, float]:
     n = sum(s["samples"] for s in index["shards"])
     disk = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in index["shards"])
     raw = sum(s["raw_data"]["bytes"] for s in index["shards"])
-    return {"samples": n, "disk_bytes_per_sample": disk / n, "raw_bytes_per_sample": raw / n}
+    return {"dataset_samples": n, "disk_bytes_per_sample": disk / n, "raw_bytes_per_sample": raw / n}
 
 
 def measure_loader_throughput(path: str, batch_size: int = 64, num_workers: int = 0, num_batches: int = 50,

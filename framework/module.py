@@ -142,7 +142,7 @@ class DiffusionModule(pl.LightningModule):
 
     def _generator(self) -> torch.Generator:
         """CPU generator for this micro-batch, independent of rank count and of restarts."""
-        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        accumulate = self.trainer.accumulate_grad_batches
         micro = self.global_step * accumulate + self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
         return torch.Generator().manual_seed(hash((self.seed, micro)) & 0x7FFF_FFFF_FFFF)
 
