@@ -20,6 +20,7 @@ from framework.objectives import Objective, ObjectiveConfig
 from framework.optim import OptimizerConfig, build_optimizer, lr_lambda
 
 CKPT_KEY = "latentforge"  # our own entry in the Lightning checkpoint dict
+MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
 
 
 class NonFiniteLossError(RuntimeError):
@@ -80,7 +81,7 @@ class DiffusionModule(pl.LightningModule):
         # Set from the dataset in setup(); kept in checkpoints so sampling needs no dataset.
         self.empty_text: torch.Tensor | None = None
         self.dataset_info: dict[str, Any] = {}
-        self.skipped_steps = 0
+        self.consecutive_skips = 0  # non-finite steps skipped in a row (trainer.skip_nonfinite)
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -178,8 +179,16 @@ class DiffusionModule(pl.LightningModule):
                     f"loss is {loss.item()} at step {self.global_step}; stopping with the last good checkpoint intact."
                     " Lower optimizer.lr, enable gradient clipping, or set trainer.skip_nonfinite=true to skip such steps."
                 )
-            self.skipped_steps += 1
+            # A skipped step does not advance global_step, so a run whose weights are already
+            # non-finite would loop forever: give up after a run of skips.
+            self.consecutive_skips += 1
+            if self.consecutive_skips > MAX_CONSECUTIVE_SKIPS:
+                raise NonFiniteLossError(
+                    f"{self.consecutive_skips} consecutive non-finite losses at step {self.global_step}: the weights"
+                    " are likely broken; resume from an earlier checkpoint with a lower optimizer.lr."
+                )
             return None  # Lightning skips backward and the optimizer step
+        self.consecutive_skips = 0
         # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
         self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0],
                  sync_dist=self.trainer.world_size > 1)

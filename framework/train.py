@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
@@ -150,6 +152,10 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
     """Run training (and the final evaluation when eval.at_end); returns what was written."""
     cfg = config_lib.to_object(dcfg)
     run_dir = Path(cfg.run.dir).resolve()
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        # A sweep (-m) gives each job its own folder, run.dir/<job number> (hydra.sweep in
+        # conf/config.yaml), stable across Slurm requeues; a shared run.dir would resume each other.
+        run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -149,6 +150,36 @@ def test_resume_auto_continues_like_an_uninterrupted_run(tmp_path, digits_shards
 def test_nonfinite_loss_stops_with_a_message(tmp_path, digits_shards):
     with pytest.raises(Exception, match="loss is nan"):
         train(compose_cfg(cheap(tmp_path, digits_shards, "optimizer.lr=1e30", "trainer.gradient_clip_val=null", steps=30)))
+
+
+class _PoisonBatch(pl.Callback):
+    """Puts a NaN into the latents of one micro-batch."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.seen == self.at:
+            batch["latents"][0, 0, 0, 0] = float("nan")
+        self.seen += 1
+
+
+def test_skip_nonfinite_skips_the_bad_step_and_finishes(tmp_path, digits_shards, monkeypatch):
+    import framework.train as train_lib
+
+    base = train_lib.build_callbacks
+    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), _PoisonBatch(at=2)])
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.skip_nonfinite=true", steps=5)))
+    ckpt = torch.load(out["checkpoint"], weights_only=True)
+    assert ckpt["global_step"] == 5  # the poisoned micro-batch did not count as a step
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+    assert len(losses(Path(out["run_dir"]))) == 5
+
+
+def test_skip_nonfinite_gives_up_on_a_run_of_bad_steps(tmp_path, digits_shards):
+    with pytest.raises(Exception, match="consecutive non-finite losses"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, "optimizer.lr=1e30", "trainer.gradient_clip_val=null",
+                                "trainer.skip_nonfinite=true", steps=60)))
 
 
 # --------------------------------------------------------------------------------------------
