@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 import lightning.pytorch as pl
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from omegaconf import DictConfig, OmegaConf
 
@@ -94,9 +94,8 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
 
 
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
-    from framework.strategy import build_strategy
-
     from framework.checkpointing import FinalCheckpoint
+    from framework.strategy import build_strategy
 
     t = cfg.trainer
     callbacks = [*callbacks, FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt")]
