@@ -7,7 +7,7 @@ The trainer never runs a VAE or a text encoder. Each batch is a dict:
     label        int64   (B,)          only when the dataset has a `label` column
     caption, key list[str]
 Caption dropout is not done here (it would freeze the dropped rows into the loader's shuffle);
-the LightningModule calls `apply_caption_dropout` per step.
+the LightningModule calls `drop_captions` per step.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any, Optional
 import lightning as L
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 DATASET_FILE = "dataset.json"
 INDEX_FILE = "index.json"
@@ -208,12 +209,7 @@ class LatentCollate:
         latents = torch.from_numpy(np.stack([s["latents"] for s in samples])).float()  # (B, C, h, w)
         latents = (latents - self.shift_factor) * self.scaling_factor
         embeds = [torch.from_numpy(np.array(s["text_embeds"], dtype=np.float32)) for s in samples]  # (L_i, D)
-        B, L, D = len(embeds), max(e.shape[0] for e in embeds), embeds[0].shape[1]
-        text = torch.zeros(B, L, D)
-        mask = torch.zeros(B, L, dtype=torch.bool)
-        for i, e in enumerate(embeds):
-            text[i, : e.shape[0]] = e
-            mask[i, : e.shape[0]] = True
+        text, mask = pad_and_stack(embeds)  # (B, L, D), (B, L)
         batch = {"latents": latents, "text_embeds": text, "text_mask": mask,
                  "caption": [s["caption"] for s in samples], "key": [s.get("key", "") for s in samples]}
         if "label" in samples[0]:
@@ -221,31 +217,49 @@ class LatentCollate:
         return batch
 
 
+def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (L_i, D) sequences to (N, L, D) with zeros, plus the (N, L) bool mask of real tokens."""
+    n, d = len(seqs), seqs[0].shape[-1]
+    n_tok = max(max(s.shape[0] for s in seqs), 1)
+    out = seqs[0].new_zeros(n, n_tok, d)
+    mask = torch.zeros(n, n_tok, dtype=torch.bool, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        out[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = True
+    return out, mask
+
+
+def drop_captions(
+    text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D)."""
+    if not bool(drop.any()):
+        return text, mask
+    n_tok = max(text.shape[1], empty.shape[0])
+    if n_tok > text.shape[1]:  # the empty caption is longer than every caption in this batch
+        text = F.pad(text, (0, 0, 0, n_tok - text.shape[1]))
+        mask = F.pad(mask, (0, n_tok - mask.shape[1]))
+    e = torch.zeros_like(text[0])
+    e[: empty.shape[0]] = empty
+    em = torch.zeros_like(mask[0])
+    em[: empty.shape[0]] = True
+    d = drop.view(-1, 1)
+    return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
+
+
 def apply_caption_dropout(text_embeds: torch.Tensor, text_mask: torch.Tensor, empty_text_embeds: torch.Tensor,
                           p: float, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace each row's caption by the empty caption with probability p (for classifier-free guidance).
 
     text_embeds (B, L, D), text_mask (B, L), empty_text_embeds (L0, D) -> new tensors (B, max(L, L0), D),
-    (B, max(L, L0)); the inputs are not modified.
+    (B, max(L, L0)); the inputs are not modified. (The trainer draws its flags for the whole global
+    batch itself and calls drop_captions.)
     """
     if p <= 0.0:
         return text_embeds, text_mask
-    B, L, D = text_embeds.shape
-    L0 = empty_text_embeds.shape[0]
     gen_device = generator.device if generator is not None else "cpu"
-    drop = (torch.rand(B, generator=generator, device=gen_device) < p).to(text_embeds.device)  # (B,)
-    if not bool(drop.any()):
-        return text_embeds, text_mask
-    Lt = max(L, L0)
-    embeds = text_embeds.new_zeros(B, Lt, D)
-    embeds[:, :L] = text_embeds
-    mask = text_mask.new_zeros(B, Lt)
-    mask[:, :L] = text_mask
-    embeds[drop] = 0.0
-    embeds[drop, :L0] = empty_text_embeds.to(embeds.device, embeds.dtype)
-    mask[drop] = False
-    mask[drop, :L0] = True
-    return embeds, mask
+    drop = (torch.rand(text_embeds.shape[0], generator=generator, device=gen_device) < p).to(text_embeds.device)
+    return drop_captions(text_embeds, text_mask, empty_text_embeds.to(text_embeds), drop)
 
 
 # ---------------------------------------------------------------------------------------------

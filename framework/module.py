@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from framework.data import drop_captions
 from framework.models import Denoiser, ModelConfig, build_denoiser
 from framework.objectives import Objective, ObjectiveConfig
 from framework.optim import OptimizerConfig, build_optimizer, lr_lambda
@@ -25,36 +26,6 @@ MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many 
 
 class NonFiniteLossError(RuntimeError):
     """Raised when the loss is NaN/inf and skipping such steps was not asked for."""
-
-
-def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad (L_i, D) sequences to (N, L, D) with zeros, plus the (N, L) bool mask of real tokens."""
-    n, d = len(seqs), seqs[0].shape[-1]
-    L = max(max(s.shape[0] for s in seqs), 1)
-    out = seqs[0].new_zeros(n, L, d)
-    mask = torch.zeros(n, L, dtype=torch.bool, device=seqs[0].device)
-    for i, s in enumerate(seqs):
-        out[i, : s.shape[0]] = s
-        mask[i, : s.shape[0]] = True
-    return out, mask
-
-
-def drop_captions(
-    text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D)."""
-    if not bool(drop.any()):
-        return text, mask
-    L = max(text.shape[1], empty.shape[0])
-    if L > text.shape[1]:  # the empty caption is longer than every caption in this batch
-        text = F.pad(text, (0, 0, 0, L - text.shape[1]))
-        mask = F.pad(mask, (0, L - mask.shape[1]))
-    e = torch.zeros_like(text[0])
-    e[: empty.shape[0]] = empty
-    em = torch.zeros_like(mask[0])
-    em[: empty.shape[0]] = True
-    d = drop.view(-1, 1)
-    return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
 
 
 class DiffusionModule(pl.LightningModule):

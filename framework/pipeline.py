@@ -123,7 +123,7 @@ class Pipeline:
         batch_size: int = 64,
     ) -> torch.Tensor:
         """Images (N, C, H, W) in [-1, 1]; image i depends only on (prompt i, seed, i)."""
-        from framework.module import drop_captions, pad_and_stack
+        from framework.data import drop_captions, pad_and_stack
 
         n = len(prompts)
         C, S = self.model.cfg.in_channels, self.model.cfg.sample_size
