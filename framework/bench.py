@@ -15,14 +15,13 @@ Each prints a table and writes one JSON row per configuration to `out`.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import quiet_hydra
+from framework.cli import quiet_hydra, resolve_device
 from framework.registry import BENCH_SUITES, register_suite
 
 # Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), matched on the device name.
@@ -248,7 +247,7 @@ def run_train_mode(cfg: TrainBench, mode: str, device: torch.device) -> dict[str
 
 
 def bench_train(cfg: TrainBench) -> list[dict[str, Any]]:
-    device = torch.device("cuda" if (cfg.device == "auto" and torch.cuda.is_available()) else ("cpu" if cfg.device == "auto" else cfg.device))
+    device = torch.device(resolve_device(cfg.device))
     rows = []
     for mode in cfg.modes:
         try:

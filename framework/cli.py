@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 # These commands write where their `out=` says; Hydra's own outputs/<date>/ folder and log files
 # would only litter the working directory.
 QUIET = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
@@ -13,3 +15,13 @@ def quiet_hydra() -> None:
     """Append the QUIET overrides to sys.argv unless the user set those keys."""
     given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]}
     sys.argv += [q for q in QUIET if q.split("=", 1)[0] not in given]
+
+
+def resolve_device(name: str) -> str:
+    """`auto`: a GPU when present, else the CPU; any other name as given."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def uses_gpu(accelerator: str) -> bool:
+    """Whether a Lightning `accelerator` setting ends up on a GPU."""
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())

@@ -15,11 +15,10 @@ from typing import Any
 
 import hydra
 import numpy as np
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import quiet_hydra
+from framework.cli import quiet_hydra, resolve_device
 from framework.pipeline import Pipeline, save_grid
 
 
@@ -112,10 +111,6 @@ class EvalCommand(EvalSettings):
     """ema (when the checkpoint has EMA weights) or train."""
     device: str = "auto"
     """auto: a GPU when present."""
-
-
-def resolve_device(name: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 ConfigStore.instance().store(name="eval_command", node=EvalCommand)

@@ -15,8 +15,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import quiet_hydra
-from framework.eval import resolve_device
+from framework.cli import quiet_hydra, resolve_device
 from framework.pipeline import Pipeline, save_grid, to_pil
 
 

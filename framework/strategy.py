@@ -18,14 +18,15 @@ holds, from the real sharded tensors of a meta-device model on a fake process gr
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
 
+from framework.cli import uses_gpu
 from framework.models import Denoiser
 from framework.registry import register_suite
 
@@ -125,8 +126,7 @@ def build_strategy(cfg: Any, accelerator: str) -> Strategy | str:
     if cfg.name == "ddp":
         # Frozen parameters (requires_grad=False) are skipped by DDP's reducer, so no unused-parameter search.
         return DDPStrategy(find_unused_parameters=False)
-    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return FSDPStrategy(cfg.sharding, mixed_precision=cfg.mixed_precision and on_gpu, sharded_checkpoint=cfg.sharded_checkpoint)
+    return FSDPStrategy(cfg.sharding, mixed_precision=cfg.mixed_precision and uses_gpu(accelerator), sharded_checkpoint=cfg.sharded_checkpoint)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.callbacks import SampleGrid
+from framework.cli import uses_gpu
 from framework.config import TrainConfig
 from framework.data import LatentDataModule
 from framework.loggers import RunCSVLogger, wandb_logger
@@ -68,8 +69,7 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
 def default_precision(cfg: TrainConfig) -> str:
     if cfg.trainer.precision:
         return cfg.trainer.precision
-    on_gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
-    return "bf16-mixed" if on_gpu else "32-true"
+    return "bf16-mixed" if uses_gpu(cfg.trainer.accelerator) else "32-true"
 
 
 def under_submitit() -> bool:
@@ -87,10 +87,10 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
 
     from framework.checkpointing import AtomicCheckpointIO
 
-    plugins: list[Any] = [AtomicCheckpointIO()]
+    lightning_plugins: list[Any] = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
-        plugins.append(SLURMEnvironment(auto_requeue=not under_submitit(), requeue_signal=signal.SIGUSR1))
-    return plugins
+        lightning_plugins.append(SLURMEnvironment(auto_requeue=not under_submitit(), requeue_signal=signal.SIGUSR1))
+    return lightning_plugins
 
 
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:

@@ -28,6 +28,7 @@ from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from framework.cli import resolve_device
 from framework.registry import register_plugin, register_suite
 
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")  # Lightning precisions that run under autocast
@@ -213,7 +214,7 @@ def norm_effect_report(presets: tuple[str, ...] = ("sd2_base", "pixart_xl_2_256"
     """
     import json
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(resolve_device(device))
     rows = []
     for preset in presets:
         base = _fit(preset, False, dev, precision, steps, warmup, batch_size, sample_size)
