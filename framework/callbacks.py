@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from framework.pipeline import Pipeline, save_grid
 from framework.strategy import reshard
@@ -70,5 +69,4 @@ class SampleGrid(pl.Callback):
             self.draw(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        with torch.inference_mode(False):
-            self.draw(trainer, pl_module)
+        self.draw(trainer, pl_module)
