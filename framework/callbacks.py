@@ -15,7 +15,8 @@ from framework.strategy import reshard
 class SampleGrid(pl.Callback):
     """Draws a prompt grid every `every_n_steps` steps and when training ends; saves it under run.dir/samples.
 
-    Every rank runs the sampler (a sharded model needs all ranks in each forward); rank 0 writes.
+    Every rank runs the sampler on its share of the images (a sharded model needs all ranks in each
+    forward); rank 0 writes.
     """
 
     def __init__(self, cfg: Any, out_dir: str | Path) -> None:
@@ -48,7 +49,8 @@ class SampleGrid(pl.Callback):
         try:
             # A plugin that averages weights (plugins/ema.py) sets `averaged_weights`: grids show the average.
             with getattr(pl_module, "averaged_weights", nullcontext)():
-                images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels)
+                images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels,
+                                                            split_ranks=trainer.world_size > 1)
         finally:
             reshard(pl_module.model)
             pl_module.train(was_training)

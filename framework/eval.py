@@ -48,8 +48,12 @@ def evaluate_digits(
     sampler: str | None = None,
     batch_size: int = 64,
     grid_path: str | Path | None = None,
+    split_ranks: bool = False,
 ) -> dict[str, Any]:
-    """prompt_accuracy of `pipe` on the digits prompt set; optionally writes a grid of what it judged."""
+    """prompt_accuracy of `pipe` on the digits prompt set; optionally writes a grid of what it judged.
+
+    split_ranks: called by every rank of a multi-process job, which share the generation (Pipeline.generate).
+    """
     from framework.judge import get_judge
 
     judge = get_judge("digits")
@@ -57,7 +61,8 @@ def evaluate_digits(
     prompts = [p for p, _ in pairs for _ in range(seeds)]
     digits = [d for _, d in pairs for _ in range(seeds)]
     t0 = time.perf_counter()
-    images = pipe.generate(prompts, steps, guidance, sampler, seed=0, labels=digits, batch_size=batch_size)
+    images = pipe.generate(prompts, steps, guidance, sampler, seed=0, labels=digits, batch_size=batch_size,
+                           split_ranks=split_ranks)
     seconds = time.perf_counter() - t0
     pred = judge.predict(images)
     right = pred == np.array(digits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,9 @@ def wandb_logger(run_dir: Path, project: str, entity: str | None) -> Any:
     offline = not (os.environ.get("WANDB_API_KEY") or Path("~/.netrc").expanduser().exists())
     id_file = run_dir / "wandb_id.txt"
     if not id_file.exists():
-        import wandb
-
-        id_file.write_text(wandb.util.generate_id())
+        # W&B run ids are short lowercase alphanumerics. wandb.util.generate_id moved between wandb
+        # releases (gone in 0.31), so the id is drawn here rather than from a private helper.
+        id_file.write_text(uuid.uuid4().hex[:8])
     return WandbLogger(
         project=project, entity=entity, save_dir=str(run_dir), offline=offline, id=id_file.read_text().strip(), resume="allow"
     )

@@ -121,27 +121,53 @@ class Pipeline:
         seed: int = 0,
         labels: Sequence[int | None] | None = None,
         batch_size: int = 64,
+        split_ranks: bool = False,
     ) -> torch.Tensor:
-        """Images (N, C, H, W) in [-1, 1]; image i depends only on (prompt i, seed, i)."""
+        """Images (N, C, H, W) in [-1, 1]; image i depends only on (prompt i, seed, i).
+
+        split_ranks: inside a multi-process job, every rank must call this (a sharded model needs all
+        ranks in each forward); each rank then generates its own contiguous share of the prompts and
+        every rank gets all N images back, the same ones one process would draw.
+        """
+        n = len(prompts)
+        g = torch.Generator().manual_seed(seed)
+        noise_seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
+        if self.model.cfg.num_classes is not None and (labels is None or any(lbl is None for lbl in labels)):
+            raise ValueError("this model is class-conditional: give a class label for every prompt")
+        labels = list(labels) if labels is not None else [None] * n
+        world = _world_size() if split_ranks else 1
+        if world == 1:
+            return self._generate(list(prompts), labels, noise_seeds, steps, guidance, sampler, batch_size)
+        import torch.distributed as dist
+
+        # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
+        # same number of forwards, which FSDP's collectives need.
+        per, rank = math.ceil(n / world), dist.get_rank()
+        idx = [i for i in range(rank * per, (rank + 1) * per) if i < n]
+        idx += [0] * (per - len(idx))
+        mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise_seeds[i] for i in idx],
+                              steps, guidance, sampler, batch_size).to(self.device)  # (per, C, H, W)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        return torch.cat(gathered)[:n].cpu()
+
+    def _generate(self, prompts: list[str], labels: list[int | None], noise_seeds: list[int], steps: int,
+                  guidance: float, sampler: str | None, batch_size: int) -> torch.Tensor:
         from framework.data import drop_captions, pad_and_stack
 
         n = len(prompts)
         C, S = self.model.cfg.in_channels, self.model.cfg.sample_size
-        g = torch.Generator().manual_seed(seed)
-        noise_seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
         class_cond = self.model.cfg.num_classes is not None
-        if class_cond and (labels is None or any(lbl is None for lbl in labels)):
-            raise ValueError("this model is class-conditional: give a class label for every prompt")
         out = []
         for i in range(0, n, batch_size):
-            chunk = list(prompts[i : i + batch_size])
+            chunk = prompts[i : i + batch_size]
             b = len(chunk)
             text, mask = pad_and_stack([e.to(self.device) for e in self.encode(chunk)])  # (b, L, D)
             drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(self.device)
             text2, mask2 = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), self.empty_text.to(self.device), drop)
             lab = None
             if class_cond:
-                lab = torch.tensor(list(labels[i : i + batch_size]), device=self.device)
+                lab = torch.tensor(labels[i : i + batch_size], device=self.device)
                 lab = torch.cat([lab, self.model.null_labels(b).to(self.device)])
 
             def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -159,6 +185,12 @@ class Pipeline:
         """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling)."""
         raw = z / self.info["scaling_factor"] + self.info["shift_factor"]
         return self.codec.decode(raw).float().clamp(-1, 1).cpu()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # --------------------------------------------------------------------------------------------

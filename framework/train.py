@@ -62,7 +62,9 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
     ]
     if cfg.logger.name != "none":
         cbs.append(LearningRateMonitor(logging_interval="step"))
-        cbs.append(ThroughputMonitor(batch_size_fn=lambda b: b["latents"].shape[0]))
+        # Rates (samples/s, TFLOP/s, MFU) over the last 20 batches: Lightning's default of 100 would
+        # log none in a short run.
+        cbs.append(ThroughputMonitor(batch_size_fn=lambda b: b["latents"].shape[0], window_size=20))
     return cbs
 
 
@@ -190,30 +192,59 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
         written["samples"] = [str(p) for p in grids]
     if (run_dir / "metrics.csv").exists():
         written["metrics"] = str(run_dir / "metrics.csv")
-    if cfg.eval.at_end and trainer.global_rank == 0:
-        written["eval"] = final_eval(cfg, module, run_dir)
+    if cfg.eval.at_end:
+        # Every rank takes part: a sharded model needs all of them in each forward (and they share the work).
+        metrics = final_eval(cfg, module, run_dir, trainer)
+        if metrics and trainer.global_rank == 0:
+            written["eval"] = metrics
+    finish_loggers(trainer)
     return written
 
 
-def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path) -> dict[str, Any]:
+def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer: pl.Trainer) -> dict[str, Any]:
+    """Evaluate the final weights on every rank; rank 0 writes eval/ and logs the metrics."""
     from framework.eval import evaluate_digits, is_digits
     from framework.pipeline import Pipeline
+    from framework.strategy import reshard
 
     if not is_digits(module.dataset_info):
         return {}
     module.eval()
     pipe = Pipeline(module.model, module.objective, module.empty_text, module.dataset_info, module.device)
-    e = cfg.eval
+    e, rank0 = cfg.eval, trainer.global_rank == 0
     # The averaged weights when a plugin keeps them (plugins/ema.py), like framework.eval on the checkpoint.
-    with getattr(module, "averaged_weights", nullcontext)():
-        metrics = evaluate_digits(pipe, e.seeds, e.phrasings, e.steps, e.guidance, e.sampler, e.batch_size, run_dir / "eval" / "judged.png")
-    (run_dir / "eval" / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    try:
+        with getattr(module, "averaged_weights", nullcontext)():
+            metrics = evaluate_digits(pipe, e.seeds, e.phrasings, e.steps, e.guidance, e.sampler, e.batch_size,
+                                      run_dir / "eval" / "judged.png" if rank0 else None,
+                                      split_ranks=trainer.world_size > 1)
+    finally:
+        reshard(module.model)
+    if rank0:
+        (run_dir / "eval" / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        flat = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        for logger in trainer.loggers:
+            logger.log_metrics(flat, step=trainer.global_step)
+            logger.save()
     return metrics
+
+
+def finish_loggers(trainer: pl.Trainer) -> None:
+    """Close the W&B run, so its files are complete now and a later run in this process starts its own."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and trainer.global_rank == 0 and logger._experiment is not None:
+            logger.experiment.finish()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
     written = train(dcfg)
+    if rank_zero_only.rank != 0:  # one summary per job, from rank 0
+        return
     metrics = written.pop("eval", None)
     print("\nwrote:")
     for k, v in written.items():
