@@ -39,7 +39,8 @@ class StrategyConfig:
     sharded_checkpoint: bool = True
     """fsdp only: write checkpoints as a distributed-checkpoint folder (one file per rank); false: one file."""
     mixed_precision: bool = True
-    """fsdp on GPU: bf16 parameters in forward/backward with fp32 gradient reduction (MixedPrecisionPolicy)."""
+    """fsdp: gather parameters in the dtype of trainer.precision (bf16 for bf16-mixed, fp16 for 16-mixed,
+    none for 32-true) with fp32 gradient reduction (FSDP2 MixedPrecisionPolicy); false: always fp32."""
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:

@@ -95,7 +95,7 @@ class DiffusionModule(pl.LightningModule):
         prepare_blocks(self.model, s.activation_checkpointing, s.compile)
         if s.name == "fsdp":
             strategy = self.trainer.strategy
-            shard(self.model, self.device_mesh["data_parallel"], s.sharding, strategy.mixed_precision)
+            shard(self.model, self.device_mesh["data_parallel"], s.sharding, strategy.param_dtype)
 
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
@@ -144,13 +144,14 @@ class DiffusionModule(pl.LightningModule):
         pred = self.model(xt, t, text, mask, labels)  # (B, C, h, w)
         loss = F.mse_loss(pred.float(), target.float())
 
-        if not torch.isfinite(loss):
+        if not self._all_finite(loss):
             if not self.skip_nonfinite:
                 raise NonFiniteLossError(
-                    f"loss is {loss.item()} at step {self.global_step}; stopping with the last good checkpoint intact."
+                    f"loss is {loss.item()} (on rank {self.global_rank}, or another rank's loss is) at step "
+                    f"{self.global_step}; stopping with the last good checkpoint intact."
                     " Lower optimizer.lr, enable gradient clipping, or set trainer.skip_nonfinite=true to skip such steps."
                 )
-            # A skipped step does not advance global_step, so a run whose weights are already
+            # A skipped step does not change the weights, so a run whose weights are already
             # non-finite would loop forever: give up after a run of skips.
             self.consecutive_skips += 1
             if self.consecutive_skips > MAX_CONSECUTIVE_SKIPS:
@@ -158,12 +159,35 @@ class DiffusionModule(pl.LightningModule):
                     f"{self.consecutive_skips} consecutive non-finite losses at step {self.global_step}: the weights"
                     " are likely broken; resume from an earlier checkpoint with a lower optimizer.lr."
                 )
-            return None  # Lightning skips backward and the optimizer step
+            if self.trainer.world_size == 1:
+                return None  # Lightning skips backward and the optimizer step
+            # Lightning refuses None with several ranks, and every rank must run the same backward
+            # collectives: backward runs, and on_before_optimizer_step drops the gradients on all ranks.
+            self._drop_gradients = True
+            return loss
         self.consecutive_skips = 0
         # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
         self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0],
                  sync_dist=self.trainer.world_size > 1)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a non-finite micro-batch on any rank (several ranks only): no parameter changes this step.
+
+        Gradients set to None make AdamW and CAME leave those parameters, and their state, untouched;
+        the whole accumulation window is dropped. (Under 16-mixed the GradScaler also sees the inf/NaN.)
+        """
+        if getattr(self, "_drop_gradients", False):
+            optimizer.zero_grad(set_to_none=True)
+            self._drop_gradients = False
+
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every rank: ranks must agree to skip a step, or the ones that
+        skip backward leave the others waiting in a gradient collective forever."""
+        finite = torch.isfinite(loss.detach()).float()
+        if self.trainer.world_size > 1:
+            finite = self.trainer.strategy.reduce(finite, reduce_op="min")
+        return bool(finite)
 
     # ---- checkpoints --------------------------------------------------------------------
 

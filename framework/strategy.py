@@ -18,15 +18,15 @@ holds, from the real sharded tensors of a meta-device model on a fake process gr
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generator
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from torch import nn
 
-from framework.cli import uses_gpu
 from framework.models import Denoiser
 from framework.registry import register_suite
 
@@ -59,14 +59,37 @@ def prepare_blocks(denoiser: Denoiser, activation_checkpointing: bool, compile: 
             unit.compile()
 
 
-def shard(denoiser: Denoiser, mesh: Any, sharding: str, mixed_precision: bool) -> Denoiser:
+# Lightning precision -> the dtype FSDP2 casts parameters to for forward/backward (None: no cast).
+_PARAM_DTYPES: dict[str, torch.dtype | None] = {
+    "32-true": None, "32": None, "64-true": None, "64": None,
+    "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+    # "-true" precisions already convert the parameters themselves; there is nothing left to cast.
+    "bf16-true": None, "16-true": None,
+}
+
+
+def fsdp_param_dtype(precision: str | None, mixed_precision: bool = True) -> torch.dtype | None:
+    """The compute dtype of sharded parameters for `trainer.precision`, so fsdp computes as one device would.
+
+    bf16-mixed / 16-mixed: parameters are gathered in bf16 / fp16 (half the all-gather traffic) while
+    the sharded fp32 master weights and the optimizer stay fp32; 32-true: fp32 throughout.
+    strategy.mixed_precision=false keeps fp32 parameters under autocast (autocast still casts per op).
+    """
+    key = str(precision or "32-true")
+    if key not in _PARAM_DTYPES:
+        raise ValueError(f"trainer.precision={precision!r} is not supported with strategy=fsdp; "
+                         f"use one of {sorted(_PARAM_DTYPES)}")
+    return _PARAM_DTYPES[key] if mixed_precision else None
+
+
+def shard(denoiser: Denoiser, mesh: Any, sharding: str, param_dtype: torch.dtype | None) -> Denoiser:
     """fully_shard every block, then the root, on the 1-D data-parallel `mesh` (in place)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding == "FULL_SHARD"}
-    if mixed_precision:
-        # Gradients are reduced in fp32 so that summing many ranks' bf16 gradients loses nothing.
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if param_dtype is not None:
+        # Gradients are reduced in fp32 so that summing many ranks' low-precision gradients loses nothing.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for unit in shard_units(denoiser):
         fully_shard(unit, **kwargs)
     fully_shard(denoiser, **kwargs)
@@ -79,11 +102,33 @@ def shard(denoiser: Denoiser, mesh: Any, sharding: str, mixed_precision: bool) -
 
 
 class FSDPStrategy(ModelParallelStrategy):
-    """ModelParallelStrategy on a pure data-parallel mesh, with swap-in-place sharded checkpoints."""
+    """ModelParallelStrategy on a pure data-parallel mesh, with swap-in-place sharded checkpoints.
 
-    def __init__(self, sharding: str, mixed_precision: bool, sharded_checkpoint: bool = True) -> None:
+    `param_dtype`: what FSDP2 casts parameters to in forward/backward (fsdp_param_dtype).
+    """
+
+    def __init__(self, sharding: str, param_dtype: torch.dtype | None, sharded_checkpoint: bool = True) -> None:
         super().__init__(save_distributed_checkpoint=sharded_checkpoint)
-        self.sharding, self.mixed_precision = sharding, mixed_precision
+        self.sharding, self.param_dtype = sharding, param_dtype
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient reduce-scatter on the micro-batches that only accumulate.
+
+        Lightning calls this around every non-final micro-batch of `accumulate_grad_batches`, but its
+        own version only knows DDP's no_sync; FSDP2's switch is set_requires_gradient_sync. Gradients
+        then accumulate unsharded and are reduce-scattered once, in the last micro-batch's backward.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        roots = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        for m in roots:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for m in roots:
+                m.set_requires_gradient_sync(True, recurse=False)
 
     def setup_environment(self) -> None:
         # All ranks of all nodes form one data-parallel dimension (no tensor parallelism).
@@ -119,14 +164,15 @@ def swap_in(tmp: Path, path: Path, old: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def build_strategy(cfg: Any, accelerator: str) -> Strategy | str:
-    """The Lightning strategy for `strategy.name` (cfg: StrategyConfig)."""
+def build_strategy(cfg: Any, precision: str) -> Strategy | str:
+    """The Lightning strategy for `strategy.name` (cfg: StrategyConfig) at the run's resolved `precision`."""
     if cfg.name == "single":
         return "auto"
     if cfg.name == "ddp":
         # Frozen parameters (requires_grad=False) are skipped by DDP's reducer, so no unused-parameter search.
         return DDPStrategy(find_unused_parameters=False)
-    return FSDPStrategy(cfg.sharding, mixed_precision=cfg.mixed_precision and uses_gpu(accelerator), sharded_checkpoint=cfg.sharded_checkpoint)
+    return FSDPStrategy(cfg.sharding, fsdp_param_dtype(precision, cfg.mixed_precision),
+                        sharded_checkpoint=cfg.sharded_checkpoint)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +215,7 @@ def sharded_memory_report(model_cfg: Any, world_size: int, sharding: str = "SHAR
         try:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shard(model, init_device_mesh("cpu", (world_size,)), sharding, mixed_precision=False)
+            shard(model, init_device_mesh("cpu", (world_size,)), sharding, param_dtype=None)
             local = sum(_local_numel(p) for p in model.parameters() if p.requires_grad)
         finally:
             dist.destroy_process_group()

@@ -106,7 +106,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
 
         callbacks = [*callbacks, SubmititPreemption()]
     return pl.Trainer(
-        strategy=build_strategy(cfg.strategy, t.accelerator),
+        strategy=build_strategy(cfg.strategy, default_precision(cfg)),
         plugins=build_plugins(cfg),
         max_steps=t.max_steps,
         devices=t.devices,

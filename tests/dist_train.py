@@ -4,7 +4,10 @@ Lightning's launcher re-runs this same command for the other ranks, so every ran
 Each rank writes run.dir/probe_rank<r>.json: the sample keys of each step's batch and, after the
 last step, every parameter's type (DTensor or not), local/global shape, whether it trains, has a
 gradient and has optimizer state. PROBE_FREEZE=<prefix> freezes the parameters whose name starts
-with it before the model is sharded (a stage that trains only some parameters).
+with it before the model is sharded (a stage that trains only some parameters). It also records,
+per micro-batch, how many gradient reduce-scatters its backward ran, per optimizer step whether
+it was skipped (gradients dropped after a non-finite loss on some rank);
+PROBE_POISON=<rank>:<micro-batch> puts a NaN into that rank's micro-batch (a bad sample on one rank).
 """
 
 from __future__ import annotations
@@ -22,20 +25,49 @@ from framework import train as train_lib
 class Probe(pl.Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.keys = run_dir, {}
+        self.micro, self.reduce_scatters, self.skipped = 0, [], []
+        self._rs_calls = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import torch.distributed as dist
+
         prefix = os.environ.get("PROBE_FREEZE")
         if prefix:
             for name, p in pl_module.model.named_parameters():
                 if name.startswith(prefix):
                     p.requires_grad_(False)
+        # FSDP2 reduce-scatters gradients through dist.reduce_scatter_single: count the calls.
+        original = dist.reduce_scatter_single
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._rs_calls += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counted
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         self.keys[trainer.global_step] = list(batch["key"])
+        self._rs_in_backward = 0
+        poison = os.environ.get("PROBE_POISON")
+        if poison and tuple(map(int, poison.split(":"))) == (trainer.global_rank, self.micro):
+            batch["latents"][0, 0, 0, 0] = float("nan")
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._rs_before = self._rs_calls
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rs_in_backward = self._rs_calls - self._rs_before
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.reduce_scatters.append(self._rs_in_backward)
+        self.micro += 1
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # After backward (parameters resharded, gradients present), before the step; state from earlier steps.
         from torch.distributed.tensor import DTensor
+
+        # Callbacks run before the module's hook: whether the module will drop this step's gradients.
+        self.skipped.append(bool(getattr(pl_module, "_drop_gradients", False)))
 
         state = optimizer.state
         self.params = {
@@ -46,7 +78,8 @@ class Probe(pl.Callback):
         }
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        out = {"world_size": trainer.world_size, "keys": self.keys, "params": getattr(self, "params", {})}
+        out = {"world_size": trainer.world_size, "keys": self.keys, "params": getattr(self, "params", {}),
+               "reduce_scatters": self.reduce_scatters, "skipped": self.skipped}
         (self.run_dir / f"probe_rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 

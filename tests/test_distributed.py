@@ -242,3 +242,52 @@ def test_sharded_folder_exports_and_samples(runs, tmp_path):
         torch.testing.assert_close(exported[k[len("net."):]], v, rtol=0, atol=0)
     pipe = Pipeline.from_checkpoint(folder)
     assert pipe.generate(["a handwritten 3"], steps=1).shape == (1, 1, 8, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient accumulation and non-finite steps under fsdp
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fsdp_more")
+    out = {name: root / name for name in ("acc_ref", "acc", "poison")}
+    acc = ["trainer.accumulate_grad_batches=2", f"trainer.max_steps={STEPS}"]
+    run_train(out["acc_ref"], digits_shards, "data.batch_size=8", *acc)
+    run_train(out["acc"], digits_shards, *fsdp(batch=4), *acc)
+    # Rank 1's third micro-batch holds a NaN; rank 0's is clean.
+    run_train(out["poison"], digits_shards, *fsdp(), "trainer.skip_nonfinite=true", f"trainer.max_steps={STEPS}",
+              "trainer.checkpoint_every_n_steps=1", env={"PROBE_POISON": "1:2"})
+    return out
+
+
+def test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step(fsdp_runs):
+    ref, got = losses(fsdp_runs["acc_ref"]), losses(fsdp_runs["acc"])
+    assert sorted(got) == list(range(STEPS))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
+                               torch.tensor([ref[s] for s in range(STEPS)]), **TOL)
+    wr = weights(fsdp_runs["acc_ref"] / "checkpoints" / "last.ckpt")
+    wg = weights(fsdp_runs["acc"] / "checkpoints" / "last.ckpt")
+    for k in wr:
+        torch.testing.assert_close(wg[k], wr[k], **WTOL)
+    for rank in (0, 1):
+        rs = probe(fsdp_runs["acc"], rank)["reduce_scatters"]
+        assert len(rs) == 2 * STEPS
+        assert rs[0::2] == [0] * STEPS, f"rank {rank} reduce-scattered on an accumulating micro-batch: {rs}"
+        assert all(n > 0 for n in rs[1::2]), rs
+
+
+def test_a_nonfinite_loss_on_one_rank_skips_the_step_on_every_rank(fsdp_runs):
+    run = fsdp_runs["poison"]
+    for rank in (0, 1):
+        assert probe(run, rank)["skipped"] == [False, False, True, False], rank
+    meta = torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
+    assert meta["global_step"] == STEPS
+    # The skipped step (the third) changed no weight; every weight is finite at the end.
+    ckpts = run / "checkpoints"
+    before, after = weights(ckpts / "step0000002.ckpt"), weights(ckpts / "step0000003.ckpt")
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+    assert all(torch.isfinite(v).all() for v in weights(run / "checkpoints" / "last.ckpt").values())
+    assert sorted(losses(run)) == [0, 1, 3]
