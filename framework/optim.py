@@ -32,7 +32,8 @@ class OptimizerConfig:
     clip_threshold: float = 1.0
     """came/came8bit: the normalised update is scaled down until its RMS is at most this."""
     block_size: int = 2048
-    """came8bit: elements per quantization block of the 8-bit first moment (one fp32 min and scale each)."""
+    """came8bit: at most this many elements per quantization block of the 8-bit first moment (one fp32 min and
+    scale each); each matrix row is cut into equal blocks, so the layout is the same on any number of ranks."""
     min_8bit_size: int = 16384
     """came8bit: matrices with more elements than this keep their first moment in 8 bits; smaller stay fp32."""
     warmup_steps: int = 0
