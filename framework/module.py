@@ -164,6 +164,8 @@ class DiffusionModule(pl.LightningModule):
             # Lightning refuses None with several ranks, and every rank must run the same backward
             # collectives: backward runs, and on_before_optimizer_step drops the gradients on all ranks.
             self._drop_gradients = True
+            # Logged as the non-finite value it is (Lightning would otherwise repeat the last step's loss).
+            self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=x0.shape[0], sync_dist=True)
             return loss
         self.consecutive_skips = 0
         # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
