@@ -195,6 +195,15 @@ def to_object(cfg: DictConfig) -> TrainConfig:
 def validate(cfg: TrainConfig) -> None:
     """Checks that need more than one group."""
     m = cfg.model
+    t = cfg.trainer
+    n_devices = len(t.devices) if isinstance(t.devices, (list, tuple)) else t.devices
+    if cfg.strategy.name == "single" and ((isinstance(n_devices, int) and n_devices > 1) or t.num_nodes > 1):
+        raise ValueError(f"strategy=single runs on one device but trainer.devices={t.devices}, "
+                         f"trainer.num_nodes={t.num_nodes}; use strategy=ddp or strategy=fsdp for several devices")
+    if cfg.strategy.name == "fsdp":
+        from framework.strategy import fsdp_param_dtype
+
+        fsdp_param_dtype(t.precision, cfg.strategy.mixed_precision)  # refuses a precision fsdp cannot follow
     if cfg.sample.sampler is not None:
         check_sampler(cfg.objective.name, cfg.sample.sampler)
     if cfg.eval.sampler is not None:

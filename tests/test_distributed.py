@@ -294,3 +294,16 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_on_every_rank(fsdp_runs):
     logged = losses(run)
     assert sorted(logged) == list(range(STEPS))
     assert [math.isfinite(logged[s]) for s in range(STEPS)] == [True, True, False, True]
+
+
+@pytest.mark.parametrize("precision,mixed,dtype", [
+    ("32-true", True, None), (None, True, None), ("bf16-mixed", True, torch.bfloat16),
+    ("16-mixed", True, torch.float16), ("bf16-mixed", False, None), ("bf16-true", True, None),
+])
+def test_fsdp_parameter_dtype_follows_trainer_precision(precision, mixed, dtype):
+    from framework.config import StrategyConfig
+    from framework.strategy import build_strategy
+
+    # The accelerator plays no part: a 32-true run on a GPU computes in fp32 like one device would.
+    strategy = build_strategy(StrategyConfig(name="fsdp", mixed_precision=mixed), precision)
+    assert strategy.param_dtype == dtype

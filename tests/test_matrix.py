@@ -1,0 +1,92 @@
+"""The combinations a user tries, each through the real command, `python -m framework.train`.
+
+Every strategy on 1 and 2 devices, every logger, the plugins and the 8-bit optimizer under fsdp:
+a few steps each, with a sample grid mid-run and the final evaluation on, so a crash anywhere
+(start-up, a grid, a checkpoint, the evaluation, closing the logger) fails here. Each row also
+checks what that combination must leave behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import losses
+from tests.wandb_records import history, run_ids, wait_for_exit
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+# (id, strategy, devices, logger, extra overrides)
+MATRIX = [
+    ("single-1-csv", "single", 1, "csv", []),
+    ("single-1-wandb", "single", 1, "wandb", []),
+    ("single-1-none", "single", 1, "none", []),
+    ("ddp-1-wandb", "ddp", 1, "wandb", []),
+    ("ddp-2-csv", "ddp", 2, "csv", []),
+    ("ddp-2-none", "ddp", 2, "none", ["trainer.accumulate_grad_batches=2"]),
+    ("fsdp-1-none", "fsdp", 1, "none", []),
+    ("fsdp-2-wandb", "fsdp", 2, "wandb", ["strategy.sharding=FULL_SHARD"]),
+    ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
+     ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
+      "trainer.accumulate_grad_batches=2"]),
+]
+
+
+def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: str, extra: list[str]) -> str:
+    tmp = run_dir.parent / f"{run_dir.name}_tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "framework.train", f"run.dir={run_dir}", f"data.path={data}", f"data.local={tmp / 'cache'}",
+        f"strategy={strategy}", f"trainer.devices={devices}", f"logger={logger}", "trainer.accelerator=cpu",
+        f"data.batch_size={16 // devices}", f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1",
+        "trainer.checkpoint_every_n_steps=2", "trainer.enable_progress_bar=false",
+        "sample.every_n_steps=2", "sample.per_prompt=1", "sample.steps=2", "sample.prompts=[a handwritten 3,a handwritten 7]",
+        "eval.at_end=true", "eval.seeds=1", "eval.phrasings=1", "eval.steps=2", *extra,
+    ]
+    env = {**os.environ, "TMPDIR": str(tmp), "HOME": str(tmp / "home"), "WANDB_SILENT": "true"}
+    for k in [k for k in env if k.startswith("WANDB_") and k != "WANDB_SILENT"]:
+        env.pop(k)  # offline: no API key
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("strategy,devices,logger,extra", [m[1:] for m in MATRIX], ids=[m[0] for m in MATRIX])
+def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, digits_shards, strategy, devices, logger, extra):
+    run_dir = tmp_path / "run"
+    stdout = run_command(run_dir, digits_shards, strategy, devices, logger, extra)
+
+    # One summary, from rank 0, ending with the metrics line.
+    last = stdout.strip().splitlines()[-1]
+    metrics = json.loads(last)
+    assert 0.0 <= metrics["prompt_accuracy"] <= 1.0 and metrics["num_images"] == 10
+    assert stdout.count("prompt_accuracy ") == 1
+    assert json.loads((run_dir / "eval" / "metrics.json").read_text()) == metrics
+    assert (run_dir / "eval" / "judged.png").is_file()
+    assert sorted(p.name for p in (run_dir / "samples").glob("*.png")) == ["step0000002.png", "step0000004.png"]
+    last_ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert last_ckpt.exists()
+    assert last_ckpt.is_dir() == (strategy == "fsdp"), "fsdp writes a sharded folder, the others one file"
+
+    if logger == "csv":
+        assert sorted(losses(run_dir)) == list(range(STEPS))
+    else:
+        assert not (run_dir / "metrics.csv").exists()
+    if logger == "wandb":
+        (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # one W&B run, from rank 0
+        wait_for_exit(log)
+        assert run_ids(log) == [(run_dir / "wandb_id.txt").read_text().strip()]
+        rows = history(log)
+        assert sorted(r["trainer/global_step"] for r in rows if "train/loss" in r) == list(range(STEPS))
+        assert any("eval/prompt_accuracy" in r for r in rows)
+        assert sum(r.get("samples/_type") == "images/separated" for r in rows) == 2
+    else:
+        assert not (run_dir / "wandb").exists()
