@@ -24,8 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from framework.shards import INDEX_FILE, VALIDATE_MODES, check_shards
+
 DATASET_FILE = "dataset.json"
-INDEX_FILE = "index.json"
 
 # ---------------------------------------------------------------------------------------------
 # Configs
@@ -34,7 +35,18 @@ INDEX_FILE = "index.json"
 
 @dataclass
 class DataConfig:
-    """Where the latent shards are and how to stream them."""
+    """Where the latent shards are and how to stream them.
+
+    `validate` is the start-up check of the shard files on disk (framework/shards.py), run in setup()
+    on every rank before Streaming reads anything. It covers every file present in the dataset folder
+    and in the `local` cache, the .mds.zstd and the .mds that Streaming decompresses from it (which
+    Streaming itself never re-checks), against index.json. A bad file fails with its path and the cure.
+      auto  (default) "hash" while the present shard files total at most 4 GiB, else "size"
+      hash  size, .mds header and the xxh64 recorded by the writer: catches any changed byte
+      size  size and .mds header (sample count, offset table): catches truncation and header damage
+            by reading 4 bytes per sample, but not bytes flipped inside sample data
+      none  no check
+    """
 
     path: str = "data/digits"  # dataset folder or any remote Streaming supports (s3://, gs://, ...)
     local: Optional[str] = None  # local cache folder; required for remote paths, optional for local ones
@@ -47,7 +59,7 @@ class DataConfig:
     cache_limit: Optional[str] = None  # cap on the local cache for remote data ("10gb"); null = no cap
     num_canonical_nodes: Optional[int] = None  # Streaming's shuffle/partition unit; null = its default
     persistent_workers: bool = False  # keep workers alive between epochs (needs num_workers > 0)
-    validate: str = "size"  # start-up shard check for local data: "none", "size" (cheap) or "hash" (xxh64)
+    validate: str = "auto"  # start-up shard check: auto, hash, size or none (see above)
     prepare: Optional[dict[str, Any]] = None  # a data_prep PrecomputeConfig: build `path` if it is missing
 
     def __post_init__(self) -> None:
@@ -55,8 +67,8 @@ class DataConfig:
             raise ValueError(f"data.batch_size={self.batch_size}: must be >= 1 (it is the per-device batch).")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0.")
-        if self.validate not in ("none", "size", "hash"):
-            raise ValueError(f"data.validate={self.validate!r}: use none, size or hash.")
+        if self.validate not in VALIDATE_MODES:
+            raise ValueError(f"data.validate={self.validate!r}: use one of {', '.join(VALIDATE_MODES)}.")
         if _is_remote(self.path) and not self.local:
             raise ValueError(f"data.path={self.path} is remote: set data.local=DIR as the local cache.")
         if self.persistent_workers and self.num_workers == 0:
@@ -90,7 +102,7 @@ def _is_remote(path: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# dataset.json and shard checks
+# dataset.json and compatibility
 # ---------------------------------------------------------------------------------------------
 
 
@@ -164,34 +176,6 @@ def check_compatible(info: DatasetInfo, in_channels: int, sample_size: int, text
     if problems:
         raise ValueError(f"the model does not fit the dataset described by {info.path}: " + "; ".join(problems)
                          + ". Change the model config or point data.path at a dataset built for it.")
-
-
-def check_shards(path: str, mode: str = "size") -> None:
-    """Every shard listed in index.json exists with the recorded size (and hash, mode='hash')."""
-    if mode == "none":
-        return
-    root = Path(path).expanduser()
-    index_file = root / INDEX_FILE
-    try:
-        index = json.loads(index_file.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{index_file} is missing; re-run data_prep.precompute.") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{index_file} is corrupt ({err}); re-run data_prep.precompute.") from None
-    for shard in index["shards"]:
-        entry = shard.get("zip_data") or shard["raw_data"]
-        file = root / entry["basename"]
-        if not file.is_file():
-            raise FileNotFoundError(f"shard {file} listed in {index_file} is missing.")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise ValueError(f"shard {file} is corrupt: {size} bytes on disk, {entry['bytes']} expected "
-                             f"(truncated or overwritten). Re-run data_prep.precompute into a new folder.")
-        if mode == "hash" and "xxh64" in entry.get("hashes", {}):
-            import xxhash
-
-            if xxhash.xxh64(file.read_bytes()).hexdigest() != entry["hashes"]["xxh64"]:
-                raise ValueError(f"shard {file} is corrupt: its xxh64 hash differs from {index_file}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +294,11 @@ class LatentDataModule(L.LightningDataModule):
             remote, local = cfg.path, cfg.local  # Streaming copies/downloads shards into `local`
         else:
             remote, local = None, cfg.path
-        if not _is_remote(cfg.path):
-            check_shards(cfg.path, cfg.validate)
+        dataset = None if _is_remote(cfg.path) else Path(cfg.path).expanduser()
+        cache = Path(cfg.local).expanduser() if cfg.local else None
+        if cache is not None and dataset is not None and cache.resolve() == dataset.resolve():
+            cache = None  # data.local = data.path: read in place
+        check_shards(dataset, cache, cfg.path, cfg.validate)
         try:
             return StreamingDataset(
                 remote=remote, local=str(Path(local).expanduser()) if local else local,

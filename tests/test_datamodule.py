@@ -8,17 +8,20 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
 
+import framework.shards
 from data_prep.encoders import load_image_codec
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import DIGIT_WORDS, load_digits
 from framework.data import (DataConfig, LatentDataModule, apply_caption_dropout, check_compatible,
                             measure_loader_throughput, read_dataset_info)
+from framework.shards import check_shards
 from tests.conftest import make_image_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,22 +124,102 @@ def test_missing_dataset_and_corrupt_shards(digits_shards, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a LatentForge dataset.*data_prep.precompute"):
         read_dataset_info(str(tmp_path / "nothing"))
     copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
-    shard = next(copy.glob("rank_*/shard.*"))
+    shard = next(copy.glob("rank_*/shard.*.mds.zstd"))  # a fresh dataset holds only compressed shards
     data = shard.read_bytes()
     shard.write_bytes(data[:-10])  # truncated
-    with pytest.raises(ValueError, match=f"shard {shard} is corrupt"):
-        LatentDataModule(DataConfig(path=str(copy))).setup("fit")
-    flipped = bytearray(data)
-    flipped[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(flipped))  # same size, different bytes: only the hash sees it
-    with pytest.raises(ValueError, match="xxh64 hash differs"):
-        LatentDataModule(DataConfig(path=str(copy), validate="hash")).setup("fit")
+    with pytest.raises(ValueError, match=f"shard {shard} is corrupt: {len(data) - 10} bytes on disk.*precompute"):
+        LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
+    shard.write_bytes(flip(data, len(data) // 2))  # same size, different bytes: only the hash sees it
+    LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")  # (nothing read yet)
+    with pytest.raises(ValueError, match=f"shard {shard} is corrupt: its xxh64 hash differs.*precompute"):
+        LatentDataModule(DataConfig(path=str(copy))).setup("fit")  # validate=auto hashes a dataset this small
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"shard {shard} listed in .* is missing"):
         LatentDataModule(DataConfig(path=str(copy))).setup("fit")
     (copy / "dataset.json").write_text("{not json")
     with pytest.raises(ValueError, match="dataset.json is corrupt"):
         read_dataset_info(str(copy))
+
+
+def flip(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0xFF
+    return bytes(out)
+
+
+def read_batch(path: Path, local: Optional[Path] = None, **kw) -> dict:
+    """One batch through a fresh data module, so Streaming decompresses (or copies) the shard."""
+    dm = LatentDataModule(DataConfig(path=str(path), local=str(local) if local else None, batch_size=16,
+                                     shuffle=False, **kw), seed=0)
+    dm.setup("fit")
+    return next(iter(dm.train_dataloader()))
+
+
+def test_corrupt_decompressed_shard_fails_at_setup(digits_shards, tmp_path):
+    """Streaming decompresses shard.00000.mds.zstd into shard.00000.mds beside it and then reads the .mds
+    unchecked; a flipped byte in it used to end training mid-epoch with an IndexError from Streaming."""
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    expected = read_batch(copy)["key"]
+    mds = next(copy.glob("rank_*/shard.*.mds"))  # written by Streaming just now
+    intact = mds.read_bytes()
+    mds.write_bytes(flip(intact, len(intact) // 2))
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its xxh64 hash differs from the one in "
+                                         f"{copy / 'index.json'}.*Delete it: Streaming decompresses it again"):
+        LatentDataModule(DataConfig(path=str(copy))).setup("fit")
+    mds.unlink()  # the advice works: the .mds is rebuilt from the intact .zstd
+    assert read_batch(copy)["key"] == expected and mds.read_bytes() == intact
+    Path(f"{mds}.zstd").unlink()  # reading in place, Streaming would delete the .mds and skip the shard
+    with pytest.raises(FileNotFoundError, match=f"shard {mds}.zstd listed in .* is missing \\(the {mds.name} "):
+        LatentDataModule(DataConfig(path=str(copy))).setup("fit")
+
+
+def test_corrupt_cache_shard_fails_at_setup(digits_shards, tmp_path):
+    cache = tmp_path / "cache"
+    expected = read_batch(digits_shards, cache)["key"]
+    mds = next(cache.glob("rank_*/shard.*.mds"))  # copied and decompressed by Streaming
+    mds.write_bytes(flip(mds.read_bytes(), 20_000))
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its xxh64.*Delete it: Streaming fetches it "
+                                         f"again from {digits_shards}"):
+        LatentDataModule(DataConfig(path=str(digits_shards), local=str(cache))).setup("fit")
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt"):  # a remote dataset's cache is checked too
+        check_shards(None, cache, "s3://bucket/digits", "hash")
+    mds.unlink()
+    assert read_batch(digits_shards, cache)["key"] == expected
+
+
+def test_size_check_reads_mds_header(digits_shards, tmp_path, monkeypatch):
+    """validate=size (and auto above its limit) compares sizes and the .mds header with index.json:
+    it catches truncation and a damaged offset table, not bytes flipped inside sample data."""
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    read_batch(copy)
+    mds = next(copy.glob("rank_*/shard.*.mds"))
+    intact = mds.read_bytes()
+    mds.write_bytes(intact[:-100])
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: {len(intact) - 100} bytes on disk"):
+        LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
+    mds.write_bytes(flip(intact, 4 + 4 * 100 + 3))  # the high byte of sample 100's offset
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its table of sample offsets is damaged"):
+        LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
+    mds.write_bytes(flip(intact, 4 + 4 * 4314 + 3))  # the high byte of the end-of-data offset
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its offset table ends at byte .* has {len(intact)}"):
+        LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
+    mds.write_bytes(flip(intact, 0))  # the sample count
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its header counts .* samples, .* 4314"):
+        LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
+    mds.write_bytes(flip(intact, len(intact) // 2))
+    LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")  # sizes and header are intact
+    monkeypatch.setattr(framework.shards, "AUTO_HASH_LIMIT", len(intact))  # below this dataset's ~24 MB
+    LatentDataModule(DataConfig(path=str(copy), validate="auto")).setup("fit")
+
+
+def test_cache_of_another_dataset_fails(digits_shards, tmp_path):
+    cache = tmp_path / "cache"
+    read_batch(digits_shards, cache)
+    index = json.loads((cache / "index.json").read_text())
+    index["shards"][0]["samples"] -= 1  # stands for any other dataset's index
+    (cache / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"the cache {cache} \\(data.local\\) holds another dataset.*Delete {cache}"):
+        LatentDataModule(DataConfig(path=str(digits_shards), local=str(cache))).setup("fit")
 
 
 # ---------------------------------------------------------------------------------------------

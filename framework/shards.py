@@ -1,0 +1,186 @@
+"""Start-up checks of MDS shard files: a corrupt or truncated shard fails before training, naming the file.
+
+Streaming trusts the shard files it finds on disk. It decompresses `shard.NNNNN.mds.zstd` into
+`shard.NNNNN.mds` beside it (in the dataset folder when a local dataset is read in place, in the
+`data.local` cache otherwise) and from then on reads that `.mds` without looking at it again, so a
+damaged file only surfaces mid-epoch, as an IndexError or a decode error from deep inside Streaming.
+Its own `validate_hash` checks a file only while downloading or decompressing it. This module fills
+that gap: before the StreamingDataset is built, every shard file present on disk, compressed or not,
+in the dataset folder and in the cache, is compared with what index.json records for it. MDSWriter
+records the size of both files of a shard (`raw_data`: the .mds, `zip_data`: the .mds.zstd) and, with
+`hashes=["xxh64"]` as data_prep.precompute writes them, an xxh64 of each.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+INDEX_FILE = "index.json"
+VALIDATE_MODES = ("auto", "hash", "size", "none")
+
+# validate=auto hashes every present shard file while together they hold at most this many bytes:
+# xxh64 runs at several GB/s, so that costs seconds at most. Above it (TB-scale datasets) hashing at
+# every start, resumes included, would take minutes, and auto checks sizes and .mds headers instead.
+AUTO_HASH_LIMIT = 4 * 2**30
+
+REBUILD = "Re-run `python -m data_prep.precompute` into a new folder (or restore this file from a copy)"
+
+
+@dataclass
+class ShardFile:
+    """One shard file on disk, what index.json says about it, and what to do when it is bad."""
+
+    file: Path
+    entry: dict  # index.json's raw_data or zip_data entry: basename, bytes, hashes
+    samples: Optional[int]  # for an .mds file (not its .zstd): the sample count its header must hold
+    fix: str
+
+
+# ---------------------------------------------------------------------------------------------
+# The three checks of one file, cheapest first; each returns the problem in words, or None
+# ---------------------------------------------------------------------------------------------
+
+
+def _size_problem(f: ShardFile, index_file: Path) -> Optional[str]:
+    size = f.file.stat().st_size
+    if size != f.entry["bytes"]:
+        return f"{size} bytes on disk, {f.entry['bytes']} expected by {index_file} (truncated or overwritten)"
+    return None
+
+
+def _header_problem(f: ShardFile, index_file: Path) -> Optional[str]:
+    """An .mds file starts with its sample count n (uint32), then n + 1 uint32 offsets: where each
+    sample starts and, last, where the data ends (= the file size); the writer's config JSON sits
+    between the table and the first sample. Layout from Streaming's MDSWriter.encode_joint_shard and
+    MDSReader.get_sample_data. Reading it costs 4 (n + 2) bytes and catches a wrong count and an
+    offset table that no longer rises to the end of the file; bytes flipped inside sample data, or an
+    offset moved by less than a sample's length, only change the hash."""
+    with open(f.file, "rb") as fh:
+        head = fh.read(4)
+        count = int(np.frombuffer(head, np.uint32)[0]) if len(head) == 4 else None
+        if count != f.samples:
+            return f"its header counts {count} samples, {index_file} {f.samples} (header overwritten)"
+        offsets = np.frombuffer(fh.read(4 * (count + 1)), np.uint32).astype(np.int64)
+    size = f.file.stat().st_size
+    if len(offsets) != count + 1 or offsets[0] < 4 * (count + 2) or (np.diff(offsets) < 0).any():
+        return "its table of sample offsets is damaged (offsets out of order or inside the header)"
+    if offsets[-1] != size:
+        return f"its offset table ends at byte {offsets[-1]} but the file has {size} bytes"
+    return None
+
+
+def _hash_problem(f: ShardFile, index_file: Path) -> Optional[str]:
+    hashes = f.entry.get("hashes") or {}
+    algo = "xxh64" if "xxh64" in hashes else next(iter(hashes), None)  # xxh64 is the fast one
+    if algo is None:
+        return None  # the writer recorded no hash: size and header are all there is to check
+    if algo.startswith("xxh"):
+        import xxhash
+
+        digest = getattr(xxhash, algo)()
+    else:
+        digest = hashlib.new(algo)
+    with open(f.file, "rb") as fh:
+        while chunk := fh.read(1 << 24):  # 16 MiB at a time: shards may be larger than memory allows
+            digest.update(chunk)
+    if digest.hexdigest() != hashes[algo]:
+        return f"its {algo} hash differs from the one in {index_file} (bytes changed in place)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Which files to check
+# ---------------------------------------------------------------------------------------------
+
+
+def read_index(index_file: Path, fix: str = REBUILD) -> dict:
+    try:
+        return json.loads(index_file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{index_file} is missing. {fix}.") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{index_file} is corrupt ({err}). {fix}.") from None
+
+
+def shard_files(index: dict, index_file: Path, dataset: Optional[Path], cache: Optional[Path],
+                source: str) -> list[ShardFile]:
+    """The shard files present on disk, each shard's compressed file before its .mds.
+
+    The dataset folder must hold the file Streaming takes each shard from: the .mds.zstd (the .mds is
+    made from it when first needed) or, for an uncompressed dataset, the .mds. In the cache any file
+    may be missing: Streaming fetches what it lacks from `source`, which is also the cure for a bad one.
+    """
+    files = []
+    for shard in index["shards"]:
+        raw, packed = shard["raw_data"], shard.get("zip_data")
+        samples = shard["samples"] if shard.get("format") == "mds" else None
+        if dataset is not None:
+            main = dataset / (packed or raw)["basename"]
+            unpacked = dataset / raw["basename"] if packed else None
+            if not main.is_file():
+                # Reading in place, Streaming deletes a .mds whose .zstd is gone and skips the shard.
+                note = f" (the {unpacked.name} beside it would be dropped)" if unpacked and unpacked.is_file() else ""
+                raise FileNotFoundError(f"shard {main} listed in {index_file} is missing{note}. {REBUILD}.")
+            files.append(ShardFile(main, packed or raw, None if packed else samples, REBUILD))
+            if unpacked and unpacked.is_file():  # checked after its .zstd, so it can be decompressed again
+                files.append(ShardFile(unpacked, raw, samples,
+                                       f"Delete it: Streaming decompresses it again from {main.name}"))
+        if cache is not None:
+            for e in (packed, raw):
+                if e and (cache / e["basename"]).is_file():
+                    files.append(ShardFile(cache / e["basename"], e, samples if e is raw else None,
+                                           f"Delete it: Streaming fetches it again from {source}"))
+    return files
+
+
+def check_same_dataset(index: dict, index_file: Path, cache: Path) -> None:
+    """Streaming reads the cache's own index.json whenever one is there and never compares it with the
+    dataset's, so a cache left by another dataset would silently serve that dataset's shards."""
+    cached_file = cache / INDEX_FILE
+    if not cached_file.is_file():
+        return
+    try:
+        cached = json.loads(cached_file.read_text())
+    except json.JSONDecodeError:
+        cached = None
+    if cached != index:
+        raise ValueError(f"the cache {cache} (data.local) holds another dataset: {cached_file} differs from "
+                         f"{index_file}. Delete {cache}, or set data.local to an empty folder, and Streaming "
+                         f"copies this dataset into it.")
+
+
+def check_shards(dataset: Optional[Path], cache: Optional[Path], source: str, mode: str = "auto") -> None:
+    """Raise one error naming the first missing or corrupt shard file, before Streaming reads any.
+
+    dataset: the dataset folder when it is on this machine (None for a remote dataset);
+    cache: the data.local folder, if any; source: data.path, named in the advice for cache files.
+    """
+    if mode == "none":
+        return
+    if dataset is not None:
+        # The merged index at the top, which Streaming reads; its basenames are relative to it
+        # (rank_00000/shard.00000.mds.zstd). The per-rank index.json files it was merged from are not read.
+        index_file = dataset / INDEX_FILE
+        index = read_index(index_file)
+        if cache is not None:
+            check_same_dataset(index, index_file, cache)
+    elif cache is not None and (cache / INDEX_FILE).is_file():
+        # A remote dataset: its cached index.json is what Streaming will read. (Comparing it with the
+        # remote one would cost a download on every rank at every start.)
+        index_file = cache / INDEX_FILE
+        index = read_index(index_file, f"Delete it: Streaming fetches it again from {source}")
+    else:
+        return  # nothing on disk yet: Streaming downloads it
+    files = shard_files(index, index_file, dataset, cache, source)
+    hash_all = mode == "hash" or (mode == "auto" and sum(f.entry["bytes"] for f in files) <= AUTO_HASH_LIMIT)
+    for f in files:
+        problem = (_size_problem(f, index_file)
+                   or (f.samples is not None and _header_problem(f, index_file))
+                   or (hash_all and _hash_problem(f, index_file)))
+        if problem:
+            raise ValueError(f"shard {f.file} is corrupt: {problem}. {f.fix}.")
