@@ -6,6 +6,8 @@ Suites:
              encoders, fp32 vs bf16-mixed, SDPA vs xformers, torch.compile, activation checkpointing
   data       the Streaming data module's samples/s from local shards, and bytes per sample
   memory     per-rank parameter + gradient + optimizer bytes under single / fsdp (framework/strategy.py)
+  init_memory  peak host memory per rank building + sharding a preset under fsdp: meta path vs whole
+             builds (framework/fsdp.py)
   optimizer  optimizer-state bytes per parameter, AdamW vs CAME vs CAME-8bit (plugins/came.py)
   ema        EMA cost per step before and after its start (plugins/ema.py)
   norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
@@ -303,6 +305,7 @@ register_suite("data", DataBench, bench_data)
 
 
 def main() -> None:
+    import framework.fsdp  # noqa: F401  (registers the init_memory suite)
     import framework.strategy  # noqa: F401  (registers the memory suite)
     import plugins  # noqa: F401  (plugins register their suites)
 

@@ -322,33 +322,118 @@ def build_denoiser(cfg: ModelConfig | DictConfig | dict) -> Denoiser:
 # init_from: loading weights
 # --------------------------------------------------------------------------------------------------
 
+def _backbone_subfolder(path: Path, family: str) -> str | None:
+    """Where a diffusers folder keeps the backbone: a whole pipeline's unet/ or transformer/, else the folder."""
+    if (path / "model_index.json").exists():
+        return "unet" if family == "unet" else "transformer"
+    return None
+
+
+def _ckpt_model_state(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The `model.*` weights of a Lightning .ckpt, keyed without that prefix."""
+    # Our checkpoints hold only tensors and plain values, so no pickled code needs to run.
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    state = {k[len("model."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
+    if not state:
+        raise ValueError(f"init_from={path}: no `model.*` weights in its state_dict; expected a LatentForge "
+                         "Lightning checkpoint.")
+    return state
+
+
 def _read_state_dict(path: Path, denoiser: Denoiser) -> dict[str, torch.Tensor]:
     """Denoiser-keyed (`net.*`) state dict from a diffusers folder, .safetensors or Lightning .ckpt."""
     if path.is_dir():
-        root, sub = path, None
-        if (path / "model_index.json").exists():  # a whole pipeline: take its backbone
-            sub = "unet" if denoiser.cfg.family == "unet" else "transformer"
+        cls = FAMILIES[denoiser.cfg.family]
         try:
-            net = FAMILIES[denoiser.cfg.family].from_pretrained(root, subfolder=sub, low_cpu_mem_usage=False)
+            net = cls.from_pretrained(path, subfolder=_backbone_subfolder(path, denoiser.cfg.family),
+                                      low_cpu_mem_usage=False)
         except Exception as err:
-            raise ValueError(f"init_from={path}: cannot load a {FAMILIES[denoiser.cfg.family].__name__} "
-                             f"from this folder ({err}).") from err
+            raise ValueError(f"init_from={path}: cannot load a {cls.__name__} from this folder ({err}).") from err
         state = net.state_dict()
     elif path.suffix == ".safetensors":
         from safetensors.torch import load_file
         state = load_file(str(path))
     elif path.suffix == ".ckpt":
-        # Our checkpoints hold only tensors and plain values, so no pickled code needs to run.
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        state = {k[len("model."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
-        if not state:
-            raise ValueError(f"init_from={path}: no `model.*` weights in its state_dict; expected a LatentForge "
-                             "Lightning checkpoint.")
+        state = _ckpt_model_state(path)
     else:
         raise ValueError(f"init_from={path}: expected a diffusers folder, a .safetensors file or a .ckpt.")
+    return _with_net_prefix(state)
+
+
+def _with_net_prefix(state: dict[str, Any]) -> dict[str, Any]:
+    """Denoiser keys (`net.*`) for a bare diffusers state dict; a Denoiser's own keys unchanged."""
     if not any(k.startswith("net.") for k in state):
-        state = {f"net.{k}": v for k, v in state.items()}  # a bare diffusers state dict
+        state = {f"net.{k}": v for k, v in state.items()}
     return state
+
+
+class _SafetensorsEntry:
+    """One tensor of an open .safetensors file: its shape now, its bytes only when sliced (`t[a:b]`)."""
+
+    def __init__(self, handle: Any, key: str) -> None:
+        self._handle, self._slice = handle, handle.get_slice(key)  # the handle keeps the file open
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._slice[index]
+
+
+def _open_safetensors(files: list[Path]) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    state: dict[str, Any] = {}
+    for file in files:
+        handle = safe_open(str(file), framework="pt")
+        state.update({k: _SafetensorsEntry(handle, k) for k in handle.keys()})
+    return state
+
+
+def _diffusers_safetensors(path: Path, family: str) -> list[Path]:
+    """The .safetensors weight files of a diffusers folder (one file, or shards listed by an index); [] if none."""
+    sub = _backbone_subfolder(path, family)
+    folder = path / sub if sub else path
+    single, index = folder / "diffusion_pytorch_model.safetensors", folder / "diffusion_pytorch_model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if index.exists():
+        import json
+
+        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return []
+
+
+def open_weights(path: str | Path, denoiser: Denoiser) -> dict[str, Any]:
+    """Like `_read_state_dict`, but lazily: each value has `.shape` and reads its bytes only when sliced.
+
+    For strategy=fsdp, where each rank reads only its own rows (framework/fsdp.py): .safetensors
+    files (also a diffusers folder's) through safetensors' slices, a .ckpt memory-mapped. A diffusers
+    folder without .safetensors weights falls back to the whole read of `_read_state_dict`.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"init_from={path} does not exist.")
+    if path.suffix == ".safetensors":
+        return _with_net_prefix(_open_safetensors([path]))
+    if path.suffix == ".ckpt":
+        # mmap: only the pages a rank slices are read (and the optimizer state in the file never is).
+        return _with_net_prefix(_ckpt_model_state(path, mmap=True))
+    files = _diffusers_safetensors(path, denoiser.cfg.family) if path.is_dir() else []
+    return _with_net_prefix(_open_safetensors(files)) if files else _read_state_dict(path, denoiser)
+
+
+def check_fits(state: dict[str, Any], denoiser: Denoiser, path: str | Path) -> None:
+    """Raise one clear error unless `state` (values with `.shape`) has exactly the keys and shapes of `denoiser`."""
+    own = denoiser.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"init_from={path} looks like a checkpoint from another model: it does not fit model "
+            f"{denoiser.cfg.name!r} (family {denoiser.cfg.family}). {len(missing)} missing keys "
+            f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}, {len(shapes)} shape "
+            f"mismatches {shapes[:3]}. Pick the model= preset the weights were trained with.")
 
 
 def load_weights(denoiser: Denoiser, path: str | Path) -> Denoiser:
@@ -357,17 +442,7 @@ def load_weights(denoiser: Denoiser, path: str | Path) -> Denoiser:
     if not path.exists():
         raise FileNotFoundError(f"init_from={path} does not exist.")
     state = _read_state_dict(path, denoiser)
-    own = denoiser.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in state and state[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"init_from={path} looks like a checkpoint from another model: it does not fit model "
-            f"{denoiser.cfg.name!r} (family {denoiser.cfg.family}). {len(missing)} missing keys "
-            f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}, {len(shapes)} shape "
-            f"mismatches {shapes[:3]}. Pick the model= preset the weights were trained with.")
+    check_fits(state, denoiser, path)
     denoiser.load_state_dict(state)
     return denoiser
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.data import drop_captions
-from framework.models import Denoiser, ModelConfig, build_denoiser
+from framework.models import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
 from framework.objectives import Objective, ObjectiveConfig
 from framework.optim import OptimizerConfig, build_optimizer, lr_lambda
 
@@ -41,10 +41,23 @@ class DiffusionModule(pl.LightningModule):
         skip_nonfinite: bool = False,
         config: dict[str, Any] | None = None,
         strategy: Any = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg, self.optimizer_cfg = model, optimizer
-        self.model: Denoiser = build_denoiser(model)
+        self.init_from = init_from  # weights only: a checkpoint, a .safetensors file or a diffusers folder
+        if strategy is not None and strategy.name == "fsdp":
+            # No rank holds the whole model: shapes only now, this rank's shards in configure_model,
+            # drawn from the RNG state the ordinary build would have started from (framework/fsdp.py).
+            from framework.fsdp import build_meta
+
+            self._init_rng_state: torch.Tensor | None = torch.get_rng_state()
+            self.model: Denoiser = build_meta(to_model_config(model))
+        else:
+            self._init_rng_state = None
+            self.model = build_denoiser(model)
+            if init_from:
+                load_weights(self.model, init_from)
         self.objective = Objective(objective)
         self.max_steps, self.seed, self.skip_nonfinite = max_steps, seed, skip_nonfinite
         self.config = config or {}  # the resolved run config, stored in every checkpoint
@@ -85,6 +98,7 @@ class DiffusionModule(pl.LightningModule):
 
         Lightning calls this once the processes exist; under ModelParallelStrategy `device_mesh` is
         set and the model is sharded here, before the optimizer is built from its (DTensor) parameters.
+        The meta-device model built under fsdp gets its real shards (fresh or init_from) right after.
         """
         from framework.strategy import prepare_blocks, shard
 
@@ -96,6 +110,11 @@ class DiffusionModule(pl.LightningModule):
         if s.name == "fsdp":
             strategy = self.trainer.strategy
             shard(self.model, self.device_mesh["data_parallel"], s.sharding, strategy.param_dtype)
+            if self._init_rng_state is not None:
+                from framework.fsdp import materialize
+
+                materialize(self.model, self._init_rng_state, strategy.root_device, self.init_from)
+                self._init_rng_state = None
 
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.

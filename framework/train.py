@@ -174,11 +174,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
         skip_nonfinite=cfg.trainer.skip_nonfinite,
         config=OmegaConf.to_container(dcfg, resolve=True),
         strategy=cfg.strategy,
+        init_from=cfg.init_from,
     )
-    if cfg.init_from:
-        from framework.models import load_weights
-
-        load_weights(module.model, cfg.init_from)
     callbacks = build_callbacks(cfg, run_dir)
     trainer = build_trainer(cfg, run_dir, callbacks)
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).

@@ -1,0 +1,299 @@
+"""strategy=fsdp without a whole model on any rank: build on the meta device, materialise only local shards.
+
+The ordinary path (single, ddp) builds the full fp32 model on the CPU: a 4.8B-parameter model is
+19 GB of host memory, on each of a node's 8 ranks. Under fsdp, DiffusionModule builds the model on
+the meta device (shapes, no storage); configure_model shards it (framework/strategy.py `shard`) and
+then `materialize` gives every parameter this rank's rows and every buffer its value:
+
+  fresh init  Each rank re-runs the ordinary constructor from the CPU RNG state the ordinary path
+              would have started from, so every random number is drawn exactly as there; but a
+              module's parameters are cut down to this rank's rows the moment the module is
+              registered in its parent (torch's global module-registration hook), and the full
+              tensors are freed (and malloc's heap trimmed). Peak host memory: about one layer plus
+              this rank's shards. No communication; each rank spends the CPU time of initialising
+              the whole model once (30-40 s for 1.6B parameters on one core here).
+  init_from   This rank's rows are sliced out of the file: safetensors slices, or a memory-mapped
+              .ckpt (framework/models.py `open_weights`), so no rank reads the whole model.
+
+Buffers are not sharded: they come whole from the fresh build (non-persistent ones such as sin-cos
+positional tables) or, for persistent ones under init_from, from the file as `load_weights` does.
+The sharded tensors are put in place with load_state_dict(assign=True), FSDP2's recipe for meta
+init (its load hook re-pads uneven shards).
+
+The gap this fills: torch's set_model_state_dict(..., broadcast_from_rank0=True) still needs the
+whole model on rank 0, and re-running `reset_parameters` on a meta model draws other random
+numbers than the constructor did (and misses parameters made with torch.randn in an __init__,
+like PixArt's and SANA's scale_shift_table).
+
+Why cutting at registration is exact: diffusers' constructors finish initialising a module before
+assigning it to its parent and never touch it afterwards (a later in-place init would land on the
+meta stand-in and be lost); tests/test_fsdp_init.py checks every family against the ordinary build.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+
+from framework.models import Denoiser, ModelConfig, build_denoiser, check_fits, open_weights
+from framework.registry import register_suite
+
+TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
+
+# --------------------------------------------------------------------------------------------
+# Rows of one rank
+# --------------------------------------------------------------------------------------------
+
+
+def local_rows(t: Any, rank: int, world: int) -> torch.Tensor:
+    """This rank's dim-0 rows of `t` (a tensor, or a file entry with `.shape` and slicing).
+
+    fully_shard places parameters as Shard(0) on its 1-D mesh, split like torch.chunk: ceil(n / world)
+    rows per rank, the last ranks taking fewer (or none).
+    """
+    if len(t.shape) == 0:
+        return t[...]
+    n = t.shape[0]
+    size = math.ceil(n / world)
+    start = min(rank * size, n)
+    return t[start:min(start + size, n)]
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------------
+
+
+def build_meta(cfg: ModelConfig) -> Denoiser:
+    """The denoiser with every parameter and buffer on the meta device (no storage, no RNG drawn)."""
+    with torch.device("meta"):
+        return build_denoiser(cfg)
+
+
+def _trim_heap() -> None:
+    """Hand the freed pages inside malloc's heap back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    Whole layers freed one after another leave holes that small allocations then split, so malloc
+    cannot reuse or return them: without this, sana_1600m_1024 kept 1.4 GB more resident per rank.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
+def fresh_shards(cfg: ModelConfig, rank: int, world: int,
+                 keep_params: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(this rank's rows of every parameter, every buffer whole) of `build_denoiser(cfg)` with the current RNG.
+
+    Draws the same random numbers as `build_denoiser(cfg)` and leaves the RNG where it would, but
+    never holds more than one layer's parameters whole. keep_params=False drops the rows (init_from
+    replaces them; the buffers are still needed).
+    """
+    rows: dict[torch.Tensor, torch.Tensor | None] = {}  # meta stand-in -> rows (tensors hash by identity)
+    freed = [0]  # bytes of whole tensors freed since the heap was last trimmed
+
+    def cut(module: nn.Module) -> None:
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                continue  # already cut (a shared parameter)
+            stand_in = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            rows[stand_in] = local_rows(p.detach(), rank, world).clone() if keep_params else None
+            module.register_parameter(name, stand_in)  # the whole tensor is freed here
+            freed[0] += p.numel() * p.element_size()
+        if freed[0] > TRIM_EVERY_BYTES:
+            _trim_heap()
+            freed[0] = 0
+
+    handle = register_module_module_registration_hook(lambda parent, name, child: cut(child) if child is not None else None)
+    try:
+        model = build_denoiser(cfg)
+    finally:
+        handle.remove()
+    for m in model.modules():  # the root's own parameters were never registered in a parent
+        cut(m)
+    _trim_heap()
+    params = {name: rows[p] for name, p in model.named_parameters()} if keep_params else {}
+    return params, dict(model.named_buffers())
+
+
+def file_shards(path: str | Path, denoiser: Denoiser, rank: int,
+                world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(this rank's rows of every parameter, every persistent buffer) read from `path` (init_from).
+
+    `denoiser` is the (meta, possibly sharded) model: its state dict gives the expected names and
+    global shapes, checked with the same clear error as `load_weights`.
+    """
+    state = open_weights(path, denoiser)
+    check_fits(state, denoiser, path)
+    names = {name for name, _ in denoiser.named_parameters()}
+    # clone: a slice of a memory-mapped checkpoint would otherwise keep pointing into the file.
+    params = {k: local_rows(state[k], rank, world).clone() for k in names}
+    buffers = {k: state[k][...].clone() for k in state if k not in names}
+    return params, buffers
+
+
+# --------------------------------------------------------------------------------------------
+# Materialising a sharded meta model
+# --------------------------------------------------------------------------------------------
+
+
+def _mesh_position(denoiser: Denoiser) -> tuple[Any, int, int]:
+    """(mesh, rank in it, its size) of the sharded parameters; every one must be FSDP2's Shard(0)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    meshes = set()
+    for name, p in denoiser.named_parameters():
+        if not isinstance(p, DTensor) or p.placements != (Shard(0),):
+            raise RuntimeError(f"{name} is not sharded as fully_shard does (Shard(0) on a 1-D mesh): "
+                               "materialize runs after framework.strategy.shard.")
+        meshes.add(p.device_mesh)
+    if len(meshes) != 1:
+        raise RuntimeError(f"the parameters are sharded over {len(meshes)} meshes; expected one data-parallel mesh.")
+    mesh = meshes.pop()
+    return mesh, mesh.get_local_rank(), mesh.size()
+
+
+def materialize(denoiser: Denoiser, rng_state: torch.Tensor, device: torch.device,
+                init_from: str | None = None) -> None:
+    """Give the fully_shard'ed meta `denoiser` real local shards and buffers on `device`, in place.
+
+    rng_state is the CPU RNG state at the moment the ordinary path would have built the model: the
+    fresh weights then equal `build_denoiser` (then `load_weights(init_from)`) with that state. The
+    global RNG is left as it was.
+    """
+    from torch.distributed.tensor import DTensor
+
+    mesh, rank, world = _mesh_position(denoiser)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        params, buffers = fresh_shards(denoiser.cfg, rank, world, keep_params=init_from is None)
+    if init_from:
+        params, file_buffers = file_shards(init_from, denoiser, rank, world)
+        buffers.update(file_buffers)
+
+    def take(table: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+        if name not in table:
+            raise RuntimeError(f"{name} is not in a fresh build of model {denoiser.cfg.name!r}: under strategy=fsdp "
+                               "the model is materialised from one in configure_model, so model surgery before it "
+                               "(a plugin's setup) may change classes and flags but not add or reshape tensors.")
+        return table.pop(name).to(device=device, dtype=like.dtype)  # a file's dtype becomes the model's, as copy_ would
+
+    state: dict[str, torch.Tensor] = {}
+    for name, p in denoiser.named_parameters():
+        local = take(params, name, p)
+        if local.shape != p.to_local().shape:
+            raise RuntimeError(f"{name}: rows {tuple(local.shape)} for rank {rank} of {world}, but fully_shard "
+                               f"expects {tuple(p.to_local().shape)}.")
+        state[name] = DTensor.from_local(local, mesh, p.placements, shape=p.shape, stride=p.stride())
+    persistent = denoiser.state_dict().keys()
+    for name, b in denoiser.named_buffers():
+        if name in persistent:
+            state[name] = take(buffers, name, b)
+        else:  # not in the state dict: set on its module, staying non-persistent
+            owner, _, leaf = name.rpartition(".")
+            denoiser.get_submodule(owner).register_buffer(leaf, take(buffers, name, b), persistent=False)
+    # assign=True: the meta tensors cannot be copied into; FSDP2's load hook adopts the new shards.
+    denoiser.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, t in [*denoiser.named_parameters(), *denoiser.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"still on the meta device after materialize: {left[:3]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Benchmark: host memory per rank while building and sharding, meta path versus whole builds
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InitMemoryBench:
+    """Arguments of `python -m framework.bench init_memory`: peak host memory per rank of the fsdp set-up."""
+
+    model: str = "sana_1600m_1024"
+    world_size: int = 2
+    paths: list[str] = field(default_factory=lambda: ["whole", "meta"])
+    """whole: every rank builds the full model then shards it (the ordinary path); meta: this module."""
+    out: str = "bench_init_memory.json"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.paths) - {"whole", "meta"}
+        if unknown:
+            raise ValueError(f"paths={self.paths}: {sorted(unknown)} unknown; choose from whole and meta.")
+
+
+def _peak_rss_gb() -> float:
+    """Peak resident memory of this process: VmHWM on Linux (reset at exec, so a spawned rank does not
+    inherit its parent's), ru_maxrss elsewhere."""
+    import resource
+
+    status = Path("/proc/self/status")
+    if status.exists():
+        kib = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+    else:
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024 / 1e9
+
+
+def _init_memory_rank(rank: int, cfg: InitMemoryBench, path: str, store: str, out: str) -> None:
+    """One rank in its own (spawned) process: gloo group, build + shard as `path` says, report peak RSS."""
+    import json
+    import resource
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from framework.models import load_preset
+    from framework.strategy import shard
+
+    after_imports = _peak_rss_gb()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cfg.world_size)
+    mesh = init_device_mesh("cpu", (cfg.world_size,))
+    mcfg = load_preset(cfg.model)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    if path == "whole":
+        model = shard(build_denoiser(mcfg), mesh, "SHARD_GRAD_OP", mixed_precision=False)
+    else:
+        rng_state = torch.get_rng_state()
+        model = shard(build_meta(mcfg), mesh, "SHARD_GRAD_OP", mixed_precision=False)
+        materialize(model, rng_state, torch.device("cpu"))
+    seconds = time.perf_counter() - t0
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    row = {"model": cfg.model, "path": path, "rank": rank, "world_size": cfg.world_size,
+           "params": sum(p.numel() for p in model.parameters()), "local_param_gb": local / 1e9,
+           "rss_after_imports_gb": after_imports, "peak_rss_gb": _peak_rss_gb(), "seconds": seconds,
+           # ru_maxrss as well (KiB on Linux); it may include the parent's memory at fork, hence VmHWM above.
+           "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    Path(out, f"{path}_rank{rank}.json").write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bench_init_memory(cfg: InitMemoryBench) -> list[dict[str, Any]]:
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from framework.bench import print_table
+
+    rows = []
+    for path in cfg.paths:  # one path at a time, each rank a fresh process (peak RSS is per process)
+        with tempfile.TemporaryDirectory(prefix="lf-init-mem-") as tmp:
+            mp.start_processes(_init_memory_rank, args=(cfg, path, f"{tmp}/store", tmp), nprocs=cfg.world_size,
+                               start_method="spawn")
+            rows += [json.loads(Path(tmp, f"{path}_rank{r}.json").read_text()) for r in range(cfg.world_size)]
+    print_table(rows, list(rows[0]))
+    return rows
+
+
+register_suite("init_memory", InitMemoryBench, _bench_init_memory)
