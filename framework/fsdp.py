@@ -261,10 +261,10 @@ def _init_memory_rank(rank: int, cfg: InitMemoryBench, path: str, store: str, ou
     torch.manual_seed(0)
     t0 = time.perf_counter()
     if path == "whole":
-        model = shard(build_denoiser(mcfg), mesh, "SHARD_GRAD_OP", mixed_precision=False)
+        model = shard(build_denoiser(mcfg), mesh, "SHARD_GRAD_OP", param_dtype=None)
     else:
         rng_state = torch.get_rng_state()
-        model = shard(build_meta(mcfg), mesh, "SHARD_GRAD_OP", mixed_precision=False)
+        model = shard(build_meta(mcfg), mesh, "SHARD_GRAD_OP", param_dtype=None)
         materialize(model, rng_state, torch.device("cpu"))
     seconds = time.perf_counter() - t0
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())

@@ -50,7 +50,7 @@ def main(cases_json: str, out_dir: str) -> None:
         torch.rand(3)  # the RNG state at construction is then not the bare seed's (which set-up re-seeds to)
         module = DiffusionModule(load_preset(case["model"]), ObjectiveConfig(), OptimizerConfig(), max_steps=0,
                                  seed=case["seed"], strategy=strategy_cfg, init_from=case["init_from"])
-        trainer = pl.Trainer(strategy=build_strategy(strategy_cfg, "cpu"), accelerator="cpu", devices=2, max_steps=0,
+        trainer = pl.Trainer(strategy=build_strategy(strategy_cfg, "32-true"), accelerator="cpu", devices=2, max_steps=0,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[Gather(Path(out_dir) / f"case{i}")],
                              default_root_dir=out_dir)
