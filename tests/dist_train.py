@@ -4,13 +4,16 @@ Lightning's launcher re-runs this same command for the other ranks, so every ran
 Each rank writes run.dir/probe_rank<r>.json: the sample keys of each step's batch and, after the
 last step, every parameter's type (DTensor or not), local/global shape, whether it trains, has a
 gradient and has optimizer state. PROBE_FREEZE=<prefix> freezes the parameters whose name starts
-with it before the model is sharded (a stage that trains only some parameters).
+with it before the model is sharded (a stage that trains only some parameters). PROBE_PAUSE_AT=<step>
+holds each rank after that optimizer step (writing run.dir/paused_rank<r>) until run.dir/go exists,
+so a test can deliver a signal at a known step boundary.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +35,14 @@ class Probe(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         self.keys[trainer.global_step] = list(batch["key"])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if os.environ.get("PROBE_PAUSE_AT") != str(trainer.global_step):
+            return
+        (self.run_dir / f"paused_rank{trainer.global_rank}").touch()
+        deadline = time.time() + 120
+        while not (self.run_dir / "go").exists() and time.time() < deadline:
+            time.sleep(0.05)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # After backward (parameters resharded, gradients present), before the step; state from earlier steps.
