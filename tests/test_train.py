@@ -79,6 +79,7 @@ def test_every_model_preset_composes(model):
         (["objective=flow", "sample.sampler=ddim"], "sampler='ddim' cannot sample a model trained with objective='flow'"),
         (["model.sample_size=16"], "model.sample_size=16"),
         (["optimizer.lr=-1"], "optimizer.lr=-1"),
+        (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints=-1"),
     ],
 )
 def test_bad_config_fails_at_start_with_the_key(override, message):
