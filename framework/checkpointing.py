@@ -242,9 +242,14 @@ class SlurmPreemption(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if not self.saved:
             return
-        # The saved step's metrics are logged by now. Requeueing makes Slurm send SIGTERM to the job;
-        # nothing is left to protect, so let this exit finish instead of Lightning's SIGTERM handler.
+        # The saved step's metrics are logged by now. Requeueing makes Slurm SIGTERM the whole job;
+        # nothing is left to protect, so SIGTERM is ignored for the rest of this process (also after
+        # Lightning's teardown puts back the handlers it found), and the exit finishes: loggers
+        # flushed, Streaming's shared memory released. Slurm's SIGKILL still follows KillWait later.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        found = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+        if isinstance(found, dict):
+            found[signal.SIGTERM] = signal.SIG_IGN
         self.requeue(trainer)
         raise SIGTERMException
 
