@@ -15,7 +15,7 @@ MARK="# written by latentforge .ci/slurm.sh"
 install() {
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
-    apt-get install -y -q --no-install-recommends slurm-wlm munge
+    apt-get install -y -q --no-install-recommends slurm-wlm munge procps
 }
 
 write_conf() {
