@@ -77,10 +77,17 @@ start() {
 }
 
 stop() {
-    for pidfile in "$STATE/slurmd.pid" "$STATE/slurmctld.pid"; do
-        if [ -s "$pidfile" ]; then kill "$(cat "$pidfile")" 2>/dev/null || true; fi
+    local pids=()
+    for pidfile in "$STATE/slurmd.pid" "$STATE/slurmctld.pid" /run/munge/munged.pid; do
+        if [ -s "$pidfile" ]; then pids+=("$(cat "$pidfile")"); fi
     done
-    if [ -s /run/munge/munged.pid ]; then kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true; fi
+    [ ${#pids[@]} -eq 0 ] && return 0
+    kill "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 30); do   # the daemons save their state before they exit
+        kill -0 "${pids[@]}" 2>/dev/null || return 0
+        sleep 0.5
+    done
+    echo "slurm daemons still running: ${pids[*]}" >&2
 }
 
 case "${1:-}" in

@@ -39,7 +39,7 @@ def _no_cluster() -> str | None:
     if shutil.which("sbatch") is None:
         return "no Slurm here: sbatch is not on PATH (bash .ci/slurm.sh install && bash .ci/slurm.sh start)"
     try:
-        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20).stdout.split()
+        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10).stdout.split()
     except subprocess.TimeoutExpired:
         states = []
     if not any(s.rstrip("*~#") in ("idle", "mixed", "allocated") for s in states):
