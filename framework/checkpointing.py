@@ -1,17 +1,20 @@
-"""Checkpoints that survive being killed, resume=auto, and reading sharded checkpoint folders.
+"""Checkpoints that survive being killed, resume=auto, Slurm preemption, reading sharded folders.
 
 A checkpoint is either one file (Lightning's torch.save dict) or, under fsdp, a folder written by
 torch.distributed.checkpoint (DCP): `.metadata` + one `__<rank>_0.distcp` file per rank with the
 sharded `state_dict` and `optimizer_0`, plus Lightning's `meta.pt` with everything else (loop
 state, data-loader state, our `latentforge` entry). Lightning writes both in place; the gaps filled
-here are atomic replacement, picking the newest of last.ckpt and the Slurm `hpc_ckpt_*.ckpt`, and
-turning a folder back into one plain dict without starting a process group.
+here are atomic replacement, picking the newest of last.ckpt and the Slurm `hpc_ckpt_*.ckpt`,
+removing preemption checkpoints once a newer one exists, saving on Slurm's warning signal at the
+same step on every rank, and turning a folder back into one plain dict without a process group.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -76,6 +81,18 @@ def _stamp(path: Path) -> float:
     return (path / _METADATA_FILENAME).stat().st_mtime if path.is_dir() else path.stat().st_mtime
 
 
+def checkpoint_step(path: Path) -> int:
+    """The global step a checkpoint was written at (a folder's meta.pt, or a file read lazily)."""
+    if path.is_dir():
+        return int(torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)["global_step"])
+    # mmap: only the pages holding the small "global_step" entry are read, not the tensors.
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def find_resumable(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run: checkpoints/last.ckpt or Lightning's Slurm hpc_ckpt_*.ckpt.
 
@@ -115,32 +132,165 @@ def read_sharded(path: str | os.PathLike, with_optimizer: bool = False) -> dict[
 
 
 # --------------------------------------------------------------------------------------------
-# Preemption under submitit
+# Old checkpoints
 # --------------------------------------------------------------------------------------------
 
 
-class SubmititPreemption(pl.Callback):
-    """Save an hpc checkpoint on submitit's preemption signal, then let submitit requeue the job.
+class PruneHpcCheckpoints(pl.Callback):
+    """Remove run.dir/hpc_ckpt_*.ckpt once checkpoints/last.ckpt holds a later step (global rank 0).
 
-    submitit (the hydra/launcher=slurm path) owns the signal (USR2) and resubmits the job itself;
-    Lightning's own SLURM handler sees another signal and would not save. This callback wraps
-    submitit's handler: the signal only sets a flag, every rank agrees at the next step boundary
-    (so the collective save happens at the same step everywhere), saves, then calls submitit.
+    A preemption checkpoint is needed only until the requeued run has written a newer last.ckpt,
+    and Lightning never removes one: each requeue would leave another full copy of the state.
+    Numbered checkpoints are ModelCheckpoint's (trainer.keep_checkpoints); half-written `.tmp`
+    files or folders that a killed job left behind are removed when training starts.
     """
 
-    def __init__(self, signum: int = signal.SIGUSR2) -> None:
-        self.signum, self.flag, self._previous = signum, False, None
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.last = self.run_dir / "checkpoints" / "last.ckpt"
+        self.pending: dict[Path, int] = {}
+        self._seen: float | None = None  # stamp of the last.ckpt already compared
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._previous = signal.getsignal(self.signum)
-        signal.signal(self.signum, lambda *_: setattr(self, "flag", True))
+        if not trainer.is_global_zero:
+            return
+        # No save is in flight here: the previous job is gone and this one saves at batch ends only.
+        for leftover in [*self.run_dir.glob("hpc_ckpt_*.ckpt.tmp"), *self.last.parent.glob("*.ckpt.tmp")]:
+            _remove(leftover)
+        self.pending = {p: checkpoint_step(p) for p in self.run_dir.glob("hpc_ckpt_*.ckpt") if _complete(p)}
+        self._prune()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero:
+            self._prune()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._prune()  # build_trainer puts this callback after FinalCheckpoint
+
+    def _prune(self) -> None:
+        if not self.pending or not _complete(self.last) or _stamp(self.last) == self._seen:
+            return
+        self._seen = _stamp(self.last)
+        step = checkpoint_step(self.last)
+        for path, hpc_step in list(self.pending.items()):
+            if step > hpc_step:
+                _remove(path)
+                del self.pending[path]
+                rank_zero_info(f"removed {path}: {self.last} holds a later step ({step} > {hpc_step})")
+
+
+# --------------------------------------------------------------------------------------------
+# Preemption: Slurm's warning signal
+# --------------------------------------------------------------------------------------------
+
+
+def slurm_job_id() -> str:
+    """The id `scontrol requeue` takes: <array job>_<task> inside a job array, else the job id."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job is not None:
+        return f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ["SLURM_JOB_ID"]
+
+
+class SlurmPreemption(pl.Callback):
+    """On Slurm's warning signal, save run.dir/hpc_ckpt_N.ckpt at one step on every rank, requeue, exit.
+
+    Lightning's own handler (SLURMEnvironment(auto_requeue=True)) saves inside the signal handler,
+    wherever each rank happens to be; a sharded (DCP) or DDP save is collective, so the ranks could
+    deadlock or save different steps. Here the handler only sets a flag. At every optimizer-step
+    boundary the ranks take the max of their flags (one scalar all-reduce), so all of them save
+    the same step together. Once that step's metrics are logged (at the next batch start), global
+    rank 0 requeues the job and every rank leaves fit through Lightning's SIGTERM exit (callbacks'
+    on_exception, teardown, loggers finalized, exit status 0).
+    """
+
+    def __init__(self, signum: int = signal.SIGUSR1) -> None:
+        self.signum, self.flag, self.saved = signum, False, False
+        self._previous: Any = None
+        self._step = -1
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Installed before the data-loader workers start: they inherit it and so are not killed by
+        # the signal (Slurm's --signal reaches every process of the job step).
+        self._previous = signal.getsignal(self.signum)
+        signal.signal(self.signum, self._on_signal)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.flag = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self._step:
+            return  # mid-accumulation: a checkpoint here would lose the gradients summed so far
+        self._step = trainer.global_step
         flag = torch.tensor(float(self.flag), device=trainer.strategy.root_device)
         if trainer.world_size > 1:
             flag = trainer.strategy.reduce(flag, reduce_op="max")
-        if not bool(flag):
+        if not bool(flag) or 0 < trainer.max_steps <= trainer.global_step:
+            return  # no signal, or the last step: the run ends now and writes last.ckpt itself
+        # One name for all ranks: each rank listing the folder while rank 0 writes could pick N+1.
+        path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+        rank_zero_info(f"Slurm preemption signal: saving step {trainer.global_step} to {path}")
+        trainer.save_checkpoint(path)
+        trainer.strategy.barrier()  # every rank's part is on disk before the job is requeued
+        self.saved = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self.saved:
             return
-        trainer.save_checkpoint(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+        # The saved step's metrics are logged by now. Requeueing makes Slurm SIGTERM the whole job;
+        # nothing is left to protect, so SIGTERM is ignored for the rest of this process (also after
+        # Lightning's teardown puts back the handlers it found), and the exit finishes: loggers
+        # flushed, Streaming's shared memory released. Slurm's SIGKILL still follows KillWait later.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        found = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+        if isinstance(found, dict):
+            found[signal.SIGTERM] = signal.SIG_IGN
+        self.requeue(trainer)
+        raise SIGTERMException
+
+    def requeue(self, trainer: pl.Trainer) -> None:
+        """Put the job back in the queue (global rank 0); Slurm then ends this run of it."""
+        if not trainer.is_global_zero:
+            return
+        job = slurm_job_id()
+        try:
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            ok, why = result.returncode == 0, result.stderr.strip()
+        except FileNotFoundError:
+            ok, why = False, "scontrol is not on PATH"
+        if ok:
+            rank_zero_info(f"requeued Slurm job {job}")
+        else:
+            rank_zero_warn(f"could not requeue Slurm job {job} ({why}); the checkpoint is saved: resubmit "
+                           "the same command with resume=auto (and sbatch --requeue) to continue")
+
+
+class SubmititPreemption(SlurmPreemption):
+    """The same save on submitit's signal (hydra/launcher=slurm); submitit then requeues the job.
+
+    submitit installs its handler for USR2 (or $SUBMITIT_PREEMPT_SIGNAL) when the job starts; it is
+    called after the save. On global rank 0 it pickles the job, runs `scontrol requeue` and exits;
+    on the other ranks it returns, and they leave like the sbatch path.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")))
+
+    def requeue(self, trainer: pl.Trainer) -> None:
         if callable(self._previous):
-            self._previous(self.signum, None)  # submitit: pickle the job, requeue, exit
+            self._previous(self.signum, None)
+
+
+def preemption_callbacks() -> list[pl.Callback]:
+    """What handles Slurm's warning signal in this process: none outside Slurm; under
+    hydra/launcher=slurm (submitit sets SUBMITIT_EXECUTOR) submitit's USR2; else sbatch's SIGUSR1."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        return [SubmititPreemption()]
+    return [SlurmPreemption(signal.SIGUSR1)] if SLURMEnvironment.detect() else []

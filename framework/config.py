@@ -76,6 +76,8 @@ class TrainerConfig:
     """Clip the global gradient norm to this value (null: no clipping)."""
     checkpoint_every_n_steps: int = 500
     """Write checkpoints/last.ckpt (and a numbered copy) every this many steps, and at the end."""
+    keep_checkpoints: int = 3
+    """Numbered checkpoints (checkpoints/stepNNNNNNN.ckpt) kept besides last.ckpt: the newest N (0: none)."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run."""
     enable_progress_bar: bool = True
@@ -86,6 +88,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.max_steps={self.max_steps} must be > 0")
         if self.accumulate_grad_batches < 1:
             raise ValueError(f"trainer.accumulate_grad_batches={self.accumulate_grad_batches} must be >= 1")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 "
+                             "(how many numbered checkpoints to keep besides last.ckpt; 0 keeps only last.ckpt)")
 
 
 @dataclass

@@ -5,8 +5,6 @@ and trainer, and fit. With no arguments this is the quickstart (conf/experiment/
 from __future__ import annotations
 
 import json
-import os
-import signal
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -52,7 +50,10 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
             filename="step{step:07d}",
             auto_insert_metric_name=False,
             every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
-            save_top_k=-1,
+            # The newest keep_checkpoints numbered files: "step" ranks them, highest kept.
+            monitor="step",
+            mode="max",
+            save_top_k=cfg.trainer.keep_checkpoints,
             save_last=True,
             # A resumed run overwrites last.ckpt (written by FinalCheckpoint) instead of adding last-v1.ckpt.
             enable_version_counter=False,
@@ -74,16 +75,11 @@ def default_precision(cfg: TrainConfig) -> str:
     return "bf16-mixed" if uses_gpu(cfg.trainer.accelerator) else "32-true"
 
 
-def under_submitit() -> bool:
-    """True inside a job submitted by hydra/launcher=slurm (submitit owns requeueing there)."""
-    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-
-
 def build_plugins(cfg: TrainConfig) -> list[Any]:
     """Atomic single-file checkpoints, and Slurm: Lightning's SLURMEnvironment when running under srun.
 
-    In the sbatch path Lightning handles the warning signal (SIGUSR1): it saves run.dir/hpc_ckpt_N.ckpt
-    and runs `scontrol requeue`. Under submitit, submitit requeues (SubmititPreemption saves first).
+    Lightning's own requeue handler stays off (auto_requeue=False): it would save inside the signal
+    handler, on each rank at a different point; checkpointing.preemption_callbacks handles it instead.
     """
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
@@ -91,20 +87,18 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
 
     lightning_plugins: list[Any] = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
-        lightning_plugins.append(SLURMEnvironment(auto_requeue=not under_submitit(), requeue_signal=signal.SIGUSR1))
+        lightning_plugins.append(SLURMEnvironment(auto_requeue=False))
     return lightning_plugins
 
 
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
-    from framework.checkpointing import FinalCheckpoint
+    from framework.checkpointing import FinalCheckpoint, PruneHpcCheckpoints, preemption_callbacks
     from framework.strategy import build_strategy
 
     t = cfg.trainer
-    callbacks = [*callbacks, FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt")]
-    if under_submitit():
-        from framework.checkpointing import SubmititPreemption
-
-        callbacks = [*callbacks, SubmititPreemption()]
+    # PruneHpcCheckpoints after FinalCheckpoint: at the end it compares with the final last.ckpt.
+    callbacks = [*callbacks, FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"), PruneHpcCheckpoints(run_dir),
+                 *preemption_callbacks()]
     return pl.Trainer(
         strategy=build_strategy(cfg.strategy, default_precision(cfg)),
         plugins=build_plugins(cfg),

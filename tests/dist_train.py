@@ -8,12 +8,15 @@ with it before the model is sharded (a stage that trains only some parameters). 
 per micro-batch, how many gradient reduce-scatters its backward ran, per optimizer step whether
 it was skipped (gradients dropped after a non-finite loss on some rank);
 PROBE_POISON=<rank>:<micro-batch> puts a NaN into that rank's micro-batch (a bad sample on one rank).
+PROBE_PAUSE_AT=<step> holds each rank after that optimizer step (writing run.dir/paused_rank<r>)
+until run.dir/go exists, so a test can deliver a signal at a known step boundary.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,6 +64,12 @@ class Probe(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
         self.reduce_scatters.append(self._rs_in_backward)
         self.micro += 1
+        if os.environ.get("PROBE_PAUSE_AT") != str(trainer.global_step):
+            return
+        (self.run_dir / f"paused_rank{trainer.global_rank}").touch()
+        deadline = time.time() + 120
+        while not (self.run_dir / "go").exists() and time.time() < deadline:
+            time.sleep(0.05)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # After backward (parameters resharded, gradients present), before the step; state from earlier steps.

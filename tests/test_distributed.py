@@ -19,6 +19,7 @@ gradients nor optimizer state, sharded or not.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -56,9 +57,9 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
         "trainer.enable_progress_bar=false", "eval.at_end=false", "sample.every_n_steps=0",
         "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]", "resume=auto", *overrides,
     ]
-    full_env = {**os.environ, "TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        full_env.pop(k, None)
+    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+    full_env = {k: v for k, v in os.environ.items() if k not in inherited}
+    full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -182,36 +183,42 @@ def test_sharded_checkpoint_resumes_on_another_world_size(runs, name):
 
 
 # --------------------------------------------------------------------------------------------
-# Slurm preemption (Lightning's SLURMEnvironment, scontrol replaced by a recorder)
+# Slurm preemption (the sbatch path; scontrol replaced by a recorder; tests/test_slurm.py: real Slurm)
 # --------------------------------------------------------------------------------------------
 
 
-def _slurm_env(tmp_path: Path) -> dict[str, str]:
+def fake_scontrol(tmp_path: Path) -> dict[str, str]:
+    """PATH with an `scontrol` that appends its arguments to tmp_path/scontrol_calls.txt."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls.txt"}\n')
     scontrol.chmod(0o755)
-    # SLURMEnvironment.detect(): SLURM_NTASKS set and a job name other than bash/interactive.
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
-            "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def slurm_task_env(job: str, rank: int = 0, ntasks: int = 1) -> dict[str, str]:
+    """The variables srun gives task `rank` of a one-node job step (SLURMEnvironment.detect() needs
+    SLURM_NTASKS and a job name other than bash/interactive)."""
+    return {"SLURM_JOB_ID": job, "SLURM_JOB_NAME": "train", "SLURM_NTASKS": str(ntasks),
+            "SLURM_NTASKS_PER_NODE": str(ntasks), "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
             "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
 
 
 def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path, digits_shards):
     run_dir = tmp_path / "run"
     common = ["data.batch_size=16", "trainer.checkpoint_every_n_steps=1000"]
-    proc = run_train(run_dir, digits_shards, *common, "trainer.max_steps=10000", env=_slurm_env(tmp_path), wait=False)
+    env = {**fake_scontrol(tmp_path), **slurm_task_env("4242")}
+    proc = run_train(run_dir, digits_shards, *common, "trainer.max_steps=10000", env=env, wait=False)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len(losses(run_dir) if (run_dir / "metrics.csv").exists() else {}) < 2:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.5)
         proc.send_signal(signal.SIGUSR1)
-        calls = tmp_path / "scontrol_calls.txt"
-        while time.time() < deadline and not calls.exists():
-            time.sleep(0.2)
-        assert calls.read_text().split() == ["requeue", "4242"]
+        # The run saves at the next step, requeues and leaves fit by itself, exit status 0.
+        assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
+        assert (tmp_path / "scontrol_calls.txt").read_text().split() == ["requeue", "4242"]
     finally:
         proc.kill()
         proc.wait()
@@ -223,6 +230,78 @@ def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path,
     rerun = run_train(run_dir, digits_shards, *common, f"trainer.max_steps={step + 1}")
     assert f"Restoring states from the checkpoint path at {hpc[0]}" in rerun.stdout + rerun.stderr
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 1
+    assert not hpc[0].exists(), "a later last.ckpt makes the preemption checkpoint redundant"
+
+
+def srun_ranks(run_dir: Path, data: Path, *overrides: str, env: dict[str, str], ntasks: int = 2) -> list[subprocess.Popen]:
+    """Start `ntasks` ranks the way srun does: one process per task, each with its Slurm variables."""
+    port = {"MASTER_PORT": str(free_port())}
+    return [run_train(run_dir, data, *overrides, env={**env, **port, **slurm_task_env("4243", r, ntasks)}, wait=False)
+            for r in range(ntasks)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish(procs: list[subprocess.Popen], timeout: int = 300) -> str:
+    """Wait for every rank; all must exit 0. Returns their output."""
+    out = ""
+    try:
+        for p in procs:
+            text = p.communicate(timeout=timeout)[0]
+            out += text
+            assert p.returncode == 0, text[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return out
+
+
+def test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued_run_matches(runs, tmp_path, digits_shards):
+    """fsdp, 2 ranks under Slurm's variables: SIGUSR1 reaches both ranks while they hold after step 3
+    (last.ckpt is at step 2). They agree, save hpc_ckpt_1.ckpt at step 3 together, rank 0 requeues
+    once, both exit 0; the same command again (the requeued job) continues like the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    args = [*fsdp(), f"trainer.max_steps={STEPS}"]
+    env = fake_scontrol(tmp_path)
+    procs = srun_ranks(run_dir, digits_shards, *args, env={**env, "PROBE_PAUSE_AT": "3"})
+    deadline = time.time() + 240
+    while not all((run_dir / f"paused_rank{r}").exists() for r in (0, 1)):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), finish(procs, 10)
+        time.sleep(0.2)
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    (run_dir / "go").touch()
+    finish(procs)
+    assert (tmp_path / "scontrol_calls.txt").read_text().splitlines() == ["requeue 4243"]
+
+    from framework.checkpointing import checkpoint_step
+
+    hpc = run_dir / "hpc_ckpt_1.ckpt"
+    assert sorted(p.name for p in run_dir.glob("hpc_ckpt_*")) == [hpc.name]
+    assert (hpc / "meta.pt").is_file() and checkpoint_step(hpc) == 3, "one sharded save, at the step both ranks reached"
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 2
+    assert sorted(losses(run_dir)) == [0, 1, 2]
+
+    out = finish(srun_ranks(run_dir, digits_shards, *args, env=env))
+    assert f"Restoring states from the checkpoint path at {hpc}" in out
+    with open(run_dir / "metrics.csv", newline="") as f:
+        logged = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert logged == list(range(STEPS)), "every step logged exactly once: none lost, none repeated"
+    full, got = losses(runs["sgo"]), losses(run_dir)
+    assert [got[s] for s in range(STEPS)] == [full[s] for s in range(STEPS)]  # bit-identical
+    wf, wg = weights(runs["sgo"] / "checkpoints" / "last.ckpt"), weights(run_dir / "checkpoints" / "last.ckpt")
+    for k in wf:
+        torch.testing.assert_close(wg[k], wf[k], rtol=0, atol=0)
+    for r in (0, 1):  # the resumed step read the uninterrupted run's batch
+        assert probe(run_dir, r)["keys"] == {"3": probe(runs["sgo"], r)["keys"]["3"]}
+    assert not hpc.exists(), "last.ckpt at step 4 makes the step-3 preemption checkpoint redundant"
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""Which checkpoints a run keeps: the newest trainer.keep_checkpoints numbered ones besides last.ckpt,
+for single files and sharded folders, across a resume; leftovers of a killed job are cleared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from framework.checkpointing import checkpoint_step
+from framework.train import train
+from tests.test_distributed import fsdp, run_train
+from tests.test_train import cheap, compose_cfg
+
+
+def names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_keep_checkpoints_keeps_the_newest_numbered_files_across_a_resume(tmp_path, digits_shards):
+    common = ["trainer.checkpoint_every_n_steps=1", "trainer.keep_checkpoints=2", "resume=auto", "logger=none"]
+    train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=3)))
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert names(ckpts) == ["last.ckpt", "step0000002.ckpt", "step0000003.ckpt"]
+    # Half-written saves of a killed job (AtomicCheckpointIO's temporary names) go when training starts.
+    (ckpts / "step0000004.ckpt.tmp").write_bytes(b"partial")
+    (tmp_path / "run" / "hpc_ckpt_1.ckpt.tmp").write_bytes(b"partial")
+    train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=5)))
+    # The resumed run restored ModelCheckpoint's list, so it also removed the first run's files.
+    assert names(ckpts) == ["last.ckpt", "step0000004.ckpt", "step0000005.ckpt"]
+    assert [checkpoint_step(ckpts / n) for n in names(ckpts)] == [5, 4, 5]
+    assert not (tmp_path / "run" / "hpc_ckpt_1.ckpt.tmp").exists()
+
+
+def test_keep_checkpoints_zero_keeps_only_last(tmp_path, digits_shards):
+    cfg = cheap(tmp_path, digits_shards, "trainer.checkpoint_every_n_steps=1", "trainer.keep_checkpoints=0", "logger=none", steps=2)
+    train(compose_cfg(cfg))
+    assert names(tmp_path / "run" / "checkpoints") == ["last.ckpt"]
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_keep_checkpoints_removes_whole_sharded_folders(tmp_path, digits_shards):
+    run_dir = tmp_path / "run"
+    run_train(run_dir, digits_shards, *fsdp(devices=1, batch=16), "trainer.checkpoint_every_n_steps=1",
+              "trainer.keep_checkpoints=1", "trainer.max_steps=3", "logger=none")
+    ckpts = run_dir / "checkpoints"
+    assert names(ckpts) == ["last.ckpt", "step0000003.ckpt"]
+    assert all((ckpts / n / "meta.pt").is_file() for n in names(ckpts)), "fsdp writes folders"
+    assert checkpoint_step(ckpts / "step0000003.ckpt") == 3
