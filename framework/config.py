@@ -14,7 +14,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from framework.data import DataConfig
-from framework.eval import EvalSettings
 from framework.models import ModelConfig
 from framework.objectives import SAMPLERS, ObjectiveConfig, check_sampler
 from framework.optim import OptimizerConfig
@@ -134,6 +133,26 @@ class SampleConfig:
     def __post_init__(self) -> None:
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise ValueError(f"sample.sampler={self.sampler!r}: choose one of {sorted(SAMPLERS)}")
+
+
+# Defined here rather than in framework/eval.py: that is a command, and commands import the core,
+# never the reverse (tests/test_layers.py).
+@dataclass
+class EvalSettings:
+    """What is generated and how (shared by `python -m framework.eval` and the end-of-training eval)."""
+
+    seeds: int = 4
+    """Seeds per prompt."""
+    phrasings: int = 3
+    """Caption phrasings per class (digits)."""
+    steps: int = 20
+    """Sampler steps."""
+    guidance: float = 4.0
+    """Classifier-free guidance scale."""
+    sampler: str | None = None
+    """null: the objective's default sampler."""
+    batch_size: int = 64
+    """Images generated per forward pass."""
 
 
 @dataclass

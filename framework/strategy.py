@@ -37,11 +37,10 @@ from framework.registry import register_suite
 
 def shard_units(denoiser: Denoiser) -> list[nn.Module]:
     """The backbone's blocks in forward order (the unet: its down, mid and up blocks)."""
-    if denoiser.cfg.family == "unet":
-        net = denoiser.net
-        return [*net.down_blocks, *([net.mid_block] if net.mid_block is not None else []), *net.up_blocks]
-    from framework.blocks import blocks
+    from framework.blocks import blocks, unet_stages
 
+    if denoiser.cfg.family == "unet":
+        return [stage for _, stage in unet_stages(denoiser.net)]
     return list(blocks(denoiser))
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from framework.dtensor import local_tensor
 from framework.optim import OPTIMIZER_CHECKS, OPTIMIZERS, OptimizerConfig
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 
@@ -76,14 +77,9 @@ class _Shard:
         """A state tensor: sharded on dim 0 like the parameter (a DTensor), or the same on every rank."""
         p = self.param
         if not isinstance(p, DTensor) or not sharded:
-            return torch.zeros(shape, dtype=dtype, device=_local(p).device)
+            return torch.zeros(shape, dtype=dtype, device=local_tensor(p).device)
         # Shard(0) splits dim 0 like torch.chunk, as fully_shard does, so row states line up with rows.
         return torch.distributed.tensor.zeros(shape, dtype=dtype, device_mesh=p.device_mesh, placements=p.placements)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This process's piece of t (t itself unless it is a DTensor); in-place ops on it update t."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _shard_of(p: torch.Tensor) -> _Shard:
@@ -161,7 +157,7 @@ def _factored_rsqrt(
     x: torch.Tensor, row: torch.Tensor, col: torch.Tensor, beta: float, shard: _Shard
 ) -> torch.Tensor:
     """Update the row/column averages of x (rows_l, C) and return 1/sqrt(r c^T / mean(r)) (rows_l, C)."""
-    row_l = _local(row)  # (rows_l,)
+    row_l = local_tensor(row)  # (rows_l,)
     row_l.mul_(beta).add_(x.mean(dim=1), alpha=1 - beta)
     col_mean, row_mean = shard.row_means(x, row_l)  # (C,), ()
     col.mul_(beta).add_(col_mean, alpha=1 - beta)
@@ -180,14 +176,14 @@ _QUANT_KEYS = ("exp_avg_q", "exp_avg_min", "exp_avg_scale")  # uint8 codes, fp32
 def _read_exp_avg(state: dict[str, Any], shape: torch.Size) -> torch.Tensor:
     """The first moment of this shard in fp32, (rows_l, C) or the parameter's local shape."""
     if "exp_avg_q" in state:  # 8-bit: a fresh fp32 copy of this one parameter only
-        codes, lo, scale = (_local(state[k]) for k in _QUANT_KEYS)  # (rows_l, nb, block), (rows_l, nb) x 2
+        codes, lo, scale = (local_tensor(state[k]) for k in _QUANT_KEYS)  # (rows_l, nb, block), (rows_l, nb) x 2
         return dequantize_blocks(codes, lo, scale, shape[-1])  # (rows_l, C)
-    return _local(state["exp_avg"]).view(shape)  # fp32: the state itself, updated in place
+    return local_tensor(state["exp_avg"]).view(shape)  # fp32: the state itself, updated in place
 
 
 def _write_exp_avg(state: dict[str, Any], m: torch.Tensor) -> None:
     if "exp_avg_q" in state:
-        quantize_blocks(m, *(_local(state[k]) for k in _QUANT_KEYS))  # m: (rows_l, C)
+        quantize_blocks(m, *(local_tensor(state[k]) for k in _QUANT_KEYS))  # m: (rows_l, C)
 
 
 def _check_8bit_layout(state: dict[str, Any], shape: torch.Size, group: dict[str, Any]) -> None:
@@ -265,7 +261,7 @@ class CAME(torch.optim.Optimizer):
         eps1, eps2 = group["eps"]
         factored = is_factored(p.shape)
 
-        g = _local(p.grad).to(torch.float32)
+        g = local_tensor(p.grad).to(torch.float32)
         if factored:
             g = g.reshape(g.shape[0], math.prod(p.shape[1:]))  # (rows_l, C): a 1x1 conv squeezed to out x in
         # Second moment -> the normalised update u = g / sqrt(V), clipped by its RMS.
@@ -273,7 +269,7 @@ class CAME(torch.optim.Optimizer):
             v_row, v_col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             u = _factored_rsqrt(g.square().add_(eps1), v_row, v_col, beta2, shard).mul_(g)
         else:
-            v = _local(state["exp_avg_sq"])
+            v = local_tensor(state["exp_avg_sq"])
             v.mul_(beta2).add_(g.square().add_(eps1), alpha=1 - beta2)
             u = v.rsqrt().mul_(g)
         _clip_by_rms(u, group["clip_threshold"], p.numel(), shard)
@@ -288,7 +284,7 @@ class CAME(torch.optim.Optimizer):
             step = m
         _write_exp_avg(state, m)
 
-        w = _local(p)
+        w = local_tensor(p)
         w32 = w if w.dtype == torch.float32 else w.float()  # low-precision weights update in fp32
         if group["weight_decay"] != 0:  # decoupled, as in AdamW
             w32.add_(w32, alpha=-group["weight_decay"] * group["lr"])

@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from framework.dtensor import full_tensor, local_tensor
 from framework.registry import register_plugin, register_suite
 from framework.strategy import reshard
 
@@ -94,20 +95,6 @@ class EMAConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of an FSDP2 DTensor, else the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a collective for a DTensor: every rank must call it)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def averaged_tensors(model: nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
     """Name -> tensor of what the EMA averages: trainable parameters, and persistent float buffers.
 
@@ -155,7 +142,8 @@ class EMA(pl.Callback):
         live = averaged_tensors(model, self.cfg.buffers)
         weight = 1.0 - self.cfg.step_decay ** (step - self.last_step)
         with torch.no_grad():
-            torch._foreach_lerp_([_local(self.ema[n]) for n in live], [_local(t) for t in live.values()], weight)
+            ema, now = [local_tensor(self.ema[n]) for n in live], [local_tensor(t) for t in live.values()]
+            torch._foreach_lerp_(ema, now, weight)
         self.last_step, self.num_updates = step, self.num_updates + 1
 
     def maybe_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -176,7 +164,7 @@ class EMA(pl.Callback):
         live = averaged_tensors(model, self.cfg.buffers)
         with torch.no_grad():
             for n, t in live.items():
-                w, e = _local(t), _local(self.ema[n])
+                w, e = local_tensor(t), local_tensor(self.ema[n])
                 tmp = w.clone()
                 w.copy_(e)
                 e.copy_(tmp)
@@ -245,7 +233,7 @@ class EMA(pl.Callback):
 
         # One file: the denoiser's full state dict with the averaged tensors in it. The other
         # entries are the very tensors of checkpoint['state_dict'], which torch.save writes once.
-        full = {n: _full(t).detach().cpu() for n, t in self.ema.items()}  # collective under fsdp
+        full = {n: full_tensor(t).detach().cpu() for n, t in self.ema.items()}  # collective under fsdp
         prefix = "model."
         state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
         state.update(full)
@@ -281,10 +269,10 @@ def _load_full(ema: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) ->
         raise RuntimeError(f"plugins.ema: the checkpoint's EMA lacks {missing[:3]}; was it written for another model?")
     with torch.no_grad():
         for n, t in ema.items():
-            src = stored[n].to(device=_local(t).device, dtype=t.dtype)
+            src = stored[n].to(device=local_tensor(t).device, dtype=t.dtype)
             if isinstance(t, DTensor):  # src_data_rank=None: each rank cuts its own chunk locally
                 src = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
-            _local(t).copy_(src)
+            local_tensor(t).copy_(src)
 
 
 def _load_sharded(ema: dict[str, torch.Tensor], path: Path) -> None:
@@ -349,7 +337,7 @@ def ema_cost_report(preset: str = "pixart_debug", steps: int = 20, warmup: int =
             ms = statistics.median(_fit_step_times(preset, cbs, steps, warmup, batch_size)) * 1e3
             report[f"{name}_step_ms"] = min(ms, report.get(f"{name}_step_ms", ms))
             if cbs:
-                report[f"{name}_ema_bytes"] = sum(_local(t).numel() * t.element_size() for t in (cbs[0].ema or {}).values())
+                report[f"{name}_ema_bytes"] = sum(local_tensor(t).numel() * t.element_size() for t in (cbs[0].ema or {}).values())
     idle = last["before_start"][0]
     hook_times = []
     for _ in range(200):
