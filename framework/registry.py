@@ -45,16 +45,3 @@ def build_plugin_callbacks(plugins: dict[str, Any], run_cfg: Any) -> list[pl.Cal
             raise ValueError(f"plugins.{name}: {e.__cause__ or e}") from None
         out.append(p.build(cfg, run_cfg))
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark suites (`python -m framework.bench SUITE`)
-# --------------------------------------------------------------------------------------------
-
-BENCH_SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {}
-
-
-def register_suite(name: str, config: type, run: Callable[[Any], list[dict[str, Any]]]) -> None:
-    """A benchmark suite: its config dataclass and run(cfg) -> rows. Lives here, not in framework.bench,
-    because `python -m framework.bench` runs that file as __main__, a second copy of the module."""
-    BENCH_SUITES[name] = (config, run)

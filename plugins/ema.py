@@ -27,9 +27,6 @@ is swapped by the callback's own hooks). Checkpoints:
 from __future__ import annotations
 
 import math
-import statistics
-import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +37,7 @@ import torch
 from torch import nn
 
 from framework.dtensor import full_tensor, local_tensor
-from framework.registry import register_plugin, register_suite
+from framework.registry import register_plugin
 from framework.strategy import reshard
 
 EMA_KEY = "ema_state"  # framework.pipeline.model_weights reads checkpoint['latentforge'][EMA_KEY]
@@ -137,7 +134,7 @@ class EMA(pl.Callback):
             self.ema = {n: t.detach().clone() for n, t in averaged_tensors(model, self.cfg.buffers).items()}
         self.last_step = step
 
-    def _update(self, model: nn.Module, step: int) -> None:
+    def update(self, model: nn.Module, step: int) -> None:
         """ema <- lerp(ema, w, 1 - d**k) over the local parts, k = steps since the last update."""
         live = averaged_tensors(model, self.cfg.buffers)
         weight = 1.0 - self.cfg.step_decay ** (step - self.last_step)
@@ -154,7 +151,7 @@ class EMA(pl.Callback):
         if self.ema is None:
             self._begin(pl_module.model, step)
         elif step - self.last_step >= self.cfg.every:
-            self._update(pl_module.model, step)
+            self.update(pl_module.model, step)
 
     # ---- swapping in and out ----------------------------------------------------------------
 
@@ -288,114 +285,3 @@ def build(cfg: EMAConfig, run_cfg: Any) -> EMA:
 
 
 register_plugin("ema", EMAConfig, build)
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark: the cost per step before and after the start
-# --------------------------------------------------------------------------------------------
-
-
-def _fit_step_times(preset: str, callbacks: list[pl.Callback], steps: int, warmup: int, batch_size: int) -> list[float]:
-    """Seconds per optimizer step of the real training module (Lightning fit, CPU, synthetic batches)."""
-    import tempfile
-
-    from framework.bench import _bench_module, _StepTimer, _SyntheticBatches
-    from framework.models import load_preset
-
-    mcfg = load_preset(preset)
-    torch.manual_seed(0)
-    module = _bench_module(mcfg, None)
-    C, S, D = mcfg.in_channels, mcfg.sample_size, mcfg.text_dim or 1
-    data = _SyntheticBatches((warmup + steps) * batch_size, C, S, D, 16, mcfg.num_classes, None)
-    timer = _StepTimer(warmup)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=warmup + steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[*callbacks, timer], default_root_dir=tempfile.mkdtemp(prefix="lf-ema-bench-"))
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=batch_size))
-    return timer.times
-
-
-def ema_cost_report(preset: str = "pixart_debug", steps: int = 20, warmup: int = 3, batch_size: int = 8,
-                    rounds: int = 2, out: str | None = None) -> dict[str, Any]:
-    """Median step time without the plugin, with it before its start, and after it (update every step).
-
-    The EMA callback runs before the step timer's end hook, so its update is inside the timed step.
-    The three fits take turns for `rounds` rounds and each keeps its best median (a shared machine's
-    load swings more than the EMA costs). Also: bytes the EMA holds before and after the start, the
-    per-step hook before the start alone, and one update alone (medians of 200 and 20 calls).
-    """
-    import json
-
-    total = warmup + steps
-    make = {"no_ema": lambda: [], "before_start": lambda: [EMA(EMAConfig(start=10 * total))],
-            "after_start": lambda: [EMA(EMAConfig(start=0))]}
-    report: dict[str, Any] = {"preset": preset, "device": "cpu", "steps": steps, "batch_size": batch_size, "rounds": rounds}
-    last: dict[str, list[EMA]] = {}
-    for _ in range(rounds):
-        for name, cbs_of in make.items():
-            cbs = last[name] = cbs_of()
-            ms = statistics.median(_fit_step_times(preset, cbs, steps, warmup, batch_size)) * 1e3
-            report[f"{name}_step_ms"] = min(ms, report.get(f"{name}_step_ms", ms))
-            if cbs:
-                report[f"{name}_ema_bytes"] = sum(local_tensor(t).numel() * t.element_size() for t in (cbs[0].ema or {}).values())
-    idle = last["before_start"][0]
-    hook_times = []
-    for _ in range(200):
-        t0 = time.perf_counter()
-        idle.maybe_update(idle._trainer, idle._module)
-        hook_times.append(time.perf_counter() - t0)
-    report["before_start_hook_us"] = statistics.median(hook_times) * 1e6
-    ema = last["after_start"][0]
-    model = ema._module.model
-    report["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    update_times = []
-    for i in range(20):
-        t0 = time.perf_counter()
-        ema._update(model, ema.last_step + 1)
-        update_times.append(time.perf_counter() - t0)
-    report["update_ms"] = statistics.median(update_times) * 1e3
-    report["before_start_overhead"] = report["before_start_step_ms"] / report["no_ema_step_ms"] - 1
-    report["after_start_overhead"] = report["after_start_step_ms"] / report["no_ema_step_ms"] - 1
-    if out is not None:
-        Path(out).write_text(json.dumps(report, indent=2))
-    return report
-
-
-def format_ema_cost_report(r: dict[str, Any]) -> str:
-    """The report as a few plain lines."""
-    return "\n".join([
-        f"EMA cost, {r['preset']} on {r['device']}, batch {r['batch_size']}, median of {r['steps']} steps:",
-        f"  no plugin          {r['no_ema_step_ms']:8.2f} ms/step",
-        f"  before start       {r['before_start_step_ms']:8.2f} ms/step ({r['before_start_overhead']:+.1%}),"
-        f" EMA bytes {r['before_start_ema_bytes']}",
-        f"  after start        {r['after_start_step_ms']:8.2f} ms/step ({r['after_start_overhead']:+.1%}),"
-        f" EMA bytes {r['after_start_ema_bytes']} (trainable params {r['param_bytes']} bytes)",
-        f"  one update alone   {r['update_ms']:8.3f} ms; the hook before the start alone {r['before_start_hook_us']:.2f} us",
-    ])
-
-
-# `python -m framework.bench ema`
-@dataclass
-class EMABench:
-    """Arguments of `python -m framework.bench ema`."""
-
-    preset: str = "pixart_debug"
-    steps: int = 20
-    warmup: int = 3
-    batch_size: int = 8
-    rounds: int = 2
-    out: str = "bench_ema.json"
-
-
-def _bench_ema(cfg: EMABench) -> list[dict[str, Any]]:
-    r = ema_cost_report(cfg.preset, cfg.steps, cfg.warmup, cfg.batch_size, cfg.rounds)
-    print(format_ema_cost_report(r))
-    return [{"mode": "ema_cost", "mfu": None, "peak_mem_bytes": None, **r}]
-
-
-register_suite("ema", EMABench, _bench_ema)
-
-
-if __name__ == "__main__":  # python -m plugins.ema: print the cost report
-    warnings.filterwarnings("ignore")
-    print(format_ema_cost_report(ema_cost_report()))
