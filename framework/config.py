@@ -70,7 +70,8 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     """How often train/loss and throughput are logged."""
     val_check_interval: Any = None
-    """Passed to Lightning; the trainer has no validation set unless the data config gives one."""
+    """Only null: training runs no validation loop (quality is measured by eval.at_end and framework.eval).
+    Kept so that configs and scripts that pass trainer.val_check_interval=null still compose."""
     gradient_clip_val: float | None = 1.0
     """Clip the global gradient norm to this value (null: no clipping)."""
     checkpoint_every_n_steps: int = 500
@@ -85,6 +86,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.max_steps={self.max_steps} must be > 0")
         if self.accumulate_grad_batches < 1:
             raise ValueError(f"trainer.accumulate_grad_batches={self.accumulate_grad_batches} must be >= 1")
+        if self.val_check_interval is not None:
+            raise ValueError(f"trainer.val_check_interval={self.val_check_interval}: training runs no validation loop,"
+                             " so it would do nothing; remove it (or set it to null) and measure quality with"
+                             " eval.at_end=true or `python -m framework.eval`")
 
 
 @dataclass

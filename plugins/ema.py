@@ -13,10 +13,10 @@ lives: under fsdp each rank keeps the EMA of its own local shards (the EMA tenso
 with the parameters' placements; updates touch only `.to_local()`: no all-gather, no full copy on
 any rank); under ddp each rank keeps the full EMA (the replicas are identical).
 
-The framework never imports this file. It reaches the EMA through one attribute the callback sets
-on the LightningModule: `pl_module.averaged_weights()`, a context manager that swaps the EMA into
-the model and swaps the training weights back exactly on exit (SampleGrid, final_eval; validation
-is swapped by the callback's own hooks). Checkpoints:
+The framework never imports this file. The callback is a `framework.registry.WeightAverager`:
+`averaged_weights(pl_module)` is a context manager that swaps the EMA into the model and the
+training weights back exactly on exit, which SampleGrid and the end-of-training evaluation enter
+through `framework.registry.averaged_weights(trainer, pl_module)`. Checkpoints:
   * one file (single, ddp, fsdp with sharded_checkpoint=false): `checkpoint['latentforge']
     ['ema_state']` is the denoiser's full state dict with the averaged tensors in it, which
     framework.pipeline.model_weights (sample, eval, export) uses by default;
@@ -114,7 +114,10 @@ def averaged_tensors(model: nn.Module, buffers: bool = True) -> dict[str, torch.
 
 
 class EMA(pl.Callback):
-    """Keeps `self.ema` (name -> tensor, shards under fsdp) from the start step on; None before."""
+    """Keeps `self.ema` (name -> tensor, shards under fsdp) from the start step on; None before.
+
+    A framework.registry.WeightAverager: `averaged_weights(pl_module)` swaps the EMA in.
+    """
 
     def __init__(self, cfg: EMAConfig) -> None:
         self.cfg = cfg
@@ -123,7 +126,6 @@ class EMA(pl.Callback):
         self.last_step = -1  # global step of the last copy/update
         self.num_updates = 0
         self._trainer: pl.Trainer | None = None
-        self._module: pl.LightningModule | None = None
         self._swapped = False
 
     # ---- the average ------------------------------------------------------------------------
@@ -168,14 +170,14 @@ class EMA(pl.Callback):
         self._swapped = not self._swapped
 
     @contextmanager
-    def averaged_weights(self) -> Iterator[None]:
-        """The EMA swapped into the model for the body; a no-op before the start."""
-        if self._trainer is not None and self._module is not None and self._trainer.training:
-            self.maybe_update(self._trainer, self._module)  # a grid drawn before this step's update sees it
+    def averaged_weights(self, pl_module: pl.LightningModule) -> Iterator[None]:
+        """The EMA swapped into `pl_module.model` for the body; a no-op before the start."""
+        if self._trainer is not None and self._trainer.training:
+            self.maybe_update(self._trainer, pl_module)  # a grid drawn before this step's update sees it
         if self.ema is None or self._swapped:
             yield
             return
-        model = self._module.model
+        model = pl_module.model
         self._swap(model)
         try:
             yield
@@ -185,26 +187,14 @@ class EMA(pl.Callback):
     # ---- Lightning hooks --------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer, self._module = trainer, pl_module
+        self._trainer = trainer
         self.start = self.cfg.start_step(trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0)
-        # The framework's one entry point to the EMA (see the module docstring).
-        pl_module.averaged_weights = self.averaged_weights
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.maybe_update(trainer, pl_module)  # start=0: the average begins at the initial weights
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.maybe_update(trainer, pl_module)
-
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.ema is not None and not self._swapped:
-            self._swap(pl_module.model)
-            self._validation_swap = True
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if getattr(self, "_validation_swap", False):
-            self._swap(pl_module.model)
-            self._validation_swap = False
 
     # ---- checkpoints ------------------------------------------------------------------------
 

@@ -81,6 +81,7 @@ def test_every_model_preset_composes(model):
         (["optimizer.lr=-1"], "optimizer.lr=-1"),
         (["strategy=single", "trainer.devices=2"], "use strategy=ddp or strategy=fsdp"),
         (["strategy=fsdp", "trainer.precision=transformer-engine"], "trainer.precision='transformer-engine'"),
+        (["trainer.val_check_interval=100"], "trainer.val_check_interval=100: training runs no validation loop"),
     ],
 )
 def test_bad_config_fails_at_start_with_the_key(override, message):
