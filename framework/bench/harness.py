@@ -84,17 +84,20 @@ class StepTimer(pl.Callback):
     work is counted. Callbacks listed before it run inside the timed step."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self._t0 = warmup, [], 0.0
+        self.warmup, self._t0 = warmup, 0.0
+        self.times: list[float] = []
 
     def _sync(self, pl_module: pl.LightningModule) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self._sync(pl_module)
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         self._sync(pl_module)
         if batch_idx >= self.warmup:
             self.times.append(time.perf_counter() - self._t0)
