@@ -1,17 +1,17 @@
 """A uniform view of any backbone: its blocks and, per block, its residual branches.
 
-Model growth, depth pruning and the cache router work on "a stack of residual blocks, each adding
-self-attention, cross-attention and MLP branches to its input". diffusers gives each family its own
-block class; this module names the same parts in all of them, so plugins never branch on the family.
+diffusers gives each family its own block class; this module names the same parts in all of them,
+so code that works block by block never branches on the family. framework/strategy.py takes its
+FSDP2 and torch.compile units from here.
 
 A branch's `out_proj` is the last op on that residual branch: zero it and the branch adds nothing
-(tests/test_blocks.py checks that zeroing every branch makes each block the identity). That is what
-zero-initialised growth needs, and what a cache that skips a branch relies on.
+(tests/test_blocks.py checks that zeroing every branch makes each block the identity).
 
 Families: pixart and dit use diffusers' BasicTransformerBlock in `net.transformer_blocks`; sana its
 SanaTransformerBlock (linear self-attention, softmax cross-attention, GLUMBConv MLP whose last op is a
-1x1 conv); the unet's BasicTransformerBlocks live inside its down / mid / up blocks, between resnets,
-so it exposes them as views but is no uniform stack: growth and pruning are declared unsupported.
+1x1 conv). Those three are one stack of blocks that `blocks()` returns and `replace_blocks()` swaps.
+The unet's BasicTransformerBlocks live inside its down / mid / up stages, between resnets: it has
+views of its blocks (`block_views`) but no stack (`has_stack` is False).
 """
 
 from __future__ import annotations
@@ -79,35 +79,32 @@ def _branches(block: nn.Module) -> list[Branch]:
     return out
 
 
+def unet_stages(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The unet's down blocks, mid block and up blocks in forward order, with their names in the net."""
+    stages = [(f"down_blocks.{i}", b) for i, b in enumerate(net.down_blocks)]
+    if net.mid_block is not None:
+        stages.append(("mid_block", net.mid_block))
+    return stages + [(f"up_blocks.{i}", b) for i, b in enumerate(net.up_blocks)]
+
+
 def _unet_blocks(net: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The unet's BasicTransformerBlocks in forward order: down blocks, mid block, up blocks."""
-    found = []
-    for prefix, parent in [("down_blocks", net.down_blocks), ("mid_block", net.mid_block), ("up_blocks", net.up_blocks)]:
-        if parent is None:
-            continue
-        for name, module in parent.named_modules():
-            if isinstance(module, BasicTransformerBlock):
-                found.append((f"{prefix}.{name}", module))
-    return found
+    """The unet's BasicTransformerBlocks in forward order, inside its stages."""
+    return [(f"{prefix}.{name}", module) for prefix, stage in unet_stages(net)
+            for name, module in stage.named_modules() if isinstance(module, BasicTransformerBlock)]
 
 
 # --------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------
 
-def supports(denoiser: Denoiser) -> dict[str, bool]:
-    """Which block-level surgeries this backbone allows: {"growth", "pruning", "cache"}.
-
-    The cache needs only per-block residuals (hooks on `block_views`), so the unet supports it;
-    growth and pruning replace the `blocks()` container, which the unet does not have.
-    """
-    stack = denoiser.cfg.family != "unet"
-    return {"growth": stack, "pruning": stack, "cache": True}
+def has_stack(denoiser: Denoiser) -> bool:
+    """Whether the backbone is one replaceable stack of blocks (`blocks`, `replace_blocks`); the unet is not."""
+    return denoiser.cfg.family != "unet"
 
 
 def blocks(denoiser: Denoiser) -> nn.ModuleList:
-    """The container of the residual stack (replace it with `replace_blocks` to grow or prune)."""
-    if not supports(denoiser)["growth"]:
+    """The container of the residual stack (swap it with `replace_blocks`)."""
+    if not has_stack(denoiser):
         raise NotImplementedError(
             f"model.family={denoiser.cfg.family} has no uniform block stack (its transformer blocks sit "
             "between resnets in down/mid/up blocks); use block_views() for per-block access.")
@@ -124,10 +121,10 @@ def block_views(denoiser: Denoiser) -> list[BlockView]:
 
 
 def replace_blocks(denoiser: Denoiser, new_blocks: nn.ModuleList) -> None:
-    """Swap in a grown or pruned stack, keeping the config (and so checkpoints / save_pretrained) in step.
+    """Swap in another stack (deeper or shallower), keeping the config (and so checkpoints / save_pretrained) in step.
 
-    Note for pruning dit: diffusers' DiT conditions its final layer on block 0's embedder
-    (`transformer_blocks[0].norm1.emb`), so dropping block 0 changes that conditioning too.
+    Note for dit: diffusers' DiT conditions its final layer on block 0's embedder
+    (`transformer_blocks[0].norm1.emb`), so a stack without the old block 0 changes that conditioning too.
     """
     blocks(denoiser)  # raises for families without a stack
     denoiser.net.transformer_blocks = new_blocks

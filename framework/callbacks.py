@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
 from framework.pipeline import Pipeline, save_grid
+from framework.registry import averaged_weights
 from framework.strategy import reshard
 
 
@@ -47,8 +47,8 @@ class SampleGrid(pl.Callback):
         was_training = pl_module.training
         pl_module.eval()
         try:
-            # A plugin that averages weights (plugins/ema.py) sets `averaged_weights`: grids show the average.
-            with getattr(pl_module, "averaged_weights", nullcontext)():
+            # When a plugin keeps averaged weights (a WeightAverager, e.g. plugins/ema.py), grids show them.
+            with averaged_weights(trainer, pl_module):
                 images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels,
                                                             split_ranks=trainer.world_size > 1)
         finally:

@@ -14,7 +14,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from framework.data import DataConfig
-from framework.eval import EvalSettings
 from framework.models import ModelConfig
 from framework.objectives import SAMPLERS, ObjectiveConfig, check_sampler
 from framework.optim import OptimizerConfig
@@ -71,7 +70,8 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     """How often train/loss and throughput are logged."""
     val_check_interval: Any = None
-    """Passed to Lightning; the trainer has no validation set unless the data config gives one."""
+    """Only null: training runs no validation loop (quality is measured by eval.at_end and framework.eval).
+    Kept so that configs and scripts that pass trainer.val_check_interval=null still compose."""
     gradient_clip_val: float | None = 1.0
     """Clip the global gradient norm to this value (null: no clipping)."""
     checkpoint_every_n_steps: int = 500
@@ -91,6 +91,10 @@ class TrainerConfig:
         if self.keep_checkpoints < 0:
             raise ValueError(f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 "
                              "(how many numbered checkpoints to keep besides last.ckpt; 0 keeps only last.ckpt)")
+        if self.val_check_interval is not None:
+            raise ValueError(f"trainer.val_check_interval={self.val_check_interval}: training runs no validation loop,"
+                             " so it would do nothing; remove it (or set it to null) and measure quality with"
+                             " eval.at_end=true or `python -m framework.eval`")
 
 
 @dataclass
@@ -139,6 +143,26 @@ class SampleConfig:
     def __post_init__(self) -> None:
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise ValueError(f"sample.sampler={self.sampler!r}: choose one of {sorted(SAMPLERS)}")
+
+
+# Defined here rather than in framework/eval.py: that is a command, and commands import the core,
+# never the reverse (tests/test_layers.py).
+@dataclass
+class EvalSettings:
+    """What is generated and how (shared by `python -m framework.eval` and the end-of-training eval)."""
+
+    seeds: int = 4
+    """Seeds per prompt."""
+    phrasings: int = 3
+    """Caption phrasings per class (digits)."""
+    steps: int = 20
+    """Sampler steps."""
+    guidance: float = 4.0
+    """Classifier-free guidance scale."""
+    sampler: str | None = None
+    """null: the objective's default sampler."""
+    batch_size: int = 64
+    """Images generated per forward pass."""
 
 
 @dataclass

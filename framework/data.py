@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from framework.shards import INDEX_FILE, VALIDATE_MODES, check_shards
+from framework.shards import VALIDATE_MODES, check_shards
 
 DATASET_FILE = "dataset.json"
 
@@ -216,7 +215,11 @@ def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 def drop_captions(
     text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D)."""
+    """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D).
+
+    text (B, L, D), mask (B, L), drop (B,) bool -> new tensors (B, max(L, L0), D), (B, max(L, L0)); the
+    inputs are not modified. The flags come from DiffusionModule._draw (classifier-free guidance).
+    """
     if not bool(drop.any()):
         return text, mask
     n_tok = max(text.shape[1], empty.shape[0])
@@ -229,21 +232,6 @@ def drop_captions(
     em[: empty.shape[0]] = True
     d = drop.view(-1, 1)
     return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
-
-
-def apply_caption_dropout(text_embeds: torch.Tensor, text_mask: torch.Tensor, empty_text_embeds: torch.Tensor,
-                          p: float, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace each row's caption by the empty caption with probability p (for classifier-free guidance).
-
-    text_embeds (B, L, D), text_mask (B, L), empty_text_embeds (L0, D) -> new tensors (B, max(L, L0), D),
-    (B, max(L, L0)); the inputs are not modified. (The trainer draws its flags for the whole global
-    batch itself and calls drop_captions.)
-    """
-    if p <= 0.0:
-        return text_embeds, text_mask
-    gen_device = generator.device if generator is not None else "cpu"
-    drop = (torch.rand(text_embeds.shape[0], generator=generator, device=gen_device) < p).to(text_embeds.device)
-    return drop_captions(text_embeds, text_mask, empty_text_embeds.to(text_embeds), drop)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,40 +313,3 @@ class LatentDataModule(L.LightningDataModule):
             drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
             pin_memory=torch.cuda.is_available(),  # lets Lightning copy batches to the GPU asynchronously
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Throughput (reused by `python -m framework.bench data`)
-# ---------------------------------------------------------------------------------------------
-
-
-def dataset_bytes_per_sample(path: str) -> dict[str, float]:
-    """On-disk (compressed) and raw bytes per sample of a local dataset, from its index.json."""
-    index = json.loads((Path(path).expanduser() / INDEX_FILE).read_text())
-    n = sum(s["samples"] for s in index["shards"])
-    disk = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in index["shards"])
-    raw = sum(s["raw_data"]["bytes"] for s in index["shards"])
-    return {"dataset_samples": n, "disk_bytes_per_sample": disk / n, "raw_bytes_per_sample": raw / n}
-
-
-def measure_loader_throughput(path: str, batch_size: int = 64, num_workers: int = 0, num_batches: int = 50,
-                              local: Optional[str] = None, warmup: int = 2) -> dict[str, float]:
-    """Samples/s one process reads through LatentDataModule (shuffled, collated); first batches excluded."""
-    cfg = DataConfig(path=path, local=local, batch_size=batch_size, num_workers=num_workers)
-    dm = LatentDataModule(cfg)
-    dm.setup("fit")
-    loader = dm.train_dataloader()
-    seen, start, done = 0, None, 0
-    while done < num_batches + warmup:
-        for batch in loader:
-            done += 1
-            if done == warmup:
-                start = time.perf_counter()
-            elif done > warmup:
-                seen += batch["latents"].shape[0]
-            if done >= num_batches + warmup:
-                break
-    seconds = time.perf_counter() - start
-    del loader
-    return {"samples_per_s": seen / seconds, "samples": seen, "seconds": seconds,
-            "batch_size": batch_size, "num_workers": num_workers}

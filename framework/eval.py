@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.cli import quiet_hydra, resolve_device
+from framework.config import EvalSettings
 from framework.pipeline import Pipeline, save_grid
 
 
@@ -84,24 +85,6 @@ def evaluate_digits(
 # --------------------------------------------------------------------------------------------
 # Command
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class EvalSettings:
-    """What is generated and how (shared by `python -m framework.eval` and the end-of-training eval)."""
-
-    seeds: int = 4
-    """Seeds per prompt."""
-    phrasings: int = 3
-    """Caption phrasings per class (digits)."""
-    steps: int = 20
-    """Sampler steps."""
-    guidance: float = 4.0
-    """Classifier-free guidance scale."""
-    sampler: str | None = None
-    """null: the objective's default sampler."""
-    batch_size: int = 64
-    """Images generated per forward pass."""
 
 
 @dataclass

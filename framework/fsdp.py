@@ -33,7 +33,6 @@ meta stand-in and be lost); tests/test_fsdp_init.py checks every family against 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,6 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from framework.models import Denoiser, ModelConfig, build_denoiser, check_fits, open_weights
-from framework.registry import register_suite
 
 TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
 
@@ -206,94 +204,3 @@ def materialize(denoiser: Denoiser, rng_state: torch.Tensor, device: torch.devic
     left = [n for n, t in [*denoiser.named_parameters(), *denoiser.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"still on the meta device after materialize: {left[:3]}")
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark: host memory per rank while building and sharding, meta path versus whole builds
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class InitMemoryBench:
-    """Arguments of `python -m framework.bench init_memory`: peak host memory per rank of the fsdp set-up."""
-
-    model: str = "sana_1600m_1024"
-    world_size: int = 2
-    paths: list[str] = field(default_factory=lambda: ["whole", "meta"])
-    """whole: every rank builds the full model then shards it (the ordinary path); meta: this module."""
-    out: str = "bench_init_memory.json"
-
-    def __post_init__(self) -> None:
-        unknown = set(self.paths) - {"whole", "meta"}
-        if unknown:
-            raise ValueError(f"paths={self.paths}: {sorted(unknown)} unknown; choose from whole and meta.")
-
-
-def _peak_rss_gb() -> float:
-    """Peak resident memory of this process: VmHWM on Linux (reset at exec, so a spawned rank does not
-    inherit its parent's), ru_maxrss elsewhere."""
-    import resource
-
-    status = Path("/proc/self/status")
-    if status.exists():
-        kib = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
-    else:
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib * 1024 / 1e9
-
-
-def _init_memory_rank(rank: int, cfg: InitMemoryBench, path: str, store: str, out: str) -> None:
-    """One rank in its own (spawned) process: gloo group, build + shard as `path` says, report peak RSS."""
-    import json
-    import resource
-    import time
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from framework.models import load_preset
-    from framework.strategy import shard
-
-    after_imports = _peak_rss_gb()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cfg.world_size)
-    mesh = init_device_mesh("cpu", (cfg.world_size,))
-    mcfg = load_preset(cfg.model)
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    if path == "whole":
-        model = shard(build_denoiser(mcfg), mesh, "SHARD_GRAD_OP", param_dtype=None)
-    else:
-        rng_state = torch.get_rng_state()
-        model = shard(build_meta(mcfg), mesh, "SHARD_GRAD_OP", param_dtype=None)
-        materialize(model, rng_state, torch.device("cpu"))
-    seconds = time.perf_counter() - t0
-    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    row = {"model": cfg.model, "path": path, "rank": rank, "world_size": cfg.world_size,
-           "params": sum(p.numel() for p in model.parameters()), "local_param_gb": local / 1e9,
-           "rss_after_imports_gb": after_imports, "peak_rss_gb": _peak_rss_gb(), "seconds": seconds,
-           # ru_maxrss as well (KiB on Linux); it may include the parent's memory at fork, hence VmHWM above.
-           "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
-    Path(out, f"{path}_rank{rank}.json").write_text(json.dumps(row))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _bench_init_memory(cfg: InitMemoryBench) -> list[dict[str, Any]]:
-    import json
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from framework.bench import print_table
-
-    rows = []
-    for path in cfg.paths:  # one path at a time, each rank a fresh process (peak RSS is per process)
-        with tempfile.TemporaryDirectory(prefix="lf-init-mem-") as tmp:
-            mp.start_processes(_init_memory_rank, args=(cfg, path, f"{tmp}/store", tmp), nprocs=cfg.world_size,
-                               start_method="spawn")
-            rows += [json.loads(Path(tmp, f"{path}_rank{r}.json").read_text()) for r in range(cfg.world_size)]
-    print_table(rows, list(rows[0]))
-    return rows
-
-
-register_suite("init_memory", InitMemoryBench, _bench_init_memory)

@@ -4,12 +4,16 @@ imports a plugin by name (train.py imports the `plugins` package once, which run
 A plugin is a typed config dataclass plus a builder that turns it into a Lightning callback. Model
 surgery belongs in the callback's `setup()` hook: Lightning calls it before `configure_model`
 (sharding) and before `configure_optimizers`, the one moment a swap is safe.
+
+A callback can also provide a hook the framework calls: a `WeightAverager` (below) offers averaged
+weights, which sample grids and the end-of-training evaluation then use.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 from omegaconf import OmegaConf
@@ -48,13 +52,29 @@ def build_plugin_callbacks(plugins: dict[str, Any], run_cfg: Any) -> list[pl.Cal
 
 
 # --------------------------------------------------------------------------------------------
-# Benchmark suites (`python -m framework.bench SUITE`)
+# Hooks a plugin callback may provide
 # --------------------------------------------------------------------------------------------
 
-BENCH_SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {}
+
+@runtime_checkable
+class WeightAverager(Protocol):
+    """A callback that keeps an average of the weights (plugins/ema.py): sample grids, the end-of-training
+    evaluation and the checkpoint's default weights use the average instead of the training weights.
+
+    `averaged_weights(pl_module)` is a context manager: inside it `pl_module.model` holds the averaged
+    weights, and on exit exactly the training weights again (bit for bit; training continues from them).
+    Before an average exists (e.g. before its start step) it changes nothing. Under fsdp every rank
+    enters it, each swapping its own shards.
+    """
+
+    def averaged_weights(self, pl_module: pl.LightningModule) -> AbstractContextManager[None]: ...
 
 
-def register_suite(name: str, config: type, run: Callable[[Any], list[dict[str, Any]]]) -> None:
-    """A benchmark suite: its config dataclass and run(cfg) -> rows. Lives here, not in framework.bench,
-    because `python -m framework.bench` runs that file as __main__, a second copy of the module."""
-    BENCH_SUITES[name] = (config, run)
+def averaged_weights(trainer: pl.Trainer, pl_module: pl.LightningModule) -> AbstractContextManager[None]:
+    """The averaged weights of the run's WeightAverager callback in `pl_module` for a `with` block; the
+    training weights (nothing to do) when no plugin averages them."""
+    found = [cb for cb in trainer.callbacks if isinstance(cb, WeightAverager)]
+    if len(found) > 1:
+        names = ", ".join(type(cb).__name__ for cb in found)
+        raise ValueError(f"plugins: {names} each keep averaged weights; select one of them")
+    return found[0].averaged_weights(pl_module) if found else nullcontext()

@@ -11,15 +11,14 @@ mesh over every device of every node: each backbone block is one FSDP unit, then
 
 Lightning writes a sharded (torch.distributed.checkpoint) folder; the gap it leaves is atomicity:
 AtomicModelParallelStrategy writes the folder under a temporary name and swaps it in, so a job
-killed mid-save keeps its last good checkpoint. `sharded_memory_report` measures what each rank
-holds, from the real sharded tensors of a meta-device model on a fake process group.
+killed mid-save keeps its last good checkpoint. What each rank holds is measured by
+`python -m framework.bench memory` (framework/bench/suite_memory.py).
 """
 
 from __future__ import annotations
 
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generator
 
@@ -28,7 +27,6 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch import nn
 
 from framework.models import Denoiser
-from framework.registry import register_suite
 
 # --------------------------------------------------------------------------------------------
 # Units: what becomes one FSDP unit / one activation-checkpointed piece
@@ -37,11 +35,10 @@ from framework.registry import register_suite
 
 def shard_units(denoiser: Denoiser) -> list[nn.Module]:
     """The backbone's blocks in forward order (the unet: its down, mid and up blocks)."""
-    if denoiser.cfg.family == "unet":
-        net = denoiser.net
-        return [*net.down_blocks, *([net.mid_block] if net.mid_block is not None else []), *net.up_blocks]
-    from framework.blocks import blocks
+    from framework.blocks import blocks, unet_stages
 
+    if denoiser.cfg.family == "unet":
+        return [stage for _, stage in unet_stages(denoiser.net)]
     return list(blocks(denoiser))
 
 
@@ -175,68 +172,6 @@ def build_strategy(cfg: Any, precision: str) -> Strategy | str:
                         sharded_checkpoint=cfg.sharded_checkpoint)
 
 
-# --------------------------------------------------------------------------------------------
-# Memory per rank, measured on the real sharded tensors
-# --------------------------------------------------------------------------------------------
-
-
-def _local_numel(p: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-
-
-def sharded_memory_report(model_cfg: Any, world_size: int, sharding: str = "SHARD_GRAD_OP",
-                          param_bytes: int = 4, optimizer_states: int = 2, compute_bytes: int = 2) -> dict[str, Any]:
-    """Bytes per rank of parameters, gradients and AdamW state for `model_cfg` (a ModelConfig).
-
-    world_size 1 is the unsharded model. Otherwise the model is built on the meta device and
-    fully_shard'ed on a fake process group of `world_size` ranks in this one process; the numbers
-    are sums of each parameter's local shard (rank 0's, the largest under uneven splits).
-    `peak_gathered_params_bytes` is the extra memory for unsharded parameters held during a step
-    (in the `compute_bytes` dtype, bf16 under mixed precision): FULL_SHARD gathers one block at a
-    time (the largest block, doubled for prefetch of the next one); SHARD_GRAD_OP keeps every
-    block gathered from its forward to its backward, so at the forward/backward turn it holds them all.
-    """
-    import torch.distributed as dist
-
-    from framework.models import build_denoiser
-
-    with torch.device("meta"):
-        model = build_denoiser(model_cfg)
-    units = shard_units(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    full = sum(p.numel() for p in trainable)
-    unit_sizes = [sum(p.numel() for p in u.parameters()) for u in units]
-    if world_size > 1:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-        try:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            shard(model, init_device_mesh("cpu", (world_size,)), sharding, param_dtype=None)
-            local = sum(_local_numel(p) for p in model.parameters() if p.requires_grad)
-        finally:
-            dist.destroy_process_group()
-        if sharding == "FULL_SHARD":
-            gathered = 2 * max(unit_sizes) + (full - sum(unit_sizes))  # the root's own params stay gathered
-        else:
-            gathered = full
-    else:
-        local, gathered = full, 0
-    report = {
-        "model": getattr(model_cfg, "name", "?"), "world_size": world_size,
-        "sharding": sharding if world_size > 1 else "none", "params": full, "local_params": local,
-        "param_bytes": local * param_bytes, "grad_bytes": local * param_bytes,
-        "optimizer_bytes": local * 4 * optimizer_states,  # AdamW: exp_avg + exp_avg_sq in fp32
-        "peak_gathered_params_bytes": gathered * compute_bytes,
-    }
-    report["total_bytes"] = report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
-    return report
-
-
-
 def reshard(model: nn.Module) -> None:
     """Put FSDP2 modules back to their sharded parameters (a no-op without FSDP2).
 
@@ -249,31 +184,3 @@ def reshard(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-# `python -m framework.bench memory`
-@dataclass
-class MemoryBench:
-    """Arguments of `python -m framework.bench memory`: per-rank bytes from really sharded tensors."""
-
-    model: str = "pixart_xl_2_256"
-    world_sizes: list[int] = field(default_factory=lambda: [1, 2, 8])
-    out: str = "bench_memory.json"
-
-
-def _bench_memory(cfg: MemoryBench) -> list[dict[str, Any]]:
-    from framework.bench import print_table
-    from framework.models import load_preset
-
-    mcfg = load_preset(cfg.model)
-    rows = []
-    for w in cfg.world_sizes:
-        for sharding in ["none"] if w == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"]:
-            r = sharded_memory_report(mcfg, w, "SHARD_GRAD_OP" if sharding == "none" else sharding)
-            rows.append({"mode": f"{w} rank{'s' * (w > 1)} {sharding}", "mfu": None, **r})
-    cols = [c for c in rows[0] if c not in ("mfu",) and not isinstance(rows[0][c], (dict, list))]
-    print_table(rows, cols)
-    return rows
-
-
-register_suite("memory", MemoryBench, _bench_memory)

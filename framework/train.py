@@ -5,7 +5,6 @@ and trainer, and fit. With no arguments this is the quickstart (conf/experiment/
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from framework.config import TrainConfig
 from framework.data import LatentDataModule
 from framework.loggers import RunCSVLogger, wandb_logger
 from framework.module import DiffusionModule
-from framework.registry import build_plugin_callbacks
+from framework.registry import averaged_weights, build_plugin_callbacks
 
 config_lib.register()
 
@@ -109,7 +108,6 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
         precision=default_precision(cfg),
         accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps,
-        val_check_interval=t.val_check_interval,
         limit_val_batches=0,
         gradient_clip_val=t.gradient_clip_val,
         enable_progress_bar=t.enable_progress_bar,
@@ -205,7 +203,7 @@ def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer
     e, rank0 = cfg.eval, trainer.global_rank == 0
     # The averaged weights when a plugin keeps them (plugins/ema.py), like framework.eval on the checkpoint.
     try:
-        with getattr(module, "averaged_weights", nullcontext)():
+        with averaged_weights(trainer, module):
             metrics = evaluate_digits(pipe, e.seeds, e.phrasings, e.steps, e.guidance, e.sampler, e.batch_size,
                                       run_dir / "eval" / "judged.png" if rank0 else None,
                                       split_ranks=trainer.world_size > 1)

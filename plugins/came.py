@@ -29,13 +29,14 @@ pixart_xl_2_256, against 1.022 when blocks ran across rows and so depended on th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from framework.dtensor import local_tensor
 from framework.optim import OPTIMIZER_CHECKS, OPTIMIZERS, OptimizerConfig
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 
@@ -76,14 +77,9 @@ class _Shard:
         """A state tensor: sharded on dim 0 like the parameter (a DTensor), or the same on every rank."""
         p = self.param
         if not isinstance(p, DTensor) or not sharded:
-            return torch.zeros(shape, dtype=dtype, device=_local(p).device)
+            return torch.zeros(shape, dtype=dtype, device=local_tensor(p).device)
         # Shard(0) splits dim 0 like torch.chunk, as fully_shard does, so row states line up with rows.
         return torch.distributed.tensor.zeros(shape, dtype=dtype, device_mesh=p.device_mesh, placements=p.placements)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This process's piece of t (t itself unless it is a DTensor); in-place ops on it update t."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _shard_of(p: torch.Tensor) -> _Shard:
@@ -161,7 +157,7 @@ def _factored_rsqrt(
     x: torch.Tensor, row: torch.Tensor, col: torch.Tensor, beta: float, shard: _Shard
 ) -> torch.Tensor:
     """Update the row/column averages of x (rows_l, C) and return 1/sqrt(r c^T / mean(r)) (rows_l, C)."""
-    row_l = _local(row)  # (rows_l,)
+    row_l = local_tensor(row)  # (rows_l,)
     row_l.mul_(beta).add_(x.mean(dim=1), alpha=1 - beta)
     col_mean, row_mean = shard.row_means(x, row_l)  # (C,), ()
     col.mul_(beta).add_(col_mean, alpha=1 - beta)
@@ -180,14 +176,14 @@ _QUANT_KEYS = ("exp_avg_q", "exp_avg_min", "exp_avg_scale")  # uint8 codes, fp32
 def _read_exp_avg(state: dict[str, Any], shape: torch.Size) -> torch.Tensor:
     """The first moment of this shard in fp32, (rows_l, C) or the parameter's local shape."""
     if "exp_avg_q" in state:  # 8-bit: a fresh fp32 copy of this one parameter only
-        codes, lo, scale = (_local(state[k]) for k in _QUANT_KEYS)  # (rows_l, nb, block), (rows_l, nb) x 2
+        codes, lo, scale = (local_tensor(state[k]) for k in _QUANT_KEYS)  # (rows_l, nb, block), (rows_l, nb) x 2
         return dequantize_blocks(codes, lo, scale, shape[-1])  # (rows_l, C)
-    return _local(state["exp_avg"]).view(shape)  # fp32: the state itself, updated in place
+    return local_tensor(state["exp_avg"]).view(shape)  # fp32: the state itself, updated in place
 
 
 def _write_exp_avg(state: dict[str, Any], m: torch.Tensor) -> None:
     if "exp_avg_q" in state:
-        quantize_blocks(m, *(_local(state[k]) for k in _QUANT_KEYS))  # m: (rows_l, C)
+        quantize_blocks(m, *(local_tensor(state[k]) for k in _QUANT_KEYS))  # m: (rows_l, C)
 
 
 def _check_8bit_layout(state: dict[str, Any], shape: torch.Size, group: dict[str, Any]) -> None:
@@ -265,7 +261,7 @@ class CAME(torch.optim.Optimizer):
         eps1, eps2 = group["eps"]
         factored = is_factored(p.shape)
 
-        g = _local(p.grad).to(torch.float32)
+        g = local_tensor(p.grad).to(torch.float32)
         if factored:
             g = g.reshape(g.shape[0], math.prod(p.shape[1:]))  # (rows_l, C): a 1x1 conv squeezed to out x in
         # Second moment -> the normalised update u = g / sqrt(V), clipped by its RMS.
@@ -273,7 +269,7 @@ class CAME(torch.optim.Optimizer):
             v_row, v_col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             u = _factored_rsqrt(g.square().add_(eps1), v_row, v_col, beta2, shard).mul_(g)
         else:
-            v = _local(state["exp_avg_sq"])
+            v = local_tensor(state["exp_avg_sq"])
             v.mul_(beta2).add_(g.square().add_(eps1), alpha=1 - beta2)
             u = v.rsqrt().mul_(g)
         _clip_by_rms(u, group["clip_threshold"], p.numel(), shard)
@@ -288,7 +284,7 @@ class CAME(torch.optim.Optimizer):
             step = m
         _write_exp_avg(state, m)
 
-        w = _local(p)
+        w = local_tensor(p)
         w32 = w if w.dtype == torch.float32 else w.float()  # low-precision weights update in fp32
         if group["weight_decay"] != 0:  # decoupled, as in AdamW
             w32.add_(w32, alpha=-group["weight_decay"] * group["lr"])
@@ -344,135 +340,3 @@ def check_came_config(cfg: OptimizerConfig) -> None:
 OPTIMIZERS["came"] = build_came
 OPTIMIZERS["came8bit"] = lambda params, cfg: build_came(params, cfg, quantize=True)
 OPTIMIZER_CHECKS["came"] = OPTIMIZER_CHECKS["came8bit"] = check_came_config
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark: `python -m framework.bench optimizer` calls optimizer_state_report
-# --------------------------------------------------------------------------------------------
-
-BENCH_OPTIMIZERS = ("adamw", "came", "came8bit")
-
-
-def _bench_config(name: str) -> OptimizerConfig:
-    return OptimizerConfig(name=name, betas=[0.9, 0.999] if name == "adamw" else [0.9, 0.999, 0.9999])
-
-
-def _state_bytes_per_param(preset: str) -> dict[str, Any]:
-    """Bytes of optimizer state per parameter, from the tensors each optimizer really allocates.
-
-    The model is built on the meta device (no memory, so the 1.6B SANA fits anywhere) and every
-    optimizer takes one step on zero gradients, which allocates its state as meta tensors.
-    """
-    from framework.models import build_denoiser, load_preset
-
-    with torch.device("meta"):
-        net = build_denoiser(load_preset(preset))
-    params = [p for p in net.parameters() if p.requires_grad]
-    eligible = {p for p in params if is_8bit(p.shape, _bench_config("came8bit").min_8bit_size)}
-    n_all, n_elig = sum(p.numel() for p in params), sum(p.numel() for p in eligible)
-    row: dict[str, Any] = {"preset": preset, "params": n_all, "eligible_params": n_elig}
-    for name in BENCH_OPTIMIZERS:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt = OPTIMIZERS[name](params, _bench_config(name))
-        opt.step()
-        nbytes = {p: sum(v.numel() * v.element_size() for v in opt.state[p].values() if torch.is_tensor(v))
-                  for p in params}
-        row[name] = {
-            "bytes_per_param": sum(nbytes.values()) / n_all,
-            "bytes_per_eligible_param": sum(nbytes[p] for p in eligible) / max(n_elig, 1),
-        }
-        del opt
-    for name in ("came", "came8bit"):
-        row[name]["fraction_of_adamw"] = row[name]["bytes_per_param"] / row["adamw"]["bytes_per_param"]
-    return row
-
-
-def _step_seconds(preset: str, steps: int) -> dict[str, float]:
-    """Median CPU seconds per optimizer step on a real (debug) model with fixed gradients.
-
-    The optimizers take turns step by step, so a load change on a shared machine hits all of them.
-    """
-    import statistics
-    import time
-
-    from framework.models import build_denoiser, load_preset
-
-    torch.manual_seed(0)
-    net = build_denoiser(load_preset(preset))
-    params = [p for p in net.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opts = {name: OPTIMIZERS[name](params, _bench_config(name)) for name in BENCH_OPTIMIZERS}
-    times: dict[str, list[float]] = {name: [] for name in opts}
-    for i in range(steps + 1):
-        for name, opt in opts.items():
-            start = time.perf_counter()
-            opt.step()
-            if i > 0:  # the first step allocates the state
-                times[name].append(time.perf_counter() - start)
-    out = {name: statistics.median(t) for name, t in times.items()}
-    min_8bit = _bench_config("came8bit").min_8bit_size
-    eligible = sum(p.numel() for p in params if is_8bit(p.shape, min_8bit))
-    out["quantized_param_fraction"] = eligible / sum(p.numel() for p in params)
-    return out
-
-
-def optimizer_state_report(
-    presets: Iterable[str] = ("pixart_xl_2_256", "sana_1600m_1024"),
-    timing_preset: str = "pixart_debug",
-    timing_steps: int = 20,
-) -> dict[str, Any]:
-    """State bytes per parameter (AdamW fp32, CAME, CAME-8bit) per preset and the CPU step-time ratios."""
-    timing = _step_seconds(timing_preset, timing_steps)
-    return {
-        "state": [_state_bytes_per_param(p) for p in presets],
-        "step_time": {"preset": timing_preset, "steps": timing_steps, "device": "cpu", **timing,
-                      "came_over_adamw": timing["came"] / timing["adamw"],
-                      "came8bit_over_adamw": timing["came8bit"] / timing["adamw"]},
-    }
-
-
-@dataclass
-class OptimizerBench:
-    """Arguments of `python -m framework.bench optimizer`."""
-
-    presets: list[str] = field(default_factory=lambda: ["pixart_xl_2_256", "sana_1600m_1024"])
-    """Presets whose optimizer state is measured (built on the meta device: any size works)."""
-    timing_preset: str = "pixart_debug"
-    """Preset whose optimizer step is timed on the CPU."""
-    timing_steps: int = 20
-    """Timed steps per optimizer."""
-    out: str = "bench_optimizer.json"
-    """JSON rows."""
-
-
-def bench_optimizer(cfg: OptimizerBench) -> list[dict[str, Any]]:
-    """One row per preset and optimizer: state bytes per parameter, and CPU step time on timing_preset."""
-    from framework.bench import print_table
-
-    report = optimizer_state_report(cfg.presets, cfg.timing_preset, cfg.timing_steps)
-    t = report["step_time"]
-    rows = []
-    for r in report["state"]:
-        for name in BENCH_OPTIMIZERS:
-            rows.append({"preset": r["preset"], "optimizer": name, "bytes_per_param": r[name]["bytes_per_param"],
-                         "bytes_per_eligible_param": r[name]["bytes_per_eligible_param"],
-                         "fraction_of_adamw": r[name].get("fraction_of_adamw", 1.0), "params": r["params"],
-                         "eligible_params": r["eligible_params"]})
-    for name in BENCH_OPTIMIZERS:
-        rows.append({"preset": t["preset"], "optimizer": name, "cpu_step_ms": 1e3 * t[name],
-                     "step_time_vs_adamw": t[name] / t["adamw"],
-                     "quantized_param_fraction": t["quantized_param_fraction"]})
-    print_table(rows[:-3], ["preset", "optimizer", "bytes_per_param", "bytes_per_eligible_param", "fraction_of_adamw"])
-    print_table(rows[-3:], ["preset", "optimizer", "cpu_step_ms", "step_time_vs_adamw", "quantized_param_fraction"])
-    return rows
-
-
-def _register_bench() -> None:
-    from framework.registry import register_suite
-
-    register_suite("optimizer", OptimizerBench, bench_optimizer)
-
-
-_register_bench()

@@ -13,10 +13,10 @@ lives: under fsdp each rank keeps the EMA of its own local shards (the EMA tenso
 with the parameters' placements; updates touch only `.to_local()`: no all-gather, no full copy on
 any rank); under ddp each rank keeps the full EMA (the replicas are identical).
 
-The framework never imports this file. It reaches the EMA through one attribute the callback sets
-on the LightningModule: `pl_module.averaged_weights()`, a context manager that swaps the EMA into
-the model and swaps the training weights back exactly on exit (SampleGrid, final_eval; validation
-is swapped by the callback's own hooks). Checkpoints:
+The framework never imports this file. The callback is a `framework.registry.WeightAverager`:
+`averaged_weights(pl_module)` is a context manager that swaps the EMA into the model and the
+training weights back exactly on exit, which SampleGrid and the end-of-training evaluation enter
+through `framework.registry.averaged_weights(trainer, pl_module)`. Checkpoints:
   * one file (single, ddp, fsdp with sharded_checkpoint=false): `checkpoint['latentforge']
     ['ema_state']` is the denoiser's full state dict with the averaged tensors in it, which
     framework.pipeline.model_weights (sample, eval, export) uses by default;
@@ -27,9 +27,6 @@ is swapped by the callback's own hooks). Checkpoints:
 from __future__ import annotations
 
 import math
-import statistics
-import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +36,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from framework.registry import register_plugin, register_suite
+from framework.dtensor import full_tensor, local_tensor
+from framework.registry import register_plugin
 from framework.strategy import reshard
 
 EMA_KEY = "ema_state"  # framework.pipeline.model_weights reads checkpoint['latentforge'][EMA_KEY]
@@ -94,20 +92,6 @@ class EMAConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of an FSDP2 DTensor, else the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a collective for a DTensor: every rank must call it)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def averaged_tensors(model: nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
     """Name -> tensor of what the EMA averages: trainable parameters, and persistent float buffers.
 
@@ -130,7 +114,10 @@ def averaged_tensors(model: nn.Module, buffers: bool = True) -> dict[str, torch.
 
 
 class EMA(pl.Callback):
-    """Keeps `self.ema` (name -> tensor, shards under fsdp) from the start step on; None before."""
+    """Keeps `self.ema` (name -> tensor, shards under fsdp) from the start step on; None before.
+
+    A framework.registry.WeightAverager: `averaged_weights(pl_module)` swaps the EMA in.
+    """
 
     def __init__(self, cfg: EMAConfig) -> None:
         self.cfg = cfg
@@ -139,7 +126,6 @@ class EMA(pl.Callback):
         self.last_step = -1  # global step of the last copy/update
         self.num_updates = 0
         self._trainer: pl.Trainer | None = None
-        self._module: pl.LightningModule | None = None
         self._swapped = False
 
     # ---- the average ------------------------------------------------------------------------
@@ -150,12 +136,13 @@ class EMA(pl.Callback):
             self.ema = {n: t.detach().clone() for n, t in averaged_tensors(model, self.cfg.buffers).items()}
         self.last_step = step
 
-    def _update(self, model: nn.Module, step: int) -> None:
+    def update(self, model: nn.Module, step: int) -> None:
         """ema <- lerp(ema, w, 1 - d**k) over the local parts, k = steps since the last update."""
         live = averaged_tensors(model, self.cfg.buffers)
         weight = 1.0 - self.cfg.step_decay ** (step - self.last_step)
         with torch.no_grad():
-            torch._foreach_lerp_([_local(self.ema[n]) for n in live], [_local(t) for t in live.values()], weight)
+            ema, now = [local_tensor(self.ema[n]) for n in live], [local_tensor(t) for t in live.values()]
+            torch._foreach_lerp_(ema, now, weight)
         self.last_step, self.num_updates = step, self.num_updates + 1
 
     def maybe_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -166,7 +153,7 @@ class EMA(pl.Callback):
         if self.ema is None:
             self._begin(pl_module.model, step)
         elif step - self.last_step >= self.cfg.every:
-            self._update(pl_module.model, step)
+            self.update(pl_module.model, step)
 
     # ---- swapping in and out ----------------------------------------------------------------
 
@@ -176,21 +163,21 @@ class EMA(pl.Callback):
         live = averaged_tensors(model, self.cfg.buffers)
         with torch.no_grad():
             for n, t in live.items():
-                w, e = _local(t), _local(self.ema[n])
+                w, e = local_tensor(t), local_tensor(self.ema[n])
                 tmp = w.clone()
                 w.copy_(e)
                 e.copy_(tmp)
         self._swapped = not self._swapped
 
     @contextmanager
-    def averaged_weights(self) -> Iterator[None]:
-        """The EMA swapped into the model for the body; a no-op before the start."""
-        if self._trainer is not None and self._module is not None and self._trainer.training:
-            self.maybe_update(self._trainer, self._module)  # a grid drawn before this step's update sees it
+    def averaged_weights(self, pl_module: pl.LightningModule) -> Iterator[None]:
+        """The EMA swapped into `pl_module.model` for the body; a no-op before the start."""
+        if self._trainer is not None and self._trainer.training:
+            self.maybe_update(self._trainer, pl_module)  # a grid drawn before this step's update sees it
         if self.ema is None or self._swapped:
             yield
             return
-        model = self._module.model
+        model = pl_module.model
         self._swap(model)
         try:
             yield
@@ -200,26 +187,14 @@ class EMA(pl.Callback):
     # ---- Lightning hooks --------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer, self._module = trainer, pl_module
+        self._trainer = trainer
         self.start = self.cfg.start_step(trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else 0)
-        # The framework's one entry point to the EMA (see the module docstring).
-        pl_module.averaged_weights = self.averaged_weights
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.maybe_update(trainer, pl_module)  # start=0: the average begins at the initial weights
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.maybe_update(trainer, pl_module)
-
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.ema is not None and not self._swapped:
-            self._swap(pl_module.model)
-            self._validation_swap = True
-
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if getattr(self, "_validation_swap", False):
-            self._swap(pl_module.model)
-            self._validation_swap = False
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -245,7 +220,7 @@ class EMA(pl.Callback):
 
         # One file: the denoiser's full state dict with the averaged tensors in it. The other
         # entries are the very tensors of checkpoint['state_dict'], which torch.save writes once.
-        full = {n: _full(t).detach().cpu() for n, t in self.ema.items()}  # collective under fsdp
+        full = {n: full_tensor(t).detach().cpu() for n, t in self.ema.items()}  # collective under fsdp
         prefix = "model."
         state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
         state.update(full)
@@ -281,10 +256,10 @@ def _load_full(ema: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) ->
         raise RuntimeError(f"plugins.ema: the checkpoint's EMA lacks {missing[:3]}; was it written for another model?")
     with torch.no_grad():
         for n, t in ema.items():
-            src = stored[n].to(device=_local(t).device, dtype=t.dtype)
+            src = stored[n].to(device=local_tensor(t).device, dtype=t.dtype)
             if isinstance(t, DTensor):  # src_data_rank=None: each rank cuts its own chunk locally
                 src = distribute_tensor(src, t.device_mesh, t.placements, src_data_rank=None).to_local()
-            _local(t).copy_(src)
+            local_tensor(t).copy_(src)
 
 
 def _load_sharded(ema: dict[str, torch.Tensor], path: Path) -> None:
@@ -300,114 +275,3 @@ def build(cfg: EMAConfig, run_cfg: Any) -> EMA:
 
 
 register_plugin("ema", EMAConfig, build)
-
-
-# --------------------------------------------------------------------------------------------
-# Benchmark: the cost per step before and after the start
-# --------------------------------------------------------------------------------------------
-
-
-def _fit_step_times(preset: str, callbacks: list[pl.Callback], steps: int, warmup: int, batch_size: int) -> list[float]:
-    """Seconds per optimizer step of the real training module (Lightning fit, CPU, synthetic batches)."""
-    import tempfile
-
-    from framework.bench import _bench_module, _StepTimer, _SyntheticBatches
-    from framework.models import load_preset
-
-    mcfg = load_preset(preset)
-    torch.manual_seed(0)
-    module = _bench_module(mcfg, None)
-    C, S, D = mcfg.in_channels, mcfg.sample_size, mcfg.text_dim or 1
-    data = _SyntheticBatches((warmup + steps) * batch_size, C, S, D, 16, mcfg.num_classes, None)
-    timer = _StepTimer(warmup)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=warmup + steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[*callbacks, timer], default_root_dir=tempfile.mkdtemp(prefix="lf-ema-bench-"))
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=batch_size))
-    return timer.times
-
-
-def ema_cost_report(preset: str = "pixart_debug", steps: int = 20, warmup: int = 3, batch_size: int = 8,
-                    rounds: int = 2, out: str | None = None) -> dict[str, Any]:
-    """Median step time without the plugin, with it before its start, and after it (update every step).
-
-    The EMA callback runs before the step timer's end hook, so its update is inside the timed step.
-    The three fits take turns for `rounds` rounds and each keeps its best median (a shared machine's
-    load swings more than the EMA costs). Also: bytes the EMA holds before and after the start, the
-    per-step hook before the start alone, and one update alone (medians of 200 and 20 calls).
-    """
-    import json
-
-    total = warmup + steps
-    make = {"no_ema": lambda: [], "before_start": lambda: [EMA(EMAConfig(start=10 * total))],
-            "after_start": lambda: [EMA(EMAConfig(start=0))]}
-    report: dict[str, Any] = {"preset": preset, "device": "cpu", "steps": steps, "batch_size": batch_size, "rounds": rounds}
-    last: dict[str, list[EMA]] = {}
-    for _ in range(rounds):
-        for name, cbs_of in make.items():
-            cbs = last[name] = cbs_of()
-            ms = statistics.median(_fit_step_times(preset, cbs, steps, warmup, batch_size)) * 1e3
-            report[f"{name}_step_ms"] = min(ms, report.get(f"{name}_step_ms", ms))
-            if cbs:
-                report[f"{name}_ema_bytes"] = sum(_local(t).numel() * t.element_size() for t in (cbs[0].ema or {}).values())
-    idle = last["before_start"][0]
-    hook_times = []
-    for _ in range(200):
-        t0 = time.perf_counter()
-        idle.maybe_update(idle._trainer, idle._module)
-        hook_times.append(time.perf_counter() - t0)
-    report["before_start_hook_us"] = statistics.median(hook_times) * 1e6
-    ema = last["after_start"][0]
-    model = ema._module.model
-    report["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    update_times = []
-    for i in range(20):
-        t0 = time.perf_counter()
-        ema._update(model, ema.last_step + 1)
-        update_times.append(time.perf_counter() - t0)
-    report["update_ms"] = statistics.median(update_times) * 1e3
-    report["before_start_overhead"] = report["before_start_step_ms"] / report["no_ema_step_ms"] - 1
-    report["after_start_overhead"] = report["after_start_step_ms"] / report["no_ema_step_ms"] - 1
-    if out is not None:
-        Path(out).write_text(json.dumps(report, indent=2))
-    return report
-
-
-def format_ema_cost_report(r: dict[str, Any]) -> str:
-    """The report as a few plain lines."""
-    return "\n".join([
-        f"EMA cost, {r['preset']} on {r['device']}, batch {r['batch_size']}, median of {r['steps']} steps:",
-        f"  no plugin          {r['no_ema_step_ms']:8.2f} ms/step",
-        f"  before start       {r['before_start_step_ms']:8.2f} ms/step ({r['before_start_overhead']:+.1%}),"
-        f" EMA bytes {r['before_start_ema_bytes']}",
-        f"  after start        {r['after_start_step_ms']:8.2f} ms/step ({r['after_start_overhead']:+.1%}),"
-        f" EMA bytes {r['after_start_ema_bytes']} (trainable params {r['param_bytes']} bytes)",
-        f"  one update alone   {r['update_ms']:8.3f} ms; the hook before the start alone {r['before_start_hook_us']:.2f} us",
-    ])
-
-
-# `python -m framework.bench ema`
-@dataclass
-class EMABench:
-    """Arguments of `python -m framework.bench ema`."""
-
-    preset: str = "pixart_debug"
-    steps: int = 20
-    warmup: int = 3
-    batch_size: int = 8
-    rounds: int = 2
-    out: str = "bench_ema.json"
-
-
-def _bench_ema(cfg: EMABench) -> list[dict[str, Any]]:
-    r = ema_cost_report(cfg.preset, cfg.steps, cfg.warmup, cfg.batch_size, cfg.rounds)
-    print(format_ema_cost_report(r))
-    return [{"mode": "ema_cost", "mfu": None, "peak_mem_bytes": None, **r}]
-
-
-register_suite("ema", EMABench, _bench_ema)
-
-
-if __name__ == "__main__":  # python -m plugins.ema: print the cost report
-    warnings.filterwarnings("ignore")
-    print(format_ema_cost_report(ema_cost_report()))

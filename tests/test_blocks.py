@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from framework.blocks import block_views, blocks, replace_blocks, supports
+from framework.blocks import block_views, blocks, has_stack, replace_blocks
 from framework.models import Denoiser, ModelConfig, build_denoiser, load_preset
 
 DEBUG = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug"]
@@ -84,7 +84,7 @@ def test_sana_self_attention_is_the_linear_one():
 
 def test_unet_declares_no_stack():
     net = _net("sd2_unet_debug")
-    assert supports(net) == {"growth": False, "pruning": False, "cache": True}
+    assert not has_stack(net)
     with pytest.raises(NotImplementedError, match="model.family=unet"):
         blocks(net)
 
@@ -92,7 +92,7 @@ def test_unet_declares_no_stack():
 @pytest.mark.parametrize("name", ["pixart_debug", "sana_debug", "dit_debug"])
 def test_replace_blocks_prunes_and_keeps_config_in_step(name, tmp_path):
     net = _net(name)
-    assert supports(net) == {"growth": True, "pruning": True, "cache": True}
+    assert has_stack(net)
     stack = blocks(net)
     assert stack is net.net.transformer_blocks
     replace_blocks(net, nn.ModuleList(list(stack)[:2]))

@@ -19,8 +19,8 @@ import framework.shards
 from data_prep.encoders import load_image_codec
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import DIGIT_WORDS, load_digits
-from framework.data import (DataConfig, LatentDataModule, apply_caption_dropout, check_compatible,
-                            measure_loader_throughput, read_dataset_info)
+from framework.bench.suite_data import measure_loader_throughput
+from framework.data import DataConfig, LatentDataModule, check_compatible, drop_captions, read_dataset_info
 from framework.shards import check_shards
 from tests.conftest import make_image_folder
 
@@ -86,20 +86,21 @@ def test_prepare_data_builds_missing_dataset(tmp_path, tiny_text_encoder_dir):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_apply_caption_dropout():
+def test_drop_captions():
     text, mask = torch.randn(16, 3, 5), torch.tensor([[1, 1, 0]] * 16, dtype=torch.bool)
     empty = torch.randn(4, 5)  # longer than the batch's captions
-    same = apply_caption_dropout(text, mask, empty, 0.0)
+    text0, mask0 = text.clone(), mask.clone()
+    same = drop_captions(text, mask, empty, torch.zeros(16, dtype=torch.bool))
     assert same[0] is text and same[1] is mask
-    t, m = apply_caption_dropout(text, mask, empty, 1.0, torch.Generator().manual_seed(0))
+    t, m = drop_captions(text, mask, empty, torch.ones(16, dtype=torch.bool))
     assert t.shape == (16, 4, 5) and (t == empty).all() and m.all()
-    t1, m1 = apply_caption_dropout(text, mask, empty, 0.5, torch.Generator().manual_seed(3))
-    t2, _ = apply_caption_dropout(text, mask, empty, 0.5, torch.Generator().manual_seed(3))
-    assert torch.equal(t1, t2)  # reproducible under a seeded generator
-    dropped = m1[:, 3]
-    assert 0 < dropped.sum() < 16
-    assert torch.equal(t1[~dropped, :3], text[~dropped]) and (t1[~dropped, 3] == 0).all()
-    assert torch.equal(text, text.clone()) and mask[:, 2].logical_not().all()  # inputs untouched
+    drop = torch.arange(16) % 2 == 0
+    t, m = drop_captions(text, mask, empty, drop)
+    assert (t[drop] == empty).all() and m[drop].all()
+    # Kept rows: their caption, zero-padded to the empty caption's length, and their mask.
+    assert torch.equal(t[~drop, :3], text[~drop]) and (t[~drop, 3:] == 0).all()
+    assert torch.equal(m[~drop, :3], mask[~drop]) and not m[~drop, 3:].any()
+    assert torch.equal(text, text0) and torch.equal(mask, mask0)  # the inputs are untouched
 
 
 def test_check_compatible(digits_shards):

@@ -3,6 +3,7 @@ exact swaps, and 2-process ddp / fsdp runs against the single-process run of the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from framework import train as train_lib
+from framework.registry import WeightAverager, averaged_weights
 from plugins.ema import EMA, EMAConfig
 from tests.test_train import ROOT, cheap, compose_cfg, losses
 
@@ -84,6 +86,22 @@ def test_bad_fields_name_the_key(fields, message):
         EMAConfig(**fields)
 
 
+class OtherAverager(pl.Callback):
+    """Any callback with an `averaged_weights(pl_module)` context manager is a WeightAverager."""
+
+    def averaged_weights(self, pl_module: pl.LightningModule) -> Any:
+        return contextlib.nullcontext()
+
+
+def test_the_ema_is_the_weight_averager_the_framework_asks_for():
+    assert isinstance(EMA(EMAConfig()), WeightAverager) and isinstance(OtherAverager(), WeightAverager)
+    assert not isinstance(Recorder(), WeightAverager)
+    # Two averagers would make grids and evaluation ambiguous: refused, naming them.
+    trainer = pl.Trainer(callbacks=[EMA(EMAConfig()), OtherAverager()], logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="EMA, OtherAverager each keep averaged weights"):
+        averaged_weights(trainer, None)
+
+
 # --------------------------------------------------------------------------------------------
 # Values, schedule, checkpoint
 # --------------------------------------------------------------------------------------------
@@ -115,7 +133,7 @@ def test_nothing_is_allocated_before_the_start(tmp_path, digits_shards, recorder
     ckpt = load(out["checkpoint"])
     assert "ema_state" not in ckpt["latentforge"]
     assert ckpt["callbacks"]["EMA"]["started"] is False
-    with recorder.module.averaged_weights():  # a no-op: grids and eval use the training weights
+    with averaged_weights(recorder.trainer, recorder.module):  # a no-op: grids and eval use the training weights
         assert all(torch.equal(p, recorder.weights[3][n]) for n, p in recorder.module.model.named_parameters())
 
 
@@ -142,7 +160,7 @@ def test_swapping_in_and_out_leaves_training_bit_identical(tmp_path, digits_shar
     model, ema = recorder.module.model, recorder.ema
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     averaged = {n: t.clone() for n, t in ema.ema.items()}
-    with recorder.module.averaged_weights():
+    with averaged_weights(recorder.trainer, recorder.module):
         for n, p in model.named_parameters():
             assert torch.equal(p, averaged[n])
     for n, p in model.named_parameters():

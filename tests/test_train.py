@@ -82,6 +82,7 @@ def test_every_model_preset_composes(model):
         (["strategy=single", "trainer.devices=2"], "use strategy=ddp or strategy=fsdp"),
         (["strategy=fsdp", "trainer.precision=transformer-engine"], "trainer.precision='transformer-engine'"),
         (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints=-1"),
+        (["trainer.val_check_interval=100"], "trainer.val_check_interval=100: training runs no validation loop"),
     ],
 )
 def test_bad_config_fails_at_start_with_the_key(override, message):

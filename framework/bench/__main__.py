@@ -1,0 +1,61 @@
+"""`python -m framework.bench SUITE key=value ...`: benchmarks. They measure; tests assert behaviour.
+
+Suites (one file each, framework/bench/suite_<name>.py):
+  train      the real training step (Lightning fit of DiffusionModule) for a preset: samples/s, step
+             time, counted FLOPs, TFLOP/s, MFU, peak memory; comparisons precomputed vs online
+             encoders, fp32 vs bf16-mixed, SDPA vs xformers, torch.compile, activation checkpointing
+  data       the Streaming data module's samples/s from local shards, and bytes per sample
+  memory     per-rank parameter + gradient + optimizer bytes under single / fsdp (framework/strategy.py)
+  init_memory  peak host memory per rank building + sharding a preset under fsdp: meta path vs whole
+             builds (framework/fsdp.py)
+  optimizer  optimizer-state bytes per parameter, AdamW vs CAME vs CAME-8bit (plugins/came.py)
+  ema        EMA cost per step before and after its start (plugins/ema.py)
+  norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
+Each prints a table and writes one JSON row per configuration to `out`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from framework.bench import (suite_data, suite_ema, suite_init_memory, suite_memory, suite_norm, suite_optimizer,
+                             suite_train)
+from framework.bench.harness import write_json
+from framework.cli import quiet_hydra
+
+# name -> (the suite's config dataclass, run(cfg) -> JSON rows)
+SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
+    "train": (suite_train.TrainBench, suite_train.run),
+    "data": (suite_data.DataBench, suite_data.run),
+    "memory": (suite_memory.MemoryBench, suite_memory.run),
+    "init_memory": (suite_init_memory.InitMemoryBench, suite_init_memory.run),
+    "optimizer": (suite_optimizer.OptimizerBench, suite_optimizer.run),
+    "ema": (suite_ema.EMABench, suite_ema.run),
+    "norm": (suite_norm.NormBench, suite_norm.run),
+}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in SUITES:
+        raise SystemExit(f"usage: python -m framework.bench SUITE [key=value ...]; SUITE is one of {sorted(SUITES)}")
+    suite = sys.argv.pop(1)
+    config, run = SUITES[suite]
+    ConfigStore.instance().store(name=f"bench_{suite}", node=config)
+    quiet_hydra()
+
+    @hydra.main(version_base="1.3", config_path=None, config_name=f"bench_{suite}")
+    def _run(cfg: Any) -> None:
+        obj = OmegaConf.to_object(cfg)
+        rows = run(obj)
+        write_json(rows, obj.out)
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""What the benchmark suites share: the table printer, JSON rows, peak FLOPs per device, a step
+timer, synthetic batches and a timed Lightning fit of the real training module.
+
+Depends on the core only (tests/test_layers.py), so a suite about a plugin imports the plugin and
+this file, and nothing here knows any plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import torch
+
+from framework.models import ModelConfig
+from framework.module import DiffusionModule
+from framework.objectives import ObjectiveConfig
+from framework.optim import OptimizerConfig
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    """`cols` of `rows` as left-aligned columns; floats to 4 significant digits, None as '-'."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def write_json(rows: list[dict[str, Any]], out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+# --------------------------------------------------------------------------------------------
+
+# Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), matched on the device name.
+PEAK_BF16_FLOPS = {"h200": 989e12, "h100 pcie": 756e12, "h100": 989e12, "a100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of a known GPU, for MFU; None on a CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak GPU memory allocated since timed_fit reset it; on a CPU the process's peak resident memory so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# A timed fit of the training module on synthetic batches
+# --------------------------------------------------------------------------------------------
+
+
+class StepTimer(pl.Callback):
+    """Wall time of each optimizer step after the first `warmup`, synchronised with the GPU so queued
+    work is counted. Callbacks listed before it run inside the timed step."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self._t0 = warmup, 0.0
+        self.times: list[float] = []
+
+    def _sync(self, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._sync(pl_module)
+        if batch_idx >= self.warmup:
+            self.times.append(time.perf_counter() - self._t0)
+
+
+class SyntheticBatches(torch.utils.data.Dataset):
+    """Samples shaped exactly like the data module's (latents + padded text), or raw images/tokens for
+    online encoding (`online`: {"downsample": f, "vocab": V})."""
+
+    def __init__(self, n: int, C: int, S: int, D: int, L: int, num_classes: int | None, online: dict | None) -> None:
+        self.n, self.C, self.S, self.D, self.L, self.k, self.online = n, C, S, D, L, num_classes, online
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        item = {"text_mask": torch.ones(self.L, dtype=torch.bool), "label": torch.tensor(i % (self.k or 1))}
+        if self.online:
+            f = self.online["downsample"]
+            item["pixels"] = torch.rand(3, self.S * f, self.S * f, generator=g) * 2 - 1
+            item["input_ids"] = torch.randint(0, self.online["vocab"], (self.L,), generator=g)
+        else:
+            item["latents"] = torch.randn(self.C, self.S, self.S, generator=g)  # (C, S, S)
+            item["text_embeds"] = torch.randn(self.L, self.D, generator=g)  # (L, D)
+        return item
+
+
+def synthetic_batches(model_cfg: ModelConfig, n: int, text_len: int, online: dict | None = None) -> SyntheticBatches:
+    """`n` samples that fit `model_cfg` (its latent channels and size, text dim and classes)."""
+    m = model_cfg
+    return SyntheticBatches(n, m.in_channels, m.sample_size, m.text_dim or 1, text_len, m.num_classes, online)
+
+
+def bench_module(model_cfg: ModelConfig, module_class: type[DiffusionModule] = DiffusionModule) -> DiffusionModule:
+    """The real training module (flow objective, AdamW) with an all-zero empty caption instead of a dataset's."""
+    module = module_class(model_cfg, ObjectiveConfig(name="flow"), OptimizerConfig(lr=1e-4), max_steps=10**6)
+    module.empty_text = torch.zeros(1, model_cfg.text_dim or 1)
+    return module
+
+
+def timed_fit(module: pl.LightningModule, data: torch.utils.data.Dataset, *, batch_size: int, warmup: int, steps: int,
+              device: torch.device, precision: str = "32-true", callbacks: Sequence[pl.Callback] = (),
+              num_workers: int = 0) -> list[float]:
+    """Lightning `fit` of `module` for warmup + steps optimizer steps on one device; seconds of each timed step.
+
+    `callbacks` run before the timer's end hook, so their per-step work is inside the timed step.
+    On a GPU the peak-memory counter is reset first (read it with peak_memory_bytes).
+    """
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size, num_workers=num_workers, pin_memory=on_gpu)
+    timer = StepTimer(warmup)
+    trainer = pl.Trainer(
+        accelerator="gpu" if on_gpu else "cpu", devices=1, precision=precision, max_steps=warmup + steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[*callbacks, timer], default_root_dir=tempfile.mkdtemp(prefix="lf-bench-"),
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    return timer.times
