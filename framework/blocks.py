@@ -1,7 +1,7 @@
 """A uniform view of any backbone: its blocks and, per block, its residual branches.
 
 diffusers gives each family its own block class; this module names the same parts in all of them,
-so code that works block by block never branches on the family. framework/strategy.py takes its
+so code that works block by block never branches on the family. framework/fsdp.py takes its
 FSDP2 and torch.compile units from here.
 
 A branch's `out_proj` is the last op on that residual branch: zero it and the branch adds nothing

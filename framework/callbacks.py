@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 
 from framework.pipeline import Pipeline, save_grid
 from framework.registry import averaged_weights
-from framework.strategy import reshard
+from framework.fsdp import reshard
 
 
 class SampleGrid(pl.Callback):

@@ -230,7 +230,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"strategy=single runs on one device but trainer.devices={t.devices}, "
                          f"trainer.num_nodes={t.num_nodes}; use strategy=ddp or strategy=fsdp for several devices")
     if cfg.strategy.name == "fsdp":
-        from framework.strategy import fsdp_param_dtype
+        from framework.fsdp import fsdp_param_dtype
 
         fsdp_param_dtype(t.precision, cfg.strategy.mixed_precision)  # refuses a precision fsdp cannot follow
     if cfg.sample.sampler is not None:

@@ -1,8 +1,14 @@
-"""strategy=fsdp without a whole model on any rank: build on the meta device, materialise only local shards.
+"""FSDP2 preparation: the units, per-block speed switches, sharding, and building without a whole model.
+
+shard_units / prepare_blocks / shard / reshard are what DiffusionModule.configure_model (and the
+benchmarks) apply under strategy=fsdp; the Lightning strategies around them live in
+framework/strategy.py.
+
+strategy=fsdp builds no whole model on any rank: build on the meta device, materialise only local shards.
 
 The ordinary path (single, ddp) builds the full fp32 model on the CPU: a 4.8B-parameter model is
 19 GB of host memory, on each of a node's 8 ranks. Under fsdp, DiffusionModule builds the model on
-the meta device (shapes, no storage); configure_model shards it (framework/strategy.py `shard`) and
+the meta device (shapes, no storage); configure_model shards it (`shard`, below) and
 then `materialize` gives every parameter this rank's rows and every buffer its value:
 
   fresh init  Each rank re-runs the ordinary constructor from the CPU RNG state the ordinary path
@@ -43,6 +49,84 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from framework.models import Denoiser, ModelConfig, build_denoiser, check_fits, open_weights
 
 TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
+
+# --------------------------------------------------------------------------------------------
+# Units: what becomes one FSDP unit / one activation-checkpointed piece
+# --------------------------------------------------------------------------------------------
+
+
+def shard_units(denoiser: Denoiser) -> list[nn.Module]:
+    """The backbone's blocks in forward order (the unet: its down, mid and up blocks)."""
+    from framework.blocks import blocks, unet_stages
+
+    if denoiser.cfg.family == "unet":
+        return [stage for _, stage in unet_stages(denoiser.net)]
+    return list(blocks(denoiser))
+
+
+def prepare_blocks(denoiser: Denoiser, activation_checkpointing: bool, compile: bool) -> None:
+    """Activation checkpointing and torch.compile per block (both before any sharding).
+
+    diffusers already recomputes each block in backward when gradient checkpointing is on (and
+    keeps parameter names unchanged, so checkpoints stay loadable without it). `Module.compile`
+    compiles in place, so state-dict keys keep no `_orig_mod` prefix either.
+    """
+    if activation_checkpointing:
+        denoiser.net.enable_gradient_checkpointing()
+    if compile:
+        for unit in shard_units(denoiser):
+            unit.compile()
+
+
+# Lightning precision -> the dtype FSDP2 casts parameters to for forward/backward (None: no cast).
+_PARAM_DTYPES: dict[str, torch.dtype | None] = {
+    "32-true": None, "32": None, "64-true": None, "64": None,
+    "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+    # "-true" precisions already convert the parameters themselves; there is nothing left to cast.
+    "bf16-true": None, "16-true": None,
+}
+
+
+def fsdp_param_dtype(precision: str | None, mixed_precision: bool = True) -> torch.dtype | None:
+    """The compute dtype of sharded parameters for `trainer.precision`, so fsdp computes as one device would.
+
+    bf16-mixed / 16-mixed: parameters are gathered in bf16 / fp16 (half the all-gather traffic) while
+    the sharded fp32 master weights and the optimizer stay fp32; 32-true: fp32 throughout.
+    strategy.mixed_precision=false keeps fp32 parameters under autocast (autocast still casts per op).
+    """
+    key = str(precision or "32-true")
+    if key not in _PARAM_DTYPES:
+        raise ValueError(f"trainer.precision={precision!r} is not supported with strategy=fsdp; "
+                         f"use one of {sorted(_PARAM_DTYPES)}")
+    return _PARAM_DTYPES[key] if mixed_precision else None
+
+
+def shard(denoiser: Denoiser, mesh: Any, sharding: str, param_dtype: torch.dtype | None) -> Denoiser:
+    """fully_shard every block, then the root, on the 1-D data-parallel `mesh` (in place)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding == "FULL_SHARD"}
+    if param_dtype is not None:
+        # Gradients are reduced in fp32 so that summing many ranks' low-precision gradients loses nothing.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for unit in shard_units(denoiser):
+        fully_shard(unit, **kwargs)
+    fully_shard(denoiser, **kwargs)
+    return denoiser
+
+
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2 modules back to their sharded parameters (a no-op without FSDP2).
+
+    After a forward without backward (a sample grid, an evaluation) under reshard_after_forward=False,
+    FSDP2 keeps the gathered parameters and would reuse those inference-time copies in the next
+    training forward; anything that edits the shards must drop them first.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 # --------------------------------------------------------------------------------------------
 # Rows of one rank
@@ -152,7 +236,7 @@ def _mesh_position(denoiser: Denoiser) -> tuple[Any, int, int]:
     for name, p in denoiser.named_parameters():
         if not isinstance(p, DTensor) or p.placements != (Shard(0),):
             raise RuntimeError(f"{name} is not sharded as fully_shard does (Shard(0) on a 1-D mesh): "
-                               "materialize runs after framework.strategy.shard.")
+                               "materialize runs after framework.fsdp.shard.")
         meshes.add(p.device_mesh)
     if len(meshes) != 1:
         raise RuntimeError(f"the parameters are sharded over {len(meshes)} meshes; expected one data-parallel mesh.")

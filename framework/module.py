@@ -100,7 +100,7 @@ class DiffusionModule(pl.LightningModule):
         set and the model is sharded here, before the optimizer is built from its (DTensor) parameters.
         The meta-device model built under fsdp gets its real shards (fresh or init_from) right after.
         """
-        from framework.strategy import prepare_blocks, shard
+        from framework.fsdp import prepare_blocks, shard
 
         s = self.strategy_cfg
         if s is None or getattr(self, "_configured", False):

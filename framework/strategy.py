@@ -2,7 +2,8 @@
 
 single and ddp are Lightning's own strategies. fsdp is FSDP2 (`fully_shard`) applied in
 DiffusionModule.configure_model through Lightning's ModelParallelStrategy on a 1-D data-parallel
-mesh over every device of every node: each backbone block is one FSDP unit, then the root.
+mesh over every device of every node: each backbone block is one FSDP unit, then the root
+(the units, the sharding and the meta-device build are in framework/fsdp.py).
 
     SHARD_GRAD_OP  reshard_after_forward=False: a block's parameters stay gathered from its forward
                    to its backward (no second all-gather); gradients and optimizer state are sharded.
@@ -24,74 +25,8 @@ from typing import Any, Generator
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
-from torch import nn
 
-from framework.models import Denoiser
-
-# --------------------------------------------------------------------------------------------
-# Units: what becomes one FSDP unit / one activation-checkpointed piece
-# --------------------------------------------------------------------------------------------
-
-
-def shard_units(denoiser: Denoiser) -> list[nn.Module]:
-    """The backbone's blocks in forward order (the unet: its down, mid and up blocks)."""
-    from framework.blocks import blocks, unet_stages
-
-    if denoiser.cfg.family == "unet":
-        return [stage for _, stage in unet_stages(denoiser.net)]
-    return list(blocks(denoiser))
-
-
-def prepare_blocks(denoiser: Denoiser, activation_checkpointing: bool, compile: bool) -> None:
-    """Activation checkpointing and torch.compile per block (both before any sharding).
-
-    diffusers already recomputes each block in backward when gradient checkpointing is on (and
-    keeps parameter names unchanged, so checkpoints stay loadable without it). `Module.compile`
-    compiles in place, so state-dict keys keep no `_orig_mod` prefix either.
-    """
-    if activation_checkpointing:
-        denoiser.net.enable_gradient_checkpointing()
-    if compile:
-        for unit in shard_units(denoiser):
-            unit.compile()
-
-
-# Lightning precision -> the dtype FSDP2 casts parameters to for forward/backward (None: no cast).
-_PARAM_DTYPES: dict[str, torch.dtype | None] = {
-    "32-true": None, "32": None, "64-true": None, "64": None,
-    "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
-    # "-true" precisions already convert the parameters themselves; there is nothing left to cast.
-    "bf16-true": None, "16-true": None,
-}
-
-
-def fsdp_param_dtype(precision: str | None, mixed_precision: bool = True) -> torch.dtype | None:
-    """The compute dtype of sharded parameters for `trainer.precision`, so fsdp computes as one device would.
-
-    bf16-mixed / 16-mixed: parameters are gathered in bf16 / fp16 (half the all-gather traffic) while
-    the sharded fp32 master weights and the optimizer stay fp32; 32-true: fp32 throughout.
-    strategy.mixed_precision=false keeps fp32 parameters under autocast (autocast still casts per op).
-    """
-    key = str(precision or "32-true")
-    if key not in _PARAM_DTYPES:
-        raise ValueError(f"trainer.precision={precision!r} is not supported with strategy=fsdp; "
-                         f"use one of {sorted(_PARAM_DTYPES)}")
-    return _PARAM_DTYPES[key] if mixed_precision else None
-
-
-def shard(denoiser: Denoiser, mesh: Any, sharding: str, param_dtype: torch.dtype | None) -> Denoiser:
-    """fully_shard every block, then the root, on the 1-D data-parallel `mesh` (in place)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding == "FULL_SHARD"}
-    if param_dtype is not None:
-        # Gradients are reduced in fp32 so that summing many ranks' low-precision gradients loses nothing.
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for unit in shard_units(denoiser):
-        fully_shard(unit, **kwargs)
-    fully_shard(denoiser, **kwargs)
-    return denoiser
-
+from framework.fsdp import fsdp_param_dtype
 
 # --------------------------------------------------------------------------------------------
 # Lightning strategies
@@ -170,17 +105,3 @@ def build_strategy(cfg: Any, precision: str) -> Strategy | str:
         return DDPStrategy(find_unused_parameters=False)
     return FSDPStrategy(cfg.sharding, fsdp_param_dtype(precision, cfg.mixed_precision),
                         sharded_checkpoint=cfg.sharded_checkpoint)
-
-
-def reshard(model: nn.Module) -> None:
-    """Put FSDP2 modules back to their sharded parameters (a no-op without FSDP2).
-
-    After a forward without backward (a sample grid, an evaluation) under reshard_after_forward=False,
-    FSDP2 keeps the gathered parameters and would reuse those inference-time copies in the next
-    training forward; anything that edits the shards must drop them first.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()

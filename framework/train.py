@@ -194,7 +194,7 @@ def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer
     """Evaluate the final weights on every rank; rank 0 writes eval/ and logs the metrics."""
     from framework.eval import evaluate_digits, is_digits
     from framework.pipeline import Pipeline
-    from framework.strategy import reshard
+    from framework.fsdp import reshard
 
     if not is_digits(module.dataset_info):
         return {}

@@ -38,7 +38,7 @@ from torch import nn
 
 from framework.dtensor import full_tensor, local_tensor
 from framework.registry import register_plugin
-from framework.strategy import reshard
+from framework.fsdp import reshard
 
 EMA_KEY = "ema_state"  # framework.pipeline.model_weights reads checkpoint['latentforge'][EMA_KEY]
 

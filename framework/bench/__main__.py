@@ -5,7 +5,7 @@ Suites (one file each, framework/bench/suite_<name>.py):
              time, counted FLOPs, TFLOP/s, MFU, peak memory; comparisons precomputed vs online
              encoders, fp32 vs bf16-mixed, SDPA vs xformers, torch.compile, activation checkpointing
   data       the Streaming data module's samples/s from local shards, and bytes per sample
-  memory     per-rank parameter + gradient + optimizer bytes under single / fsdp (framework/strategy.py)
+  memory     per-rank parameter + gradient + optimizer bytes under single / fsdp (framework/fsdp.py)
   init_memory  peak host memory per rank building + sharding a preset under fsdp: meta path vs whole
              builds (framework/fsdp.py)
   optimizer  optimizer-state bytes per parameter, AdamW vs CAME vs CAME-8bit (plugins/came.py)

@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 from framework.bench.harness import print_table
-from framework.fsdp import build_meta, materialize
+from framework.fsdp import build_meta, materialize, shard
 from framework.models import build_denoiser, load_preset
-from framework.strategy import shard
 
 @dataclass
 class InitMemoryBench:

@@ -17,7 +17,7 @@ from framework.cli import resolve_device
 from framework.flops import count_train_flops_per_sample
 from framework.models import ModelConfig, apply_attention_backend, load_preset
 from framework.module import DiffusionModule
-from framework.strategy import prepare_blocks
+from framework.fsdp import prepare_blocks
 
 
 @dataclass
