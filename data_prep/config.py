@@ -14,13 +14,16 @@ class SourceConfig:
     name: str = "digits"  # a module in data_prep/sources/
     path: Optional[str] = None  # folder / manifest file / tar folder (not used by digits)
     split: str = "train"  # digits: "train" (training set) or "heldout" (evaluation only)
-    rows_per_image: int = 3  # digits: rows written per image, rotating through the caption phrasings
+    rows_per_image: int = 3  # digits, digit_pairs: rows written per image, rotating through the caption phrasings
+    pairs_per_combination: int = 40  # digit_pairs: images of each of the 90 training pairs
     recursive: bool = True  # folder: search sub-folders too
     image_key: str = "image"  # manifest: column holding the image path
     caption_key: str = "caption"  # manifest: column holding the caption
     label_key: Optional[str] = "label"  # manifest: integer class column, used when present
 
     def __post_init__(self) -> None:
+        if self.pairs_per_combination < 1:
+            raise ValueError(f"source.pairs_per_combination={self.pairs_per_combination}: must be >= 1.")
         if self.rows_per_image < 1:
             raise ValueError(f"source.rows_per_image={self.rows_per_image}: must be >= 1.")
         if self.split not in ("train", "heldout"):
@@ -35,6 +38,7 @@ class PrecomputeConfig:
     vae: str = "pixel"  # "pixel" or a local diffusers AutoencoderKL/AutoencoderDC folder
     text_encoder: str = "minilm"  # "minilm" or a local transformers text-encoder folder
     resolution: int = 8  # images are resized (shorter side) and center-cropped to this square size
+    width: Optional[int] = None  # non-square output (resolution x width, e.g. digit pairs 8x16); null = square
     out: str = "data/digits"  # output dataset folder (index.json + dataset.json + shards)
     image_mode: Optional[str] = None  # pixel codec: "L" or "RGB"; null = the source's own (digits: L)
     posterior: str = "mean"  # KL VAEs: store the posterior "mean" or a "sample" (recorded in dataset.json)
@@ -51,6 +55,8 @@ class PrecomputeConfig:
     def __post_init__(self) -> None:
         if self.resolution < 1:
             raise ValueError(f"resolution={self.resolution}: must be a positive image side in pixels.")
+        if self.width is not None and self.width < 1:
+            raise ValueError(f"width={self.width}: must be a positive image width in pixels, or null (square).")
         if self.image_mode not in (None, "L", "RGB"):
             raise ValueError(f"image_mode={self.image_mode!r}: use L, RGB or null (the source's default).")
         if self.posterior not in ("mean", "sample"):

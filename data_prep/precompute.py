@@ -62,12 +62,17 @@ def as_config(cfg: Any) -> PrecomputeConfig:
 def fingerprint(cfg: PrecomputeConfig) -> dict:
     """What determines the dataset's content. Batch size, device and progress bars do not."""
     resolve = lambda spec, builtin: spec if spec == builtin else str(Path(spec).expanduser().resolve())
+    source = asdict(cfg.source)
+    if cfg.source.name != "digit_pairs":  # a field only that source reads: other datasets keep their fingerprints
+        source.pop("pairs_per_combination")
     content = {
-        "source": asdict(cfg.source), "vae": resolve(cfg.vae, "pixel"),
+        "source": source, "vae": resolve(cfg.vae, "pixel"),
         "text_encoder": resolve(cfg.text_encoder, "minilm"), "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
         "shard_size": cfg.shard_size, "compression": cfg.compression, "format_version": FORMAT_VERSION,
     }
+    if cfg.width is not None:
+        content["width"] = cfg.width
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "config": content}
 
@@ -89,8 +94,8 @@ def _world() -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_pixels(image: Any, mode: str, resolution: int) -> torch.Tensor:
-    """bytes / path / uint8 array -> (C, resolution, resolution) float32 in [-1, 1]; raises on bad input."""
+def load_pixels(image: Any, mode: str, resolution: int, width: int | None = None) -> torch.Tensor:
+    """bytes / path / uint8 array -> (C, resolution, width or resolution) float32 in [-1, 1]; raises on bad input."""
     if image is None:
         raise ValueError("no image in the record")
     if isinstance(image, np.ndarray):
@@ -99,14 +104,15 @@ def load_pixels(image: Any, mode: str, resolution: int) -> torch.Tensor:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
         img.load()  # decode now: truncated files raise here, not later inside the encoder
     img = img.convert(mode)
-    if img.size != (resolution, resolution):  # shorter side to `resolution`, then center crop
+    out_h, out_w = resolution, width or resolution
+    if img.size != (out_w, out_h):  # scale to cover the output size, then center crop
         w, h = img.size
-        s = resolution / min(w, h)
-        img = img.resize((max(resolution, round(w * s)), max(resolution, round(h * s))), Image.BICUBIC)
+        s = max(out_w / w, out_h / h)
+        img = img.resize((max(out_w, round(w * s)), max(out_h, round(h * s))), Image.BICUBIC)
         w, h = img.size
-        left, top = (w - resolution) // 2, (h - resolution) // 2
-        img = img.crop((left, top, left + resolution, top + resolution))
-    arr = np.asarray(img, dtype=np.float32).reshape(resolution, resolution, -1)  # (H, W, C)
+        left, top = (w - out_w) // 2, (h - out_h) // 2
+        img = img.crop((left, top, left + out_w, top + out_h))
+    arr = np.asarray(img, dtype=np.float32).reshape(out_h, out_w, -1)  # (H, W, C)
     return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0  # (C, H, W)
 
 
@@ -167,7 +173,7 @@ def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEnco
                     stats["examples"].append(f"{r.key}: missing caption")
                     continue
                 try:
-                    pixels.append(load_pixels(r.image, mode, cfg.resolution))
+                    pixels.append(load_pixels(r.image, mode, cfg.resolution, cfg.width))
                     good.append(r)
                 except Exception as err:  # unreadable/truncated: skip, count, report
                     stats["bad_images"] += 1
@@ -247,6 +253,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         "text_dim": text.dim,
         "image_mode": mode,
         "resolution": cfg.resolution,
+        **({"width": cfg.width} if cfg.width is not None else {}),
         "num_samples": sum(s["rows"] for s in stats),
         "num_images": sum(s["images"] for s in stats),
         "skipped": {"bad_images": sum(s["bad_images"] for s in stats),
@@ -311,9 +318,9 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
     device = cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     mode = cfg.image_mode or (source.default_image_mode if cfg.vae == "pixel" else "RGB")
     codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior)
-    if cfg.resolution % codec.downsample:
-        raise ValueError(f"resolution={cfg.resolution} is not a multiple of the VAE's downsample factor "
-                         f"{codec.downsample}.")
+    for key, side in (("resolution", cfg.resolution), ("width", cfg.width)):
+        if side is not None and side % codec.downsample:
+            raise ValueError(f"{key}={side} is not a multiple of the VAE's downsample factor {codec.downsample}.")
     text = load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens)
 
     rank_dir = out / f"rank_{rank:05d}"

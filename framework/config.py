@@ -163,6 +163,26 @@ class EvalSettings:
     """null: the objective's default sampler."""
     batch_size: int = 64
     """Images generated per forward pass."""
+    best_of: int = 1
+    """Candidates per prompt; the judge keeps `pick` of them (inference-time scaling)."""
+    judge: str | None = None
+    """Judge that picks among candidates (framework/judge.py: digits, pairs, clip); null: the data's own."""
+    judge_path: str | None = None
+    """Weights of judges that load them (clip: a local CLIP folder)."""
+    selection: str = "score"
+    """score (keep the judge's highest scores) or tournament (SANA-1.5's knockout of pairwise comparisons)."""
+    pick: int = 1
+    """Images kept (and scored) per prompt."""
+
+    def __post_init__(self) -> None:
+        from framework.bestof import SELECTIONS
+
+        if self.best_of < 1:
+            raise ValueError(f"best_of={self.best_of} must be >= 1")
+        if not 1 <= self.pick <= self.best_of:
+            raise ValueError(f"pick={self.pick} must be between 1 and best_of={self.best_of}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r}: use one of {SELECTIONS}")
 
 
 @dataclass
@@ -248,8 +268,9 @@ def validate(cfg: TrainConfig) -> None:
                 f" (image_mode={prep.get('image_mode')}); set model.in_channels={channels}"
             )
         res = prep.get("resolution")
-        if prep.get("vae", "pixel") == "pixel" and res is not None and res != m.sample_size:
-            raise ValueError(
-                f"model.sample_size={m.sample_size} but data.prepare writes {res}x{res} pixel latents;"
-                f" set model.sample_size={res}"
-            )
+        if prep.get("vae", "pixel") == "pixel" and res is not None:
+            hw = (res, prep.get("width") or res)
+            if hw != m.latent_hw:
+                fix = f"model.sample_size={hw[0]}" + ("" if hw[0] == hw[1] else f" model.sample_width={hw[1]}")
+                have = f"model.sample_size={m.sample_size}" + (f" model.sample_width={m.sample_width}" if m.sample_width else "")
+                raise ValueError(f"{have} but data.prepare writes {hw[0]}x{hw[1]} pixel latents; set {fix}")

@@ -95,6 +95,15 @@ class DatasetInfo:
     posterior: str = "none"
     raw: dict = field(default_factory=dict)  # the whole dataset.json
 
+    def summary(self) -> dict:
+        """What generation needs to know (the Pipeline's `info`); plain values, so checkpoints load with weights_only."""
+        return {
+            "path": self.path, "source": self.raw.get("source"), "image_codec": self.image_codec,
+            "text_encoder": self.text_encoder, "image_mode": self.image_mode, "scaling_factor": self.scaling_factor,
+            "shift_factor": self.shift_factor, "num_classes": self.num_classes,
+            "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
+        }
+
 
 def _is_remote(path: str) -> bool:
     return urllib.parse.urlparse(str(path)).scheme not in ("", "file")
@@ -161,14 +170,16 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
     )
 
 
-def check_compatible(info: DatasetInfo, in_channels: int, sample_size: int, text_dim: Optional[int]) -> None:
+def check_compatible(info: DatasetInfo, in_channels: int, latent_hw: tuple[int, int], text_dim: Optional[int]) -> None:
     """Raise ValueError naming the model key, the dataset value and dataset.json when they do not fit."""
     problems = []
     if in_channels != info.latent_channels:
         problems.append(f"model.in_channels={in_channels} but the latents have {info.latent_channels} channels")
-    if sample_size not in info.latent_size or len(set(info.latent_size)) != 1:
-        problems.append(f"model.sample_size={sample_size} but the latents are "
-                        f"{info.latent_size[0]}x{info.latent_size[1]}")
+    if tuple(latent_hw) != tuple(info.latent_size):
+        h, w = info.latent_size
+        fix = f"model.sample_size={h}" + ("" if h == w else f" model.sample_width={w}")
+        have = f"model.sample_size={latent_hw[0]}" + ("" if latent_hw[0] == latent_hw[1] else f" model.sample_width={latent_hw[1]}")
+        problems.append(f"{have} but the latents are {h}x{w} (set {fix})")
     if text_dim is not None and text_dim != info.text_dim:
         problems.append(f"model.text_dim={text_dim} but the text embeddings have dim {info.text_dim} "
                         f"(text encoder {info.text_encoder})")

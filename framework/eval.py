@@ -15,6 +15,7 @@ from typing import Any
 
 import hydra
 import numpy as np
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -23,8 +24,28 @@ from framework.config import EvalSettings
 from framework.pipeline import Pipeline, save_grid
 
 
+# --------------------------------------------------------------------------------------------
+# Prompt sets with their scoring (one per kind of dataset that has a classifier)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptSet:
+    """What is generated (one entry per prompt and seed) and how the images are scored."""
+
+    kind: str  # "digits" or "pairs"
+    prompts: list[str]
+    targets: list[Any]  # digit, or (left, right)
+    heldout: np.ndarray  # bool: a held-out phrasing (digits) or a held-out pair (pairs)
+    labels: list[int] | None  # class labels for class-conditional models
+
+    @property
+    def judge(self) -> str:
+        return {"digits": "digits", "pairs": "pairs"}[self.kind]
+
+
 def digit_prompts(phrasings: int) -> list[tuple[str, int]]:
-    """(prompt, digit) pairs: every digit in `phrasings` caption phrasings."""
+    """(prompt, digit) pairs: every digit in `phrasings` of the training caption phrasings."""
     from data_prep.sources.digits import digit_captions
 
     pairs = []
@@ -36,50 +57,219 @@ def digit_prompts(phrasings: int) -> list[tuple[str, int]]:
     return pairs
 
 
+def dataset_kind(info: dict[str, Any]) -> str | None:
+    """'digits', 'pairs' or None (no classifier knows this data) from a dataset.json."""
+    name = str((info.get("source") or {}).get("name", "")) if isinstance(info.get("source"), dict) else str(info.get("source", ""))
+    if name == "digit_pairs" and info.get("num_classes") == 100:
+        return "pairs"
+    if info.get("num_classes") == 10 and "digits" in name:
+        return "digits"
+    return None
+
+
 def is_digits(info: dict[str, Any]) -> bool:
-    return info.get("num_classes") == 10 and "digits" in str(info.get("source", ""))
+    return dataset_kind(info) is not None
 
 
-def evaluate_digits(
+def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
+    from data_prep.sources.digit_pairs import HELDOUT_PAIRS, pair_captions
+    from data_prep.sources.digits import heldout_digit_captions
+
+    if seeds < 1 or phrasings < 1:
+        raise ValueError(f"seeds={seeds} and phrasings={phrasings} must be >= 1")
+    items: list[tuple[str, Any, bool]] = []
+    if kind == "digits":
+        items += [(c, d, False) for c, d in digit_prompts(phrasings)]
+        items += [(c, d, True) for d in range(10) for c in heldout_digit_captions(d)]
+        label = lambda t: t
+    else:
+        for a in range(10):
+            for b in range(10):
+                caps = pair_captions(a, b)
+                if phrasings > len(caps):
+                    raise ValueError(f"phrasings={phrasings}: the pair captions have only {len(caps)} phrasings")
+                items += [(c, (a, b), (a, b) in HELDOUT_PAIRS) for c in caps[:phrasings]]
+        label = lambda t: 10 * t[0] + t[1]
+    rows = [it for it in items for _ in range(seeds)]
+    return PromptSet(kind, [r[0] for r in rows], [r[1] for r in rows], np.array([r[2] for r in rows]),
+                     [label(r[1]) for r in rows])
+
+
+def real_reference(kind: str) -> torch.Tensor:
+    """Real held-out images (never trained on by the model or the classifier) that `fd` compares against."""
+    from framework.metrics import real_digit_images
+
+    if kind == "digits":
+        return real_digit_images("heldout")[0]
+    from data_prep.sources.digit_pairs import PAIR_SEED, make_pairs
+    from data_prep.sources.digits import MAX_VALUE
+
+    images, _ = make_pairs("heldout", [(a, b) for a in range(10) for b in range(10)], 4, PAIR_SEED + 1)
+    return torch.from_numpy(images.astype(np.float32) / MAX_VALUE * 2 - 1).unsqueeze(1)
+
+
+def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> dict[str, Any]:
+    """Metrics of `images` ((P * per_prompt, C, H, W), each prompt's kept images together)."""
+    from framework.metrics import digit_scorer, frechet_distance
+
+    scorer = digit_scorer()
+    rep = lambda xs: [x for x in xs for _ in range(per_prompt)]
+    heldout = np.repeat(ps.heldout, per_prompt)
+    mean = lambda mask: float(mask.mean()) if mask.size else float("nan")
+    out: dict[str, Any] = {}
+    if ps.kind == "digits":
+        targets = np.array(rep(ps.targets))
+        right = scorer.predict(images) == targets
+        out["prompt_accuracy"] = mean(right[~heldout])
+        out["heldout_phrasing_accuracy"] = mean(right[heldout])
+        out["per_digit_accuracy"] = {str(d): mean(right[~heldout & (targets == d)]) for d in range(10)}
+        cells = 1
+    else:
+        targets = np.array(rep(ps.targets)).reshape(-1, 2)
+        left, right_half = images.chunk(2, dim=-1)
+        ok_l = scorer.predict(left) == targets[:, 0]
+        ok_r = scorer.predict(right_half) == targets[:, 1]
+        both = ok_l & ok_r
+        for prefix, mask in (("", ~heldout), ("heldout_", heldout)):
+            out[f"{prefix}pair_accuracy"] = mean(both[mask])
+            out[f"{prefix}left_accuracy"] = mean(ok_l[mask])
+            out[f"{prefix}right_accuracy"] = mean(ok_r[mask])
+        cells = 2
+    out["fd"] = frechet_distance(real_reference(ps.kind), images, scorer.featurizer(cells))
+    out["classifier_heldout_accuracy"] = scorer.heldout_accuracy
+    out["num_images"] = len(images)
+    return out
+
+
+def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n: int,
+                        split_ranks: bool = False) -> tuple[torch.Tensor, float]:
+    """(P, n, C, H, W) candidates for the prompt set, and the images/s it took."""
+    t0 = time.perf_counter()
+    labels = ps.labels if pipe.model.cfg.num_classes is not None else None
+    images = pipe.generate(ps.prompts, settings.steps, settings.guidance, settings.sampler, seed=0, labels=labels,
+                           batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n)
+    seconds = time.perf_counter() - t0
+    return images.view(len(ps.prompts), n, *images.shape[1:]), len(images) / seconds
+
+
+def evaluate(
     pipe: Pipeline,
-    seeds: int = 4,
-    phrasings: int = 3,
-    steps: int = 20,
-    guidance: float = 4.0,
-    sampler: str | None = None,
-    batch_size: int = 64,
+    settings: EvalSettings,
     grid_path: str | Path | None = None,
     split_ranks: bool = False,
 ) -> dict[str, Any]:
-    """prompt_accuracy of `pipe` on the digits prompt set; optionally writes a grid of what it judged.
+    """Metrics of `pipe` on its dataset's prompt set (best_of / selection / pick from `settings`).
 
     split_ranks: called by every rank of a multi-process job, which share the generation (Pipeline.generate).
     """
+    from framework.bestof import select
     from framework.judge import get_judge
 
-    judge = get_judge("digits")
-    pairs = digit_prompts(phrasings)
-    prompts = [p for p, _ in pairs for _ in range(seeds)]
-    digits = [d for _, d in pairs for _ in range(seeds)]
-    t0 = time.perf_counter()
-    images = pipe.generate(prompts, steps, guidance, sampler, seed=0, labels=digits, batch_size=batch_size,
-                           split_ranks=split_ranks)
-    seconds = time.perf_counter() - t0
-    pred = judge.predict(images)
-    right = pred == np.array(digits)
-    per_digit = {str(d): float(right[np.array(digits) == d].mean()) for d in range(10)}
+    kind = dataset_kind(pipe.info)
+    if kind is None:
+        raise ValueError(f"no classifier scores this dataset (source {pipe.info.get('source')!r}); evaluation "
+                         "knows the digits and digit_pairs data. Use framework.sample to look at the images.")
+    ps = prompt_set(kind, settings.seeds, settings.phrasings)
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, settings.best_of, split_ranks)
+    judge = None
+    if settings.best_of > 1:
+        judge = get_judge(settings.judge or ps.judge, settings.judge_path)
+    kept = select(candidates, ps.prompts, judge, settings.selection, settings.pick).flatten(0, 1)
+    metrics = score_images(ps, kept, settings.pick)
+    metrics.update(images_per_s=images_per_s, best_of=settings.best_of)
+    if settings.best_of > 1:
+        metrics.update(selection=settings.selection, judge=judge.name)
     if grid_path is not None:
-        # One row per phrasing-seed, one column per digit: the eye checks the judge.
-        order = sorted(range(len(prompts)), key=lambda i: (i % (seeds * phrasings), digits[i]))
-        caps = [f"{prompts[i]} -> {pred[i]}" for i in order]
-        save_grid(images[order], caps, grid_path, ncol=10)
-    return {
-        "prompt_accuracy": float(right.mean()),
-        "judge_heldout_accuracy": judge.heldout_accuracy,
-        "num_images": len(prompts),
-        "per_digit_accuracy": per_digit,
-        "images_per_s": len(prompts) / seconds,
-    }
+        save_judged_grid(ps, kept[:: settings.pick], grid_path)
+    return metrics
+
+
+def save_judged_grid(ps: PromptSet, images: torch.Tensor, path: str | Path) -> Path:
+    """digits: one column per digit, one row per phrasing-seed; pairs: a 10x10 grid (row = left digit)."""
+    from framework.metrics import digit_scorer
+
+    scorer = digit_scorer()
+    if ps.kind == "digits":
+        pred = scorer.predict(images)
+        per_digit = [[i for i, t in enumerate(ps.targets) if t == d] for d in range(10)]  # seen, then held out
+        order = [col[r] for r in range(min(map(len, per_digit))) for col in per_digit]
+        caps = [f"{ps.prompts[i]} -> {pred[i]}" for i in order]
+        return save_grid(images[order], caps, path, ncol=10)
+    first = {}
+    for i, t in enumerate(ps.targets):
+        first.setdefault(tuple(t), i)
+    order = [first[(a, b)] for a in range(10) for b in range(10)]
+    left, right = images[order].chunk(2, dim=-1)
+    pl, pr = scorer.predict(left), scorer.predict(right)
+    caps = [f"{ps.targets[i][0]}|{ps.targets[i][1]}{'*' if ps.heldout[i] else ''} -> {a}|{b}"
+            for i, a, b in zip(order, pl, pr)]
+    return save_grid(images[order], caps, path, ncol=10)
+
+
+def eval_summary(metrics: dict[str, Any]) -> str:
+    """One line for people: the headline accuracy, held-out accuracy and fd."""
+    if "pair_accuracy" in metrics:
+        head = (f"pair_accuracy {metrics['pair_accuracy']:.3f}  heldout_pair_accuracy "
+                f"{metrics['heldout_pair_accuracy']:.3f}")
+    else:
+        head = (f"prompt_accuracy {metrics['prompt_accuracy']:.3f}  heldout_phrasing_accuracy "
+                f"{metrics['heldout_phrasing_accuracy']:.3f}")
+    return (f"{head}  fd {metrics['fd']:.2f}  (classifier accuracy on held-out real digits "
+            f"{metrics['classifier_heldout_accuracy']:.3f}, {metrics['num_images']} images)")
+
+
+def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Path) -> dict[str, Any]:
+    """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections."""
+    from framework.bestof import SELECTIONS, select
+    from framework.judge import get_judge
+
+    kind = dataset_kind(pipe.info)
+    ps = prompt_set(kind, settings.seeds, settings.phrasings)
+    if not ns or any(n < 1 for n in ns):
+        raise ValueError(f"scaling={ns}: give candidate counts >= 1, e.g. scaling=[1,2,4,8]")
+    ns = sorted(set(ns))
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1])
+    judge = get_judge(settings.judge or ps.judge, settings.judge_path)
+    rows = []
+    for selection in SELECTIONS:
+        for n in ns:
+            kept = select(candidates[:, :n], ps.prompts, judge, selection, 1).flatten(0, 1)
+            m = score_images(ps, kept)
+            m.pop("per_digit_accuracy", None)
+            rows.append({"selection": selection, "best_of": n, **m})
+            print(f"  {selection:<10} N={n:<4} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()
+                                                          if k.endswith("accuracy") or k == "fd"))
+    result = {"judge": judge.name, "kind": kind, "images_per_s": images_per_s,
+              "candidates_generated": int(candidates.shape[0] * candidates.shape[1]),
+              "steps": settings.steps, "seeds": settings.seeds, "phrasings": settings.phrasings, "rows": rows}
+    (out / "scaling.json").write_text(json.dumps(result, indent=2))
+    plot_scaling(result, out / "scaling.png")
+    return result
+
+
+def plot_scaling(result: dict[str, Any], path: Path) -> Path:
+    """Accuracy and fd against N (log scale), one line per selection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = "prompt_accuracy" if result["kind"] == "digits" else "pair_accuracy"
+    keys = [acc, f"heldout_{'phrasing' if result['kind'] == 'digits' else 'pair'}_accuracy", "fd"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key in zip(axes, keys):
+        for selection in sorted({r["selection"] for r in result["rows"]}):
+            rs = [r for r in result["rows"] if r["selection"] == selection]
+            ax.plot([r["best_of"] for r in rs], [r[key] for r in rs], marker="o", label=selection)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("best of N (candidates per prompt)")
+        ax.set_title(key + (" (lower is better)" if key == "fd" else ""))
+        ax.grid(alpha=0.3)
+    axes[0].legend(title=f"judge={result['judge']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,6 +289,8 @@ class EvalCommand(EvalSettings):
     """ema (when the checkpoint has EMA weights) or train."""
     device: str = "auto"
     """auto: a GPU when present."""
+    scaling: list[int] | None = None
+    """Best-of-N for each N, e.g. [1,2,4,8,16,32], both selections: writes scaling.json and scaling.png."""
 
 
 ConfigStore.instance().store(name="eval_command", node=EvalCommand)
@@ -108,18 +300,22 @@ ConfigStore.instance().store(name="eval_command", node=EvalCommand)
 def main(cfg: EvalCommand) -> None:
     cfg = OmegaConf.to_object(cfg)
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
-    if not is_digits(pipe.info):
+    if dataset_kind(pipe.info) is None:
         raise SystemExit(
-            f"framework.eval: the checkpoint was trained on {pipe.info.get('source')!r}; only the digits prompt set"
-            " has a judge. Use framework.sample to look at the images."
+            f"framework.eval: the checkpoint was trained on {pipe.info.get('source')!r}; only the digits and"
+            " digit_pairs prompt sets have a classifier. Use framework.sample to look at the images."
         )
     out = Path(cfg.out) if cfg.out else Path(cfg.ckpt).resolve().parent.parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    metrics = evaluate_digits(
-        pipe, cfg.seeds, cfg.phrasings, cfg.steps, cfg.guidance, cfg.sampler, cfg.batch_size, out / "judged.png"
-    )
+    if cfg.scaling:
+        result = scaling_curve(pipe, cfg, list(cfg.scaling), out)
+        print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
+        print(json.dumps(result))
+        return
+    metrics = evaluate(pipe, cfg, out / "judged.png")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"judged grid: {out / 'judged.png'}")
+    print(eval_summary(metrics))
     print(json.dumps(metrics))
 
 

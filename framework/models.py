@@ -63,6 +63,8 @@ class ModelConfig:
     # latent channels (4 for SD-VAE, 32 for DC-AE, 1 for the quickstart's pixel digits)
     sample_size: int = 8
     # latent side length h = w the net is built for (image side / VAE downsample)
+    sample_width: int | None = None
+    # latent width when it differs from sample_size (non-square data such as the 8x16 digit pairs); null = square
     patch_size: int = 2
     # transformer patch side; the unet works on pixels of the latent, so 1
     num_layers: int = 4
@@ -92,9 +94,11 @@ class ModelConfig:
         for key in ("in_channels", "sample_size", "patch_size", "num_layers", "head_dim"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be positive.")
-        if self.sample_size % self.patch_size:
-            raise ValueError(f"model.sample_size={self.sample_size} is not divisible by "
-                             f"model.patch_size={self.patch_size}; pick a latent size that is a multiple of it.")
+        for key in ("sample_size", "sample_width"):
+            side = getattr(self, key)
+            if side is not None and (side <= 0 or side % self.patch_size):
+                raise ValueError(f"model.{key}={side} is not a positive multiple of model.patch_size="
+                                 f"{self.patch_size}; pick a latent size that is a multiple of it.")
         self.kwargs = _plain(self.kwargs)
         self._check_kwargs()
         if self.family == "unet":
@@ -145,6 +149,11 @@ class ModelConfig:
         if self.sample_size % 2 ** (levels - 1):
             raise ValueError(f"model.sample_size={self.sample_size} must be divisible by {2 ** (levels - 1)} "
                              f"(the unet halves it {levels - 1} times).")
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        """(height, width) of the latents the net denoises."""
+        return self.sample_size, self.sample_width or self.sample_size
 
     @property
     def hidden_size(self) -> int:

@@ -76,22 +76,9 @@ class DiffusionModule(pl.LightningModule):
         from framework.data import check_compatible
 
         info = dm.info
-        check_compatible(info, self.model_cfg.in_channels, self.model_cfg.sample_size, self.model_cfg.text_dim)
+        check_compatible(info, self.model_cfg.in_channels, self.model_cfg.latent_hw, self.model_cfg.text_dim)
         self.empty_text = info.empty_text_embeds.float()
-        # Plain values only: checkpoints load with weights_only=True.
-        self.dataset_info = {
-            "path": info.path,
-            "source": info.raw.get("source"),
-            "image_codec": info.image_codec,
-            "text_encoder": info.text_encoder,
-            "image_mode": info.image_mode,
-            "scaling_factor": info.scaling_factor,
-            "shift_factor": info.shift_factor,
-            "num_classes": info.num_classes,
-            "latent_channels": info.latent_channels,
-            "latent_size": list(info.latent_size),
-            "text_dim": info.text_dim,
-        }
+        self.dataset_info = info.summary()
 
     def configure_model(self) -> None:
         """Activation checkpointing / compile per block, then FSDP2 sharding under strategy=fsdp.

@@ -122,22 +122,30 @@ class Pipeline:
         labels: Sequence[int | None] | None = None,
         batch_size: int = 64,
         split_ranks: bool = False,
+        candidates: int = 1,
     ) -> torch.Tensor:
-        """Images (N, C, H, W) in [-1, 1]; image i depends only on (prompt i, seed, i).
+        """Images (N * candidates, C, H, W) in [-1, 1], each prompt's candidates together.
 
+        Candidate j of prompt i depends only on (prompt i, seed, i, j), so the first candidates are the
+        same whatever `candidates` is, and candidate 0 is what plain sampling (candidates=1) draws.
+        All N * candidates images are drawn in batches of `batch_size`: the cost grows linearly.
         split_ranks: inside a multi-process job, every rank must call this (a sharded model needs all
         ranks in each forward); each rank then generates its own contiguous share of the prompts and
-        every rank gets all N images back, the same ones one process would draw.
+        every rank gets all images back, the same ones one process would draw.
         """
-        n = len(prompts)
-        g = torch.Generator().manual_seed(seed)
-        noise_seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
+        if candidates < 1:
+            raise ValueError(f"candidates={candidates} must be >= 1")
         if self.model.cfg.num_classes is not None and (labels is None or any(lbl is None for lbl in labels)):
             raise ValueError("this model is class-conditional: give a class label for every prompt")
-        labels = list(labels) if labels is not None else [None] * n
+        labels = list(labels) if labels is not None else [None] * len(prompts)
+        per_candidate = [noise_seeds(seed, len(prompts), j) for j in range(candidates)]
+        noise = [per_candidate[j][i] for i in range(len(prompts)) for j in range(candidates)]
+        prompts = [p for p in prompts for _ in range(candidates)]
+        labels = [lbl for lbl in labels for _ in range(candidates)]
+        n = len(prompts)
         world = _world_size() if split_ranks else 1
         if world == 1:
-            return self._generate(list(prompts), labels, noise_seeds, steps, guidance, sampler, batch_size)
+            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size)
         import torch.distributed as dist
 
         # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
@@ -145,18 +153,18 @@ class Pipeline:
         per, rank = math.ceil(n / world), dist.get_rank()
         idx = [i for i in range(rank * per, (rank + 1) * per) if i < n]
         idx += [0] * (per - len(idx))
-        mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise_seeds[i] for i in idx],
+        mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
                               steps, guidance, sampler, batch_size).to(self.device)  # (per, C, H, W)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         return torch.cat(gathered)[:n].cpu()
 
-    def _generate(self, prompts: list[str], labels: list[int | None], noise_seeds: list[int], steps: int,
+    def _generate(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
                   guidance: float, sampler: str | None, batch_size: int) -> torch.Tensor:
         from framework.data import drop_captions, pad_and_stack
 
         n = len(prompts)
-        C, S = self.model.cfg.in_channels, self.model.cfg.sample_size
+        C, (H, W) = self.model.cfg.in_channels, self.model.cfg.latent_hw
         class_cond = self.model.cfg.num_classes is not None
         out = []
         for i in range(0, n, batch_size):
@@ -176,7 +184,7 @@ class Pipeline:
                 return uncond + guidance * (cond - uncond)
 
             # One generator per image keeps image i independent of the batch it lands in.
-            x = torch.stack([torch.randn(C, S, S, generator=torch.Generator().manual_seed(s)) for s in noise_seeds[i : i + b]])
+            x = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for s in seeds[i : i + b]])
             z = sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
             out.append(self.decode(z))
         return torch.cat(out)
@@ -185,6 +193,12 @@ class Pipeline:
         """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling)."""
         raw = z / self.info["scaling_factor"] + self.info["shift_factor"]
         return self.codec.decode(raw).float().clamp(-1, 1).cpu()
+
+
+def noise_seeds(seed: int, n: int, candidate: int = 0) -> list[int]:
+    """The initial-noise seed of each of n prompts for one candidate stream (0: plain sampling)."""
+    stream = seed if candidate == 0 else (seed * 0x9E3779B97F4A7C15 + candidate) % 2**63
+    return torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(stream)).tolist()
 
 
 def _world_size() -> int:
@@ -202,8 +216,9 @@ def to_pil(img: torch.Tensor, size: int | None = None) -> Image.Image:
     """(C, H, W) in [-1, 1] -> PIL image, upscaled with nearest neighbour to `size` (tiny latents stay crisp)."""
     arr = ((img.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
     im = Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
-    if size and im.width < size:
-        im = im.resize((size, size), Image.NEAREST)
+    if size and max(im.size) < size:  # keep the aspect ratio (digit pairs are 8x16)
+        f = size / max(im.size)
+        im = im.resize((round(im.width * f), round(im.height * f)), Image.NEAREST)
     return im
 
 
@@ -213,14 +228,15 @@ def save_grid(images: torch.Tensor, captions: Sequence[str], path: str | os.Path
     ncol = ncol or min(n, 10)
     nrow = math.ceil(n / ncol)
     label_h = 28
-    grid = Image.new("RGB", (ncol * cell, nrow * (cell + label_h)), "white")
+    cell_w = round(cell * images.shape[-1] / images.shape[-2])  # cell is the height; wide images get wide cells
+    grid = Image.new("RGB", (ncol * cell_w, nrow * (cell + label_h)), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
     for i, (img, cap) in enumerate(zip(images, captions)):
         r, c = divmod(i, ncol)
-        x, y = c * cell, r * (cell + label_h)
-        grid.paste(to_pil(img, cell).convert("RGB").resize((cell, cell), Image.NEAREST), (x, y))
-        for k, line in enumerate(_wrap(cap, max(4, cell // 6))[:2]):
+        x, y = c * cell_w, r * (cell + label_h)
+        grid.paste(to_pil(img).convert("RGB").resize((cell_w, cell), Image.NEAREST), (x, y))
+        for k, line in enumerate(_wrap(cap, max(4, cell_w // 6))[:2]):
             draw.text((x + 2, y + cell + 1 + 12 * k), line, fill="black", font=font)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """`python -m framework.sample ckpt=PATH out=DIR prompts=[...]`: write one PNG per prompt and a grid.
 
-With `best_of=N judge=NAME` it draws N candidates per prompt and keeps the one the judge scores
-highest for that prompt (for the digits judge: the largest margin of the requested digit).
+With `best_of=N judge=NAME` it draws N candidates per prompt and keeps the `pick` (default 1) that the
+judge prefers: by score (`selection=score`) or by a knockout tournament (`selection=tournament`).
 """
 
 from __future__ import annotations
@@ -37,48 +37,58 @@ class SampleCommand:
     best_of: int = 1
     """Candidates per prompt; > 1 needs a judge."""
     judge: str | None = None
-    """Judge that picks the best candidate (digits)."""
+    """Judge that picks among the candidates (framework/judge.py: digits, pairs, clip)."""
+    judge_path: str | None = None
+    """Weights of judges that load them (clip: a local CLIP folder)."""
+    selection: str = "score"
+    """score (the judge's highest scores) or tournament (SANA-1.5's knockout of pairwise comparisons)."""
+    pick: int = 1
+    """Images kept per prompt."""
     weights: str = "ema"
     """ema (when the checkpoint has EMA weights) or train."""
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        from framework.bestof import SELECTIONS
+
         if self.best_of < 1:
             raise ValueError(f"best_of={self.best_of} must be >= 1")
         if self.best_of > 1 and self.judge is None:
-            raise ValueError("best_of > 1 needs a judge to pick the best candidate: add judge=digits")
+            raise ValueError("best_of > 1 needs a judge to pick the candidates: add judge=digits (or pairs, clip)")
+        if not 1 <= self.pick <= self.best_of:
+            raise ValueError(f"pick={self.pick} must be between 1 and best_of={self.best_of}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r}: use one of {SELECTIONS}")
 
 
 ConfigStore.instance().store(name="sample_command", node=SampleCommand)
 
 
 def _labels(pipe: Pipeline, prompts: list[str]) -> list[int | None] | None:
+    """Class labels for class-conditional models: the digit, or 10 * left + right for digit pairs."""
     if pipe.model.cfg.num_classes is None:
         return None
+    if pipe.model.cfg.num_classes == 100:
+        from data_prep.sources.digit_pairs import parse_pair
+
+        return [None if lr is None else 10 * lr[0] + lr[1] for lr in map(parse_pair, prompts)]
     from framework.judge import prompt_digit
 
     return [prompt_digit(p) for p in prompts]
 
 
 def run(cfg: SampleCommand) -> list[Path]:
+    from framework.bestof import select
+    from framework.judge import get_judge
+
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     prompts = list(cfg.prompts)
-    cands = [p for p in prompts for _ in range(cfg.best_of)]
-    images = pipe.generate(cands, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=_labels(pipe, cands))
-    images = images.view(len(prompts), cfg.best_of, *images.shape[1:])
-    if cfg.best_of > 1:
-        from framework.judge import get_judge, prompt_digit
-
-        judge = get_judge(cfg.judge)
-        digits = [prompt_digit(p) for p in prompts]
-        if any(d is None for d in digits):
-            bad = [p for p, d in zip(prompts, digits) if d is None]
-            raise ValueError(f"judge={cfg.judge} cannot tell which digit these prompts ask for: {bad}")
-        scores = judge.score(images.flatten(0, 1), [d for d in digits for _ in range(cfg.best_of)])
-        best = torch.as_tensor(scores).view(len(prompts), cfg.best_of).argmax(dim=1)
-        chosen = images[torch.arange(len(prompts)), best]
-    else:
-        chosen = images[:, 0]
+    judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
+    images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=_labels(pipe, prompts),
+                           candidates=cfg.best_of)
+    kept = select(images.view(len(prompts), cfg.best_of, *images.shape[1:]), prompts, judge, cfg.selection, cfg.pick)
+    chosen = kept.flatten(0, 1)
+    prompts = [p for p in prompts for _ in range(cfg.pick)]
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []

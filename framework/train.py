@@ -192,11 +192,11 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
 
 def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer: pl.Trainer) -> dict[str, Any]:
     """Evaluate the final weights on every rank; rank 0 writes eval/ and logs the metrics."""
-    from framework.eval import evaluate_digits, is_digits
+    from framework.eval import dataset_kind, evaluate
     from framework.pipeline import Pipeline
     from framework.fsdp import reshard
 
-    if not is_digits(module.dataset_info):
+    if dataset_kind(module.dataset_info) is None:
         return {}
     module.eval()
     pipe = Pipeline(module.model, module.objective, module.empty_text, module.dataset_info, module.device)
@@ -204,9 +204,8 @@ def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer
     # The averaged weights when a plugin keeps them (plugins/ema.py), like framework.eval on the checkpoint.
     try:
         with averaged_weights(trainer, module):
-            metrics = evaluate_digits(pipe, e.seeds, e.phrasings, e.steps, e.guidance, e.sampler, e.batch_size,
-                                      run_dir / "eval" / "judged.png" if rank0 else None,
-                                      split_ranks=trainer.world_size > 1)
+            metrics = evaluate(pipe, e, run_dir / "eval" / "judged.png" if rank0 else None,
+                               split_ranks=trainer.world_size > 1)
     finally:
         reshard(module.model)
     if rank0:
@@ -241,8 +240,9 @@ def main(dcfg: DictConfig) -> None:
             print(f"  {k:<10} {p}")
     if metrics:
         print(f"  {'eval':<10} {Path(written['run_dir']) / 'eval'}")
-        print(f"\nprompt_accuracy {metrics['prompt_accuracy']:.3f}  (judge accuracy on held-out real digits "
-              f"{metrics['judge_heldout_accuracy']:.3f}, {metrics['num_images']} images)")
+        from framework.eval import eval_summary
+
+        print("\n" + eval_summary(metrics))
         print(json.dumps(metrics))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The evaluation's digit classifier is cached on disk: one cache for this test session (subprocesses inherit it).
+os.environ["LATENTFORGE_CACHE"] = tempfile.mkdtemp(prefix="latentforge-cache-")
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

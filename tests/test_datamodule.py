@@ -105,15 +105,17 @@ def test_drop_captions():
 
 def test_check_compatible(digits_shards):
     info = read_dataset_info(str(digits_shards))
-    check_compatible(info, in_channels=1, sample_size=8, text_dim=384)
-    check_compatible(info, in_channels=1, sample_size=8, text_dim=None)  # class-conditional model
+    check_compatible(info, in_channels=1, latent_hw=(8, 8), text_dim=384)
+    check_compatible(info, in_channels=1, latent_hw=(8, 8), text_dim=None)  # class-conditional model
     with pytest.raises(ValueError, match=r"dataset\.json: model\.in_channels=4 but the latents have 1 channels") as err:
-        check_compatible(info, in_channels=4, sample_size=8, text_dim=384)
+        check_compatible(info, in_channels=4, latent_hw=(8, 8), text_dim=384)
     assert str(digits_shards / "dataset.json") in str(err.value)
     with pytest.raises(ValueError, match=r"model\.sample_size=32"):
-        check_compatible(info, in_channels=1, sample_size=32, text_dim=384)
+        check_compatible(info, in_channels=1, latent_hw=(32, 32), text_dim=384)
+    with pytest.raises(ValueError, match=r"model\.sample_size=8 model\.sample_width=16 but the latents are 8x8"):
+        check_compatible(info, in_channels=1, latent_hw=(8, 16), text_dim=384)
     with pytest.raises(ValueError, match=r"model\.text_dim=768.*384"):
-        check_compatible(info, in_channels=1, sample_size=8, text_dim=768)
+        check_compatible(info, in_channels=1, latent_hw=(8, 8), text_dim=768)
 
 
 # ---------------------------------------------------------------------------------------------

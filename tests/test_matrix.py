@@ -67,7 +67,8 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, digit
     # One summary, from rank 0, ending with the metrics line.
     last = stdout.strip().splitlines()[-1]
     metrics = json.loads(last)
-    assert 0.0 <= metrics["prompt_accuracy"] <= 1.0 and metrics["num_images"] == 10
+    assert 0.0 <= metrics["prompt_accuracy"] <= 1.0 and metrics["num_images"] == 10 + 30  # + held-out phrasings
+    assert metrics["fd"] >= 0.0
     assert stdout.count("prompt_accuracy ") == 1
     assert json.loads((run_dir / "eval" / "metrics.json").read_text()) == metrics
     assert (run_dir / "eval" / "judged.png").is_file()

@@ -198,14 +198,39 @@ def test_sample_and_eval_run_end_to_end(tmp_path, digits_shards):
     ckpt = out["checkpoint"]
     paths = run(SampleCommand(ckpt=ckpt, out=str(tmp_path / "s"), prompts=["a handwritten 3", "the digit seven"], steps=2, best_of=2, judge="digits"))
     assert [p.name for p in paths][-1] == "grid.png" and all(p.exists() for p in paths)
+    tournament = run(SampleCommand(ckpt=ckpt, out=str(tmp_path / "t"), prompts=["a handwritten 3"], steps=2, best_of=4,
+                                   judge="digits", selection="tournament", pick=2))
+    assert len(tournament) == 2 + 1
     proc = subprocess.run(
         [sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'e'}", "seeds=1", "phrasings=1", "steps=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert 0.0 <= metrics["prompt_accuracy"] <= 1.0 and metrics["num_images"] == 10
-    assert metrics["judge_heldout_accuracy"] >= 0.97
+    assert 0.0 <= metrics["prompt_accuracy"] <= 1.0 and 0.0 <= metrics["heldout_phrasing_accuracy"] <= 1.0
+    assert metrics["num_images"] == 10 + 30  # one training phrasing and the three held-out ones, per digit
+    assert metrics["fd"] > 0 and metrics["classifier_heldout_accuracy"] >= 0.95
+
+
+def test_scaling_command_writes_json_and_png(tmp_path, digits_shards):
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, steps=2)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "framework.eval", f"ckpt={out['checkpoint']}", f"out={tmp_path / 'e'}", "seeds=1",
+         "phrasings=1", "steps=2", "scaling=[1,2,4]"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "e" / "scaling.json").read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == result
+    assert [(r["selection"], r["best_of"]) for r in result["rows"]] == [
+        (s, n) for s in ("score", "tournament") for n in (1, 2, 4)]
+    assert result["candidates_generated"] == 40 * 4 and result["images_per_s"] > 0
+    by = {(r["selection"], r["best_of"]): r for r in result["rows"]}
+    assert by[("score", 1)] == {**by[("tournament", 1)], "selection": "score"}  # N=1: nothing to pick
+    from PIL import Image
+
+    with Image.open(tmp_path / "e" / "scaling.png") as im:
+        assert im.size[0] > 800 and im.size[1] > 300
 
 
 # --------------------------------------------------------------------------------------------

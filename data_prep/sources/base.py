@@ -69,6 +69,6 @@ def get_source(cfg: Any) -> ImageCaptionSource:
             raise
         raise ValueError(
             f"source={cfg.name}: no such source; add data_prep/sources/{cfg.name}.py or pick one of "
-            "digits, folder, manifest, webdataset."
+            "digits, digit_pairs, folder, manifest, webdataset."
         ) from None
     return module.SOURCE(cfg)

@@ -27,6 +27,22 @@ _PHRASINGS = [
 ]
 
 
+# Phrasings that never appear in training data: evaluation reports accuracy on them separately, to see
+# whether the model follows the text encoder's meaning or memorised the training templates.
+_HELDOUT_PHRASINGS = [
+    "handwriting showing the number {w}",
+    "a scribbled {d}",
+    "the numeral {d} in someone's handwriting",
+]
+
+
+def heldout_digit_captions(d: int) -> list[str]:
+    """The evaluation-only phrasings for digit `d` (never written into a training dataset)."""
+    if not 0 <= d <= 9:
+        raise ValueError(f"digit must be in 0..9, got {d}")
+    return [p.format(d=d, w=DIGIT_WORDS[d]) for p in _HELDOUT_PHRASINGS]
+
+
 def digit_captions(d: int) -> list[str]:
     """Every caption phrasing for digit `d` (0..9)."""
     if not 0 <= d <= 9:

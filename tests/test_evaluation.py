@@ -1,0 +1,271 @@
+"""The evaluation (classifier, Fréchet distance, held-out prompts), the digit-pairs source and best-of-N picking."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.sources.digit_pairs import HELDOUT_PAIRS, TRAIN_PAIRS, pair_captions, parse_pair
+from data_prep.sources.digits import MAX_VALUE, digit_captions, heldout_digit_captions, load_digits
+from framework.bestof import knockout, pick_by_score, select
+from framework.judge import Judge, get_judge
+from framework.metrics import digit_scorer, frechet_distance, real_digit_images, training_half
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+
+def reference_frechet(a: np.ndarray, b: np.ndarray) -> float:
+    """The textbook formula with scipy's matrix square root, on features (N, D)."""
+    from scipy import linalg
+
+    mu1, mu2 = a.mean(0), b.mean(0)
+    s1, s2 = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    covmean = linalg.sqrtm(s1 @ s2).real
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
+
+
+def test_fd_separates_real_digits_from_noise_and_matches_the_formula():
+    scorer = digit_scorer()
+    assert scorer.heldout_accuracy >= 0.95
+    feats = scorer.featurizer()
+    train, _ = real_digit_images("train")
+    held, _ = real_digit_images("heldout")
+    noise = torch.rand(len(held), 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    blurred = torch.nn.functional.avg_pool2d(held, 3, stride=1, padding=1, count_include_pad=False)
+
+    real_fd = frechet_distance(train, held, feats)
+    blur_fd = frechet_distance(train, blurred, feats)
+    noise_fd = frechet_distance(train, noise, feats)
+    assert frechet_distance(held, held, feats) < 1e-3 * real_fd + 1e-6  # identical sets: ~0
+    assert real_fd * 3 < blur_fd < noise_fd and noise_fd > 20 * real_fd
+    ref = reference_frechet(feats(train).double().numpy(), feats(held).double().numpy())
+    assert real_fd == pytest.approx(ref, rel=1e-3)
+
+
+def test_scorer_and_judge_train_on_disjoint_halves_and_the_scorer_is_cached():
+    xs, ys = training_half("scorer")
+    xj, yj = training_half("judge")
+    x, _ = load_digits("train")
+    as_set = lambda imgs: {im.tobytes() for im in imgs}
+    assert len(xs) + len(xj) == len(x) and abs(len(xs) - len(xj)) <= 1
+    assert sorted(as_set(xs) | as_set(xj)) == sorted(as_set(x))
+    # Duplicated images aside, no image of one half is in the other.
+    assert len(as_set(xs) & as_set(xj)) <= 2
+    assert set(np.unique(ys)) == set(np.unique(yj)) == set(range(10))
+
+    from framework.metrics import DigitScorer, cache_dir
+
+    first = digit_scorer()
+    assert len(list(cache_dir().glob("digit_scorer_v*.pt"))) == 1
+    again = DigitScorer()  # loads the cached weights
+    held, _ = real_digit_images("heldout")
+    assert np.array_equal(first.predict(held), again.predict(held))
+    assert get_judge("digits").heldout_accuracy >= 0.95
+
+
+def test_held_out_phrasings_never_appear_in_training_captions():
+    from data_prep.config import SourceConfig
+    from data_prep.sources import get_source
+    from framework.judge import prompt_digit
+
+    captions = {c for r in get_source(SourceConfig(name="digits", rows_per_image=5)).records() for c in r.captions}
+    held = [c for d in range(10) for c in heldout_digit_captions(d)]
+    assert captions == {c for d in range(10) for c in digit_captions(d)}
+    assert not captions & set(held)
+    assert [prompt_digit(c) for c in held] == [d for d in range(10) for _ in heldout_digit_captions(d)]
+
+
+# --------------------------------------------------------------------------------------------
+# Digit pairs
+# --------------------------------------------------------------------------------------------
+
+
+def test_pair_source_round_trips_through_the_shards(tmp_path):
+    from streaming import StreamingDataset
+
+    from data_prep.config import SourceConfig
+    from data_prep.precompute import precompute
+
+    images, labels = load_digits("train")
+    pool = {d: {im.tobytes() for im in images[labels == d]} for d in range(10)}
+    out = precompute({"source": {"name": "digit_pairs", "pairs_per_combination": 2, "rows_per_image": 5},
+                      "vae": "pixel", "text_encoder": "minilm", "resolution": 8, "width": 16,
+                      "out": str(tmp_path / "pairs"), "progress": False}, rank=0, world_size=1)
+    info = json.loads((Path(out) / "dataset.json").read_text())
+    assert info["latent_size"] == [8, 16] and info["num_images"] == 2 * len(TRAIN_PAIRS) == 180
+
+    seen = set()
+    for row in StreamingDataset(local=str(out), shuffle=False, batch_size=1):
+        a, b = divmod(int(row["label"]), 10)
+        pixels = np.round((row["latents"].astype(np.float32)[0] + 1) * 127.5)  # pixel codec: [-1, 1]
+        digits = np.round(pixels * MAX_VALUE / 255).astype(np.uint8)  # back to 0..16
+        assert digits[:, :8].tobytes() in pool[a] and digits[:, 8:].tobytes() in pool[b]
+        assert parse_pair(row["caption"]) == (a, b) and row["caption"] in pair_captions(a, b)
+        seen.add((a, b))
+    assert seen == set(TRAIN_PAIRS) and not seen & set(HELDOUT_PAIRS)
+    # Each held-out pair's digits still appear on both sides in training.
+    for a, b in HELDOUT_PAIRS:
+        assert any(p[0] == a for p in seen) and any(p[1] == b for p in seen)
+    # Every phrasing says which digit is where, unambiguously.
+    assert all(parse_pair(c) == (a, b) for a in range(10) for b in range(10) for c in pair_captions(a, b))
+    assert parse_pair("a 3 next to a 7") is None
+
+
+def test_pair_metrics_score_real_pairs_high_and_swapped_pairs_low():
+    from framework.eval import prompt_set, real_reference, score_images
+
+    ps = prompt_set("pairs", seeds=1, phrasings=1)
+    ref = real_reference("pairs")  # 4 real held-out pairs per ordered pair, in (a, b) order
+    real = ref[::4]
+    metrics = score_images(ps, real)
+    assert metrics["pair_accuracy"] >= 0.85 and metrics["heldout_pair_accuracy"] >= 0.7
+    assert metrics["fd"] < 5
+    swapped = torch.cat(real.chunk(2, dim=-1)[::-1], dim=-1)  # right digit on the left
+    bad = score_images(ps, swapped)
+    same = np.array([a == b for a, b in ps.targets])
+    assert bad["pair_accuracy"] <= same[~ps.heldout].mean() + 0.05
+
+
+# --------------------------------------------------------------------------------------------
+# Best-of-N
+# --------------------------------------------------------------------------------------------
+
+
+class Oracle(Judge):
+    """Knows each candidate's true quality (its pixel value); counts how it is asked."""
+
+    name = "oracle"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def score(self, images, prompts):
+        self.calls += 1
+        return images.flatten(1).mean(1).numpy()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
+def test_tournament_with_an_oracle_judge_returns_the_best_candidate(n):
+    rng = np.random.default_rng(n)
+    quality = np.stack([rng.permutation(n) for _ in range(6)]).astype(np.float32)  # (P, N)
+    cands = torch.from_numpy(quality)[:, :, None, None, None].expand(6, n, 1, 2, 2).clone()
+    prompts = [f"p{i}" for i in range(6)]
+    judge = Oracle()
+    best = select(cands, prompts, judge, "tournament", 1)
+    assert torch.equal(best[:, 0, 0, 0, 0], torch.from_numpy(quality.max(1)))
+    assert judge.calls == 2 * int(np.ceil(np.log2(n)))  # one batched comparison per round (two scores each)
+    by_score = select(cands, prompts, Oracle(), "score", 1)
+    assert torch.equal(by_score, best)
+    if n >= 3:
+        two = select(cands, prompts, Oracle(), "tournament", 2)[:, :, 0, 0, 0].numpy()
+        assert two.shape == (6, 2) and (two.max(1) == quality.max(1)).all()
+        top = select(cands, prompts, Oracle(), "score", 2)[:, :, 0, 0, 0].numpy()
+        assert (top == -np.sort(-quality, axis=1)[:, :2]).all()
+
+
+def test_knockout_brackets_by_hand():
+    # 5 candidates, pick 2: round 1 plays (0,1) and (2,3) -> 3 left (winners + the bye), then (w01, w23).
+    calls = []
+
+    def prefers(a, b):
+        calls.append((a.tolist(), b.tolist()))
+        return a > b  # the larger index wins
+
+    assert knockout(1, 5, prefers, 2).tolist() == [[3, 4]]
+    assert calls == [([[0, 2]], [[1, 3]]), ([[1]], [[3]])]
+    assert pick_by_score(np.array([[0.1, 0.9, 0.5, 0.9]]), 2).tolist() == [[1, 3]]
+
+
+def tiny_pipeline(digits_shards: Path, sample_width: int | None = None):
+    from framework.models import ModelConfig, build_denoiser
+    from framework.objectives import Objective, ObjectiveConfig
+    from framework.pipeline import Pipeline
+
+    from framework.data import read_dataset_info
+
+    info = read_dataset_info(str(digits_shards))
+    torch.manual_seed(0)
+    model = build_denoiser(ModelConfig(in_channels=1, sample_size=8, sample_width=sample_width, text_dim=384,
+                                       num_layers=2, num_heads=2, head_dim=16, learned_sigma=False))
+    return Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
+
+
+def test_best_of_one_is_plain_sampling_and_candidates_do_not_depend_on_n(digits_shards):
+    pipe = tiny_pipeline(digits_shards)
+    prompts = ["a handwritten 3", "the digit seven", "a scribbled 5"]
+    plain = pipe.generate(prompts, steps=3, seed=7)
+    one = pipe.generate(prompts, steps=3, seed=7, candidates=1)
+    kept = select(one.view(3, 1, *one.shape[1:]), prompts, None, "score", 1).flatten(0, 1)
+    assert torch.equal(kept, plain)  # bit for bit
+
+    # Candidate j of prompt i is the same draw whatever N is (one image per forward: no batch effects).
+    four = pipe.generate(prompts, steps=3, seed=7, candidates=4, batch_size=1).view(3, 4, 1, 8, 8)
+    two = pipe.generate(prompts, steps=3, seed=7, candidates=2, batch_size=1).view(3, 2, 1, 8, 8)
+    single = pipe.generate(prompts, steps=3, seed=7, batch_size=1)
+    assert torch.equal(four[:, :2], two) and torch.equal(four[:, 0], single)
+    assert not torch.equal(four[:, 0], four[:, 1])
+
+    wide = tiny_pipeline(digits_shards, sample_width=16).generate(prompts[:1], steps=2)
+    assert wide.shape == (1, 1, 8, 16)
+
+
+def test_digit_judges_prefer_the_requested_digit():
+    held, labels = real_digit_images("heldout")
+    digits = get_judge("digits")
+    right = digits.score(held[:50], [f"a handwritten {d}" for d in labels[:50]])
+    wrong = digits.score(held[:50], [f"a handwritten {(d + 1) % 10}" for d in labels[:50]])
+    assert (right > 0).mean() >= 0.9 and (wrong < 0).mean() >= 0.9
+    pair = torch.cat([held[:20], held[20:40]], dim=-1)
+    caps = [pair_captions(int(a), int(b))[1] for a, b in zip(labels[:20], labels[20:40])]
+    assert (get_judge("pairs").score(pair, caps) > 0).mean() >= 0.85
+    with pytest.raises(ValueError, match="judge=pairs cannot read"):
+        get_judge("pairs").score(pair[:1], ["two digits"])
+    with pytest.raises(ValueError, match="judge=clip needs judge_path"):
+        get_judge("clip")
+    with pytest.raises(ValueError, match="judge='nope' is unknown"):
+        get_judge("nope")
+
+
+def make_tiny_clip(root: Path) -> Path:
+    """A random 2-layer CLIP with a byte-level tokenizer (no merges), saved as a transformers folder."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers.models.clip.tokenization_clip import bytes_to_unicode
+
+    root.mkdir(parents=True, exist_ok=True)
+    chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": len(chars) + i for i, c in enumerate(chars)}
+    vocab |= {"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1}
+    (root / "vocab.json").write_text(json.dumps(vocab))
+    (root / "merges.txt").write_text("#version: 0.2\n")
+    tok = CLIPTokenizer(str(root / "vocab.json"), str(root / "merges.txt"))
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    torch.manual_seed(0)
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    cfg = CLIPConfig(text_config=dict(vocab_size=len(vocab), max_position_embeddings=77, **layers),
+                     vision_config=dict(image_size=32, patch_size=8, **layers), projection_dim=16)
+    CLIPModel(cfg).save_pretrained(root)
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(root)
+    return root
+
+
+def test_clip_judge_scores_each_image_against_its_own_prompt(tmp_path):
+    from transformers import CLIPModel, CLIPProcessor
+
+    path = make_tiny_clip(tmp_path / "clip")
+    images = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    prompts = ["a handwritten 3", "a 7 to the right of a 1", "nine"]
+    scores = get_judge("clip", str(path)).score(images, prompts)
+
+    model, proc = CLIPModel.from_pretrained(path).eval(), CLIPProcessor.from_pretrained(path)
+    pixels = ((images + 1) * 127.5).round().to(torch.uint8).repeat(1, 3, 1, 1)
+    with torch.no_grad():
+        img = model.get_image_features(**proc(images=list(pixels), return_tensors="pt"))
+        txt = model.get_text_features(**proc(text=prompts, return_tensors="pt", padding=True))
+    ref = 100 * torch.nn.functional.cosine_similarity(img, txt, dim=-1)
+    assert scores.shape == (3,) and np.allclose(scores, ref.numpy(), atol=1e-3)
