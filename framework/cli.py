@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -25,3 +26,15 @@ def resolve_device(name: str) -> str:
 def uses_gpu(accelerator: str) -> bool:
     """Whether a Lightning `accelerator` setting ends up on a GPU."""
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def share_cpu_threads(ranks_per_machine: int) -> int:
+    """Several CPU ranks on one machine: give each its share of the cores, as torchrun does.
+
+    Each process would otherwise start one OpenMP thread per core, so 2 ranks on 2 cores run 4 busy
+    threads that wait on each other. An OMP_NUM_THREADS set by the user wins. Returns the thread count.
+    """
+    if ranks_per_machine > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // ranks_per_machine))
+    return torch.get_num_threads()

@@ -142,12 +142,12 @@ def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> di
 
 
 def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n: int,
-                        split_ranks: bool = False) -> tuple[torch.Tensor, float]:
+                        split_ranks: bool = False, progress: bool = False) -> tuple[torch.Tensor, float]:
     """(P, n, C, H, W) candidates for the prompt set, and the images/s it took."""
     t0 = time.perf_counter()
     labels = ps.labels if pipe.model.cfg.num_classes is not None else None
     images = pipe.generate(ps.prompts, settings.steps, settings.guidance, settings.sampler, seed=0, labels=labels,
-                           batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n)
+                           batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n, progress=progress)
     seconds = time.perf_counter() - t0
     return images.view(len(ps.prompts), n, *images.shape[1:]), len(images) / seconds
 
@@ -157,6 +157,7 @@ def evaluate(
     settings: EvalSettings,
     grid_path: str | Path | None = None,
     split_ranks: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Metrics of `pipe` on its dataset's prompt set (best_of / selection / pick from `settings`).
 
@@ -170,7 +171,7 @@ def evaluate(
         raise ValueError(f"no classifier scores this dataset (source {pipe.info.get('source')!r}); evaluation "
                          "knows the digits and digit_pairs data. Use framework.sample to look at the images.")
     ps = prompt_set(kind, settings.seeds, settings.phrasings)
-    candidates, images_per_s = generate_candidates(pipe, ps, settings, settings.best_of, split_ranks)
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, settings.best_of, split_ranks, progress)
     judge = None
     if settings.best_of > 1:
         judge = get_judge(settings.judge or ps.judge, settings.judge_path)
@@ -228,7 +229,7 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"scaling={ns}: give candidate counts >= 1, e.g. scaling=[1,2,4,8]")
     ns = sorted(set(ns))
-    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1])
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], progress=True)
     judge = get_judge(settings.judge or ps.judge, settings.judge_path)
     rows = []
     for selection in SELECTIONS:
@@ -312,7 +313,7 @@ def main(cfg: EvalCommand) -> None:
         print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
         print(json.dumps(result))
         return
-    metrics = evaluate(pipe, cfg, out / "judged.png")
+    metrics = evaluate(pipe, cfg, out / "judged.png", progress=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"judged grid: {out / 'judged.png'}")
     print(eval_summary(metrics))

@@ -123,6 +123,7 @@ class Pipeline:
         batch_size: int = 64,
         split_ranks: bool = False,
         candidates: int = 1,
+        progress: bool = False,
     ) -> torch.Tensor:
         """Images (N * candidates, C, H, W) in [-1, 1], each prompt's candidates together.
 
@@ -132,6 +133,7 @@ class Pipeline:
         split_ranks: inside a multi-process job, every rank must call this (a sharded model needs all
         ranks in each forward); each rank then generates its own contiguous share of the prompts and
         every rank gets all images back, the same ones one process would draw.
+        progress: a bar over the batches (on rank 0).
         """
         if candidates < 1:
             raise ValueError(f"candidates={candidates} must be >= 1")
@@ -145,7 +147,7 @@ class Pipeline:
         n = len(prompts)
         world = _world_size() if split_ranks else 1
         if world == 1:
-            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size)
+            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, progress)
         import torch.distributed as dist
 
         # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
@@ -154,19 +156,22 @@ class Pipeline:
         idx = [i for i in range(rank * per, (rank + 1) * per) if i < n]
         idx += [0] * (per - len(idx))
         mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
-                              steps, guidance, sampler, batch_size).to(self.device)  # (per, C, H, W)
+                              steps, guidance, sampler, batch_size, progress and rank == 0).to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         return torch.cat(gathered)[:n].cpu()
 
     def _generate(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
-                  guidance: float, sampler: str | None, batch_size: int) -> torch.Tensor:
+                  guidance: float, sampler: str | None, batch_size: int, progress: bool = False) -> torch.Tensor:
+        from tqdm import tqdm
+
         from framework.data import drop_captions, pad_and_stack
 
         n = len(prompts)
         C, (H, W) = self.model.cfg.in_channels, self.model.cfg.latent_hw
         class_cond = self.model.cfg.num_classes is not None
         out = []
+        bar = tqdm(total=n, desc="generate", unit="img", disable=not progress, leave=False)
         for i in range(0, n, batch_size):
             chunk = prompts[i : i + batch_size]
             b = len(chunk)
@@ -187,6 +192,8 @@ class Pipeline:
             x = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for s in seeds[i : i + b]])
             z = sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
             out.append(self.decode(z))
+            bar.update(b)
+        bar.close()
         return torch.cat(out)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:

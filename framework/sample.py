@@ -7,11 +7,11 @@ judge prefers: by score (`selection=score`) or by a knockout tournament (`select
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -84,8 +84,12 @@ def run(cfg: SampleCommand) -> list[Path]:
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
+    t0 = time.perf_counter()
     images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=_labels(pipe, prompts),
-                           candidates=cfg.best_of)
+                           candidates=cfg.best_of, progress=True)
+    seconds = time.perf_counter() - t0
+    print(f"generated {len(images)} images ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "
+          f"{len(images) / seconds:.1f} images/s")
     kept = select(images.view(len(prompts), cfg.best_of, *images.shape[1:]), prompts, judge, cfg.selection, cfg.pick)
     chosen = kept.flatten(0, 1)
     prompts = [p for p in prompts for _ in range(cfg.pick)]

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.callbacks import SampleGrid
-from framework.cli import uses_gpu
+from framework.cli import share_cpu_threads, uses_gpu
 from framework.config import TrainConfig
 from framework.data import LatentDataModule
 from framework.loggers import RunCSVLogger, wandb_logger
@@ -155,6 +155,10 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
     # TF32 tensor cores for the matmuls that stay in fp32 under bf16-mixed (norms' neighbours, fp32 runs).
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
+
+    devices = cfg.trainer.devices
+    if not uses_gpu(cfg.trainer.accelerator) and isinstance(devices, int):
+        share_cpu_threads(devices)
 
     dm = LatentDataModule(cfg.data, seed=cfg.seed)
     module = DiffusionModule(

@@ -111,6 +111,17 @@ def digits_shards(tmp_path_factory) -> Path:
     return precompute(digits_config(tmp_path_factory.mktemp("digits") / "data"), rank=0, world_size=1)
 
 
+@pytest.fixture(scope="session")
+def pairs_shards(tmp_path_factory) -> Path:
+    """A small digit-pairs training set: 2 images of each of the 90 training pairs x 5 phrasings, 8x16."""
+    from data_prep.precompute import precompute
+
+    cfg = {"source": {"name": "digit_pairs", "pairs_per_combination": 2, "rows_per_image": 5}, "vae": "pixel",
+           "text_encoder": "minilm", "resolution": 8, "width": 16,
+           "out": str(tmp_path_factory.mktemp("pairs") / "data"), "progress": False}
+    return precompute(cfg, rank=0, world_size=1)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_streaming_env():
     """Each test starts single-process; LatentDataModule.setup sets these, so restore them after."""

@@ -70,7 +70,6 @@ def test_scorer_and_judge_train_on_disjoint_halves_and_the_scorer_is_cached():
 
 
 def test_held_out_phrasings_never_appear_in_training_captions():
-    from data_prep.config import SourceConfig
     from data_prep.sources import get_source
     from framework.judge import prompt_digit
 
@@ -86,22 +85,17 @@ def test_held_out_phrasings_never_appear_in_training_captions():
 # --------------------------------------------------------------------------------------------
 
 
-def test_pair_source_round_trips_through_the_shards(tmp_path):
+def test_pair_source_round_trips_through_the_shards(pairs_shards, tmp_path):
     from streaming import StreamingDataset
-
-    from data_prep.config import SourceConfig
-    from data_prep.precompute import precompute
 
     images, labels = load_digits("train")
     pool = {d: {im.tobytes() for im in images[labels == d]} for d in range(10)}
-    out = precompute({"source": {"name": "digit_pairs", "pairs_per_combination": 2, "rows_per_image": 5},
-                      "vae": "pixel", "text_encoder": "minilm", "resolution": 8, "width": 16,
-                      "out": str(tmp_path / "pairs"), "progress": False}, rank=0, world_size=1)
+    out = pairs_shards
     info = json.loads((Path(out) / "dataset.json").read_text())
     assert info["latent_size"] == [8, 16] and info["num_images"] == 2 * len(TRAIN_PAIRS) == 180
 
     seen = set()
-    for row in StreamingDataset(local=str(out), shuffle=False, batch_size=1):
+    for row in StreamingDataset(remote=str(out), local=str(tmp_path / "cache"), shuffle=False, batch_size=1):
         a, b = divmod(int(row["label"]), 10)
         pixels = np.round((row["latents"].astype(np.float32)[0] + 1) * 127.5)  # pixel codec: [-1, 1]
         digits = np.round(pixels * MAX_VALUE / 255).astype(np.uint8)  # back to 0..16
