@@ -259,9 +259,11 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
     keys = [acc, f"heldout_{'phrasing' if result['kind'] == 'digits' else 'pair'}_accuracy", "fd"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key in zip(axes, keys):
-        for selection in sorted({r["selection"] for r in result["rows"]}):
+        for k, selection in enumerate(sorted({r["selection"] for r in result["rows"]})):
             rs = [r for r in result["rows"] if r["selection"] == selection]
-            ax.plot([r["best_of"] for r in rs], [r[key] for r in rs], marker="o", label=selection)
+            # Dashed and hollow for the second: where both selections pick the same images the lines coincide.
+            ax.plot([r["best_of"] for r in rs], [r[key] for r in rs], marker="os"[k % 2], linestyle="-" if k == 0 else "--",
+                    fillstyle="full" if k == 0 else "none", markersize=7 if k == 0 else 10, label=selection)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("best of N (candidates per prompt)")
         ax.set_title(key + (" (lower is better)" if key == "fd" else ""))

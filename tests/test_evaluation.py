@@ -70,6 +70,7 @@ def test_scorer_and_judge_train_on_disjoint_halves_and_the_scorer_is_cached():
 
 
 def test_held_out_phrasings_never_appear_in_training_captions():
+    from data_prep.config import SourceConfig
     from data_prep.sources import get_source
     from framework.judge import prompt_digit
 

@@ -73,7 +73,7 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
     headline = "pair_accuracy" if pairs else "prompt_accuracy"
     assert 0.0 <= metrics[headline] <= 1.0 and metrics["fd"] >= 0.0
     assert metrics["num_images"] == (100 if pairs else 10 + 30)  # every ordered pair; digits + held-out phrasings
-    assert stdout.count(f"{headline} ") == 1
+    assert sum(line.startswith(f"{headline} ") for line in stdout.splitlines()) == 1
     assert json.loads((run_dir / "eval" / "metrics.json").read_text()) == metrics
     assert (run_dir / "eval" / "judged.png").is_file()
     assert sorted(p.name for p in (run_dir / "samples").glob("*.png")) == ["step0000002.png", "step0000004.png"]
