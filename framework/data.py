@@ -12,6 +12,7 @@ the LightningModule calls `drop_captions` per step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import urllib.parse
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from framework.shards import VALIDATE_MODES, check_shards
+from framework.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
 
 DATASET_FILE = "dataset.json"
 
@@ -298,6 +299,10 @@ class LatentDataModule(L.LightningDataModule):
         if cache is not None and dataset is not None and cache.resolve() == dataset.resolve():
             cache = None  # data.local = data.path: read in place
         check_shards(dataset, cache, cfg.path, cfg.validate)
+        removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
+        if removed:
+            logging.getLogger(__name__).warning("removed %d shared-memory segments left by a dead Streaming dataset: %s", len(removed),
+                        ", ".join(removed[:6]))
         try:
             return StreamingDataset(
                 remote=remote, local=str(Path(local).expanduser()) if local else local,

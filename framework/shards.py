@@ -184,3 +184,40 @@ def check_shards(dataset: Optional[Path], cache: Optional[Path], source: str, mo
                    or (hash_all and _hash_problem(f, index_file)))
         if problem:
             raise ValueError(f"shard {f.file} is corrupt: {problem}. {f.fix}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared memory left behind by dead datasets
+# ---------------------------------------------------------------------------------------------
+
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_orphan_shared_memory(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink Streaming segments `NNNNNN_<name>` whose `NNNNNN_locals` is gone; returns their names.
+
+    A StreamingDataset registers its prefix by creating `NNNNNN_locals` before any other segment and
+    holds it while it lives. A job killed mid-run, or a dataset half-way through being finalised, can
+    leave other segments of its prefix behind without it. Streaming takes, over the segment names, the
+    largest first-free prefix, so after such leftovers the prefix it picks can already hold one: the
+    new dataset then fails to create its barrier there, or shares the dead one's state in a segment
+    it creates-or-attaches and can wait on it forever. Live datasets always have their `_locals`, so
+    only leftovers are removed. (Streaming's own clean_stale_shared_memory removes every segment,
+    live jobs' included, so it is not safe on a shared node.)
+    """
+    import re
+
+    if not shm_dir.is_dir():
+        return []
+    names = [p.name for p in shm_dir.iterdir()]
+    pattern = re.compile(r"^(\d{6})_\w+$")
+    live = {n[:6] for n in names if n.endswith("_locals") and pattern.match(n)}
+    removed = []
+    for n in names:
+        if pattern.match(n) and n[:6] not in live:
+            try:
+                (shm_dir / n).unlink()
+                removed.append(n)
+            except (FileNotFoundError, PermissionError):  # another rank was first, or not ours to remove
+                pass
+    return removed

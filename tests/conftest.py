@@ -6,6 +6,7 @@ their own cache folder (`data.local=tmp_path / "cache"`), which makes Streaming 
 """
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -131,3 +132,8 @@ def _isolated_streaming_env():
     for k in keys:
         os.environ.pop(k, None)
     os.environ.update(saved)
+    # A test's finished in-process runs leave StreamingDatasets in reference cycles. Collected at a random
+    # later moment, they unlink their shared memory one segment at a time, and a training subprocess
+    # that a later test starts meanwhile can pick up that half-removed prefix and wait forever on its
+    # barrier. Collect them now, between tests.
+    gc.collect()

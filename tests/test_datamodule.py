@@ -321,3 +321,40 @@ def test_lightning_resume_continues_mid_epoch(digits_shards, tmp_path):
 def test_measure_loader_throughput(digits_shards, tmp_path):
     res = measure_loader_throughput(str(digits_shards), batch_size=32, num_batches=5, local=str(tmp_path / "c"))
     assert res["samples"] == 5 * 32 and res["samples_per_s"] > 0
+
+
+def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_path):
+    """A killed job can leave Streaming segments behind without their `_locals`. Streaming picks the
+    next prefix per segment name and takes the largest, so after a leftover `_locals` (the dead job's
+    registration) the chosen prefix can hold a leftover barrier: the new dataset then fails to create
+    its own there (or, for segments it creates-or-attaches, shares the dead one's state and can wait on it
+    forever). setup() removes such orphans first."""
+    import tempfile
+    from multiprocessing import resource_tracker
+    from multiprocessing.shared_memory import SharedMemory
+
+    from streaming.base.constant import SHM_TO_CLEAN
+
+    shm_dir = Path("/dev/shm")
+    if not shm_dir.is_dir():
+        pytest.skip("no /dev/shm on this system")
+
+    def taken(i: int, name: str) -> bool:
+        locks = [Path(tempfile.gettempdir(), f"{i:06d}_{k}_filelock") for k in ("barrier", "cache")]
+        return (shm_dir / f"{i:06d}_{name}").exists() or any(p.exists() for p in locks)
+
+    def leftover(name: str, size: int) -> str:  # a dead job's segment: nobody will clean it up
+        shm = SharedMemory(name, create=True, size=size)
+        resource_tracker.unregister(shm._name, "shared_memory")
+        shm.close()
+        return name
+
+    q = max(next(i for i in range(10**6) if not taken(i, n)) for n in SHM_TO_CLEAN)
+    dead = [leftover(f"{q:06d}_locals", 64), leftover(f"{q + 1:06d}_barrier", 4096)]  # a real barrier: bytes
+    try:
+        dm = module(digits_shards, tmp_path, batch_size=16)
+        assert dm.dataset._shm_prefix_int == q + 1
+        assert (shm_dir / dead[1]).stat().st_size < 4096, "the dataset made its own barrier"
+        assert next(iter(dm.train_dataloader()))["latents"].shape == (16, 1, 8, 8)
+    finally:
+        (shm_dir / dead[0]).unlink(missing_ok=True)

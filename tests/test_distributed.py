@@ -20,6 +20,7 @@ gradients nor optimizer state, sharded or not.
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import math
 import os
@@ -57,6 +58,7 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
         "trainer.enable_progress_bar=false", "eval.at_end=false", "sample.every_n_steps=0",
         "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]", "resume=auto", *overrides,
     ]
+    gc.collect()  # finish off this process's dead StreamingDatasets first (see tests/conftest.py)
     inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
     full_env = {k: v for k, v in os.environ.items() if k not in inherited}
     full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
