@@ -13,7 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from framework.data import DataConfig
+from framework.data import DataConfig, latent_size_keys
 from framework.models import ModelConfig
 from framework.objectives import SAMPLERS, ObjectiveConfig, check_sampler
 from framework.optim import OptimizerConfig
@@ -271,6 +271,5 @@ def validate(cfg: TrainConfig) -> None:
         if prep.get("vae", "pixel") == "pixel" and res is not None:
             hw = (res, prep.get("width") or res)
             if hw != m.latent_hw:
-                fix = f"model.sample_size={hw[0]}" + ("" if hw[0] == hw[1] else f" model.sample_width={hw[1]}")
-                have = f"model.sample_size={m.sample_size}" + (f" model.sample_width={m.sample_width}" if m.sample_width else "")
-                raise ValueError(f"{have} but data.prepare writes {hw[0]}x{hw[1]} pixel latents; set {fix}")
+                raise ValueError(f"{latent_size_keys(*m.latent_hw)} but data.prepare writes {hw[0]}x{hw[1]} pixel "
+                                 f"latents; set {latent_size_keys(*hw)}")

@@ -171,6 +171,11 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
     )
 
 
+def latent_size_keys(height: int, width: int) -> str:
+    """The model keys for latents of height x width, as a user writes them in an override."""
+    return f"model.sample_size={height}" + ("" if width == height else f" model.sample_width={width}")
+
+
 def check_compatible(info: DatasetInfo, in_channels: int, latent_hw: tuple[int, int], text_dim: Optional[int]) -> None:
     """Raise ValueError naming the model key, the dataset value and dataset.json when they do not fit."""
     problems = []
@@ -178,9 +183,7 @@ def check_compatible(info: DatasetInfo, in_channels: int, latent_hw: tuple[int, 
         problems.append(f"model.in_channels={in_channels} but the latents have {info.latent_channels} channels")
     if tuple(latent_hw) != tuple(info.latent_size):
         h, w = info.latent_size
-        fix = f"model.sample_size={h}" + ("" if h == w else f" model.sample_width={w}")
-        have = f"model.sample_size={latent_hw[0]}" + ("" if latent_hw[0] == latent_hw[1] else f" model.sample_width={latent_hw[1]}")
-        problems.append(f"{have} but the latents are {h}x{w} (set {fix})")
+        problems.append(f"{latent_size_keys(*latent_hw)} but the latents are {h}x{w} (set {latent_size_keys(h, w)})")
     if text_dim is not None and text_dim != info.text_dim:
         problems.append(f"model.text_dim={text_dim} but the text embeddings have dim {info.text_dim} "
                         f"(text encoder {info.text_encoder})")
@@ -301,8 +304,8 @@ class LatentDataModule(L.LightningDataModule):
         check_shards(dataset, cache, cfg.path, cfg.validate)
         removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
         if removed:
-            logging.getLogger(__name__).warning("removed %d shared-memory segments left by a dead Streaming dataset: %s", len(removed),
-                        ", ".join(removed[:6]))
+            logging.getLogger(__name__).warning("removed %d shared-memory segments left by a dead Streaming dataset: %s",
+                                                len(removed), ", ".join(removed[:6]))
         try:
             return StreamingDataset(
                 remote=remote, local=str(Path(local).expanduser()) if local else local,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ class PromptSet:
 
     @property
     def judge(self) -> str:
-        return {"digits": "digits", "pairs": "pairs"}[self.kind]
+        return self.kind  # each kind has the judge of the same name (framework/judge.py)
 
 
 def digit_prompts(phrasings: int) -> list[tuple[str, int]]:
@@ -59,16 +60,12 @@ def digit_prompts(phrasings: int) -> list[tuple[str, int]]:
 
 def dataset_kind(info: dict[str, Any]) -> str | None:
     """'digits', 'pairs' or None (no classifier knows this data) from a dataset.json."""
-    name = str((info.get("source") or {}).get("name", "")) if isinstance(info.get("source"), dict) else str(info.get("source", ""))
+    name = str((info.get("source") or {}).get("name", ""))
     if name == "digit_pairs" and info.get("num_classes") == 100:
         return "pairs"
     if info.get("num_classes") == 10 and "digits" in name:
         return "digits"
     return None
-
-
-def is_digits(info: dict[str, Any]) -> bool:
-    return dataset_kind(info) is not None
 
 
 def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
@@ -95,17 +92,19 @@ def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
                      [label(r[1]) for r in rows])
 
 
+@lru_cache(maxsize=2)
 def real_reference(kind: str) -> torch.Tensor:
-    """Real held-out images (never trained on by the model or the classifier) that `fd` compares against."""
-    from framework.metrics import real_digit_images
+    """Real held-out images (never trained on by the model or the classifier) that `fd` compares against.
+
+    Built once per process: a scaling curve scores a dozen image sets against it (read-only)."""
+    from framework.metrics import as_images, real_digit_images
 
     if kind == "digits":
         return real_digit_images("heldout")[0]
     from data_prep.sources.digit_pairs import PAIR_SEED, make_pairs
-    from data_prep.sources.digits import MAX_VALUE
 
     images, _ = make_pairs("heldout", [(a, b) for a in range(10) for b in range(10)], 4, PAIR_SEED + 1)
-    return torch.from_numpy(images.astype(np.float32) / MAX_VALUE * 2 - 1).unsqueeze(1)
+    return as_images(images)
 
 
 def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> dict[str, Any]:

@@ -19,9 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from data_prep.sources.digits import DIGIT_WORDS
+from data_prep.sources.digits import DIGIT_WORDS, MAX_VALUE
 
 _WORD_TO_DIGIT = {w: d for d, w in enumerate(DIGIT_WORDS)}
 
@@ -38,9 +37,9 @@ def prompt_digit(prompt: str) -> int | None:
 
 def to_digit_features(images: torch.Tensor) -> np.ndarray:
     """(N, C, H, W) in [-1, 1] -> (N, 64) on the 0..16 scale of scikit-learn's digits."""
-    x = images.float().mean(dim=1, keepdim=True)  # grayscale
-    x = F.adaptive_avg_pool2d(x, 8)  # (N, 1, 8, 8)
-    return ((x.clamp(-1, 1) + 1) * 8.0).flatten(1).numpy()
+    from framework.metrics import to_unit_digits
+
+    return (to_unit_digits(images) * MAX_VALUE).flatten(1).numpy()
 
 
 # --------------------------------------------------------------------------------------------

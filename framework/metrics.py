@@ -43,13 +43,15 @@ def to_unit_digits(images: torch.Tensor) -> torch.Tensor:
     return (x.clamp(-1, 1) + 1) / 2
 
 
+def as_images(digits: np.ndarray) -> torch.Tensor:
+    """Real digit arrays (N, H, W) in 0..16 as generated images look: (N, 1, H, W) in [-1, 1]."""
+    return torch.from_numpy(digits.astype(np.float32) / MAX_VALUE * 2 - 1).unsqueeze(1)
+
+
 def real_digit_images(half_or_split: str) -> tuple[torch.Tensor, np.ndarray]:
-    """Real digits as generated images look: (N, 1, 8, 8) in [-1, 1], and their labels."""
-    if half_or_split in ("scorer", "judge"):
-        x, y = training_half(half_or_split)
-    else:
-        x, y = load_digits(half_or_split)
-    return torch.from_numpy(x.astype(np.float32) / MAX_VALUE * 2 - 1).unsqueeze(1), y
+    """Real digits as generated images look, (N, 1, 8, 8) in [-1, 1], and their labels."""
+    x, y = training_half(half_or_split) if half_or_split in ("scorer", "judge") else load_digits(half_or_split)
+    return as_images(x), y
 
 
 class DigitNet(nn.Module):

@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 
 from data_prep.sources.base import ImageCaptionSource, Record
-from data_prep.sources.digits import DIGIT_WORDS, MAX_VALUE, load_digits
+from data_prep.sources.digits import DIGIT_WORDS, load_digits, to_pixels
 
 # (left, right): (i, i+3 mod 10); the reverse of a held-out pair is never held out itself.
 HELDOUT_PAIRS = tuple((i, (i + 3) % 10) for i in range(10))
@@ -85,8 +85,7 @@ class DigitPairsSource(ImageCaptionSource):
         for i, (img, (a, b)) in enumerate(zip(self.images, self.labels)):
             phrasings = pair_captions(int(a), int(b))
             captions = [phrasings[(i * k + j) % len(phrasings)] for j in range(k)]
-            pixels = (img.astype(np.float32) * (255.0 / MAX_VALUE)).round().astype(np.uint8)
-            yield Record(key=f"pairs-{i:05d}-{a}{b}", image=pixels, captions=captions, label=int(10 * a + b))
+            yield Record(key=f"pairs-{i:05d}-{a}{b}", image=to_pixels(img), captions=captions, label=int(10 * a + b))
 
     def size(self) -> int | None:
         return len(self.images)

@@ -43,6 +43,11 @@ def heldout_digit_captions(d: int) -> list[str]:
     return [p.format(d=d, w=DIGIT_WORDS[d]) for p in _HELDOUT_PHRASINGS]
 
 
+def to_pixels(digits: np.ndarray) -> np.ndarray:
+    """Digit arrays in 0..16 -> uint8 pixels in 0..255 (what an image file of them would hold)."""
+    return (digits.astype(np.float32) * (255.0 / MAX_VALUE)).round().astype(np.uint8)
+
+
 def digit_captions(d: int) -> list[str]:
     """Every caption phrasing for digit `d` (0..9)."""
     if not 0 <= d <= 9:
@@ -84,8 +89,7 @@ class DigitsSource(ImageCaptionSource):
         for i, (img, label) in enumerate(zip(self.images, self.labels)):
             phrasings = digit_captions(int(label))
             captions = [phrasings[(i * k + j) % len(phrasings)] for j in range(k)]
-            pixels = (img.astype(np.float32) * (255.0 / MAX_VALUE)).round().astype(np.uint8)  # 0..255
-            yield Record(key=f"digits-{self.cfg.split}-{i:04d}", image=pixels, captions=captions, label=int(label))
+            yield Record(key=f"digits-{self.cfg.split}-{i:04d}", image=to_pixels(img), captions=captions, label=int(label))
 
     def size(self) -> int | None:
         return len(self.images)
