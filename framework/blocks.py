@@ -17,7 +17,7 @@ views of its blocks (`block_views`) but no stack (`has_stack` is False).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from diffusers.models.attention import BasicTransformerBlock
 from torch import nn
@@ -130,3 +130,42 @@ def replace_blocks(denoiser: Denoiser, new_blocks: nn.ModuleList) -> None:
     denoiser.net.transformer_blocks = new_blocks
     denoiser.net.register_to_config(num_layers=len(new_blocks))
     denoiser.cfg.num_layers = len(new_blocks)
+
+
+# --------------------------------------------------------------------------------------------------
+# The stack in a state dict (growth and pruning work on weights, then build the model they fit)
+# --------------------------------------------------------------------------------------------------
+
+STACK_PREFIX = "net.transformer_blocks."  # Denoiser keys of the stack's blocks: net.transformer_blocks.<i>.<rest>
+
+
+def stack_depth(state: dict[str, Any]) -> int:
+    """Number of blocks in the stack of a Denoiser-keyed state dict."""
+    return 1 + max((int(k[len(STACK_PREFIX):].split(".", 1)[0]) for k in state if k.startswith(STACK_PREFIX)),
+                   default=-1)
+
+
+def restack_state(state: dict[str, Any], order: list[int | None]) -> dict[str, Any]:
+    """`state` with its stack rebuilt: new block j holds old block order[j] (renumbered); None leaves block j
+    out (the caller fills it). Every tensor outside the stack is kept as it is."""
+    out = {k: v for k, v in state.items() if not k.startswith(STACK_PREFIX)}
+    by_block: dict[int, dict[str, Any]] = {}
+    for k, v in state.items():
+        if k.startswith(STACK_PREFIX):
+            index, rest = k[len(STACK_PREFIX):].split(".", 1)
+            by_block.setdefault(int(index), {})[rest] = v
+    for j, i in enumerate(order):
+        if i is None:
+            continue
+        if i not in by_block:
+            raise IndexError(f"block {i} is not in the state dict (its stack has {len(by_block)} blocks)")
+        out.update({f"{STACK_PREFIX}{j}.{rest}": v for rest, v in by_block[i].items()})
+    return out
+
+
+def silence_block(view: BlockView) -> None:
+    """Zero the output projection of every residual branch: the block becomes the identity."""
+    for branch in view.branches:
+        nn.init.zeros_(branch.out_proj.weight)
+        if branch.out_proj.bias is not None:
+            nn.init.zeros_(branch.out_proj.bias)

@@ -72,3 +72,4 @@ class SampleGrid(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.draw(trainer, pl_module)
+

@@ -62,6 +62,32 @@ class FinalCheckpoint(pl.Callback):
         trainer.save_checkpoint(self.path)
 
 
+def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], source: dict[str, Any],
+                 model: dict[str, Any], record: dict[str, Any]) -> Path:
+    """Write the weights of a model derived from checkpoint `source` (grown, pruned) as a checkpoint of ours.
+
+    One file with the `model.*` state dict and the source's `latentforge` entry (config, dataset, empty
+    caption), its model config updated with `model` and `record` appended to its `derived` list; no
+    optimizer or loop state. sample, eval and export read it as they read any checkpoint, and training
+    starts from it with `init_from=PATH` (a new run: fresh optimizer and schedule).
+    """
+    import copy
+
+    from framework.module import CKPT_KEY
+
+    path = Path(path)
+    if path.suffix != ".ckpt":
+        raise ValueError(f"out={path}: give a file name ending in .ckpt")
+    extra = {k: v for k, v in source[CKPT_KEY].items() if k in ("config", "dataset", "empty_text", "derived")}
+    extra["config"] = copy.deepcopy(extra["config"])
+    extra["config"]["model"].update(model)
+    extra["derived"] = [*extra.get("derived", []), record]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {f"model.{k}": v.contiguous() for k, v in weights.items()},
+                                          CKPT_KEY: extra}, path)
+    return path
+
+
 # --------------------------------------------------------------------------------------------
 # resume=auto
 # --------------------------------------------------------------------------------------------

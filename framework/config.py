@@ -191,6 +191,13 @@ class EvalConfig(EvalSettings):
 
     at_end: bool = False
     """Evaluate the final weights when training ends and print the summary."""
+    every_n_steps: int = 0
+    """Also evaluate at the first step and every this many steps (eval/* in the logs: curves); 0: never."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.every_n_steps < 0:
+            raise ValueError(f"eval.every_n_steps={self.every_n_steps} must be >= 0 (0: no evaluation during training)")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -207,14 +207,15 @@ def fresh_shards(cfg: ModelConfig, rank: int, world: int,
     return params, dict(model.named_buffers())
 
 
-def file_shards(path: str | Path, denoiser: Denoiser, rank: int,
+def file_shards(path: str | Path | Mapping[str, torch.Tensor], denoiser: Denoiser, rank: int,
                 world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(this rank's rows of every parameter, every persistent buffer) read from `path` (init_from).
+    """(this rank's rows of every parameter, every persistent buffer) read from `path` (init_from), or
+    cut from a whole state dict in memory (weights a plugin computed in setup, e.g. plugins/growth).
 
     `denoiser` is the (meta, possibly sharded) model: its state dict gives the expected names and
     global shapes, checked with the same clear error as `load_weights`.
     """
-    state = open_weights(path, denoiser)
+    state = dict(path) if isinstance(path, Mapping) else open_weights(path, denoiser)
     check_fits(state, denoiser, path)
     names = {name for name, _ in denoiser.named_parameters()}
     # clone: a slice of a memory-mapped checkpoint would otherwise keep pointing into the file.
@@ -245,7 +246,7 @@ def _mesh_position(denoiser: Denoiser) -> tuple[Any, int, int]:
 
 
 def materialize(denoiser: Denoiser, rng_state: torch.Tensor, device: torch.device,
-                init_from: str | None = None) -> None:
+                init_from: str | Mapping[str, torch.Tensor] | None = None) -> None:
     """Give the fully_shard'ed meta `denoiser` real local shards and buffers on `device`, in place.
 
     rng_state is the CPU RNG state at the moment the ordinary path would have built the model: the
@@ -257,7 +258,7 @@ def materialize(denoiser: Denoiser, rng_state: torch.Tensor, device: torch.devic
     mesh, rank, world = _mesh_position(denoiser)
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(rng_state)
-        params, buffers = fresh_shards(denoiser.cfg, rank, world, keep_params=init_from is None)
+        params, buffers = fresh_shards(denoiser.cfg, rank, world, keep_params=not init_from)
     if init_from:
         params, file_buffers = file_shards(init_from, denoiser, rank, world)
         buffers.update(file_buffers)

@@ -46,6 +46,7 @@ class DiffusionModule(pl.LightningModule):
         super().__init__()
         self.model_cfg, self.optimizer_cfg = model, optimizer
         self.init_from = init_from  # weights only: a checkpoint, a .safetensors file or a diffusers folder
+        self._start_state: dict[str, torch.Tensor] | None = None  # set by start_from() under fsdp
         if strategy is not None and strategy.name == "fsdp":
             # No rank holds the whole model: shapes only now, this rank's shards in configure_model,
             # drawn from the RNG state the ordinary build would have started from (framework/fsdp.py).
@@ -100,8 +101,23 @@ class DiffusionModule(pl.LightningModule):
             if self._init_rng_state is not None:
                 from framework.fsdp import materialize
 
-                materialize(self.model, self._init_rng_state, strategy.root_device, self.init_from)
-                self._init_rng_state = None
+                start = self._start_state if self._start_state is not None else self.init_from
+                materialize(self.model, self._init_rng_state, strategy.root_device, start)
+                self._init_rng_state, self._start_state = None, None
+
+    def start_from(self, state: dict[str, torch.Tensor]) -> None:
+        """Start training from these whole weights (Denoiser keys) instead of the fresh or init_from ones.
+
+        For plugins that compute the starting weights in their setup() (plugins/growth). Under fsdp the
+        model is still on the meta device then: each rank takes its rows in configure_model.
+        """
+        from framework.models import check_fits
+
+        check_fits(state, self.model, "the plugin's starting weights")
+        if self._init_rng_state is not None:
+            self._start_state = state
+        else:
+            self.model.load_state_dict(state)
 
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.

@@ -58,6 +58,13 @@ def model_weights(ckpt: dict[str, Any], weights: str = "ema") -> dict[str, torch
     return {**trained, **averaged}
 
 
+def has_ema(ckpt: dict[str, Any]) -> bool:
+    """Whether the checkpoint holds EMA weights (which model_weights(ckpt, "ema") then returns)."""
+    from framework.module import CKPT_KEY
+
+    return bool(ckpt[CKPT_KEY].get("ema_state")) or any(k.startswith("ema_state.") for k in ckpt["state_dict"])
+
+
 # --------------------------------------------------------------------------------------------
 # The pipeline
 # --------------------------------------------------------------------------------------------

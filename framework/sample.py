@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from framework.cli import quiet_hydra, resolve_device
 from framework.pipeline import Pipeline, save_grid, to_pil
+from framework.prompts import prompt_labels
 
 
 @dataclass
@@ -64,19 +65,6 @@ class SampleCommand:
 ConfigStore.instance().store(name="sample_command", node=SampleCommand)
 
 
-def _labels(pipe: Pipeline, prompts: list[str]) -> list[int | None] | None:
-    """Class labels for class-conditional models: the digit, or 10 * left + right for digit pairs."""
-    if pipe.model.cfg.num_classes is None:
-        return None
-    if pipe.model.cfg.num_classes == 100:
-        from data_prep.sources.digit_pairs import parse_pair
-
-        return [None if lr is None else 10 * lr[0] + lr[1] for lr in map(parse_pair, prompts)]
-    from framework.judge import prompt_digit
-
-    return [prompt_digit(p) for p in prompts]
-
-
 def run(cfg: SampleCommand) -> list[Path]:
     from framework.bestof import select
     from framework.judge import get_judge
@@ -85,7 +73,7 @@ def run(cfg: SampleCommand) -> list[Path]:
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()
-    images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=_labels(pipe, prompts),
+    images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=prompt_labels(pipe, prompts),
                            candidates=cfg.best_of, progress=True)
     seconds = time.perf_counter() - t0
     print(f"generated {len(images)} images ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "

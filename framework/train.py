@@ -60,6 +60,8 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
         SampleGrid(cfg.sample, run_dir / "samples"),
         *build_plugin_callbacks(cfg.plugins, cfg),
     ]
+    if cfg.eval.every_n_steps:
+        cbs.append(PeriodicEval(cfg.eval, run_dir))
     if cfg.logger.name != "none":
         cbs.append(LearningRateMonitor(logging_interval="step"))
         # Rates (samples/s, TFLOP/s, MFU) over the last 20 batches: Lightning's default of 100 would
@@ -137,6 +139,67 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
+# Evaluation during and after training
+# --------------------------------------------------------------------------------------------
+def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, out_dir: Path) -> dict[str, Any]:
+    """framework.eval's metrics for the module's current weights (averaged ones when a plugin keeps them).
+
+    Every rank takes part (a sharded model needs all of them in each forward, and they share the
+    images); rank 0 writes out_dir/metrics.json and the judged grid and logs `eval/*` at this step.
+    Returns {} when the dataset has no built-in metrics.
+    """
+    from framework.eval import dataset_kind, evaluate
+    from framework.fsdp import reshard
+    from framework.pipeline import Pipeline
+
+    if dataset_kind(pl_module.dataset_info) is None:
+        return {}
+    rank0 = trainer.global_rank == 0
+    if rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    was_training = pl_module.training
+    pl_module.eval()
+    pipe = Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, pl_module.dataset_info, pl_module.device)
+    try:
+        with averaged_weights(trainer, pl_module):
+            metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None,
+                               split_ranks=trainer.world_size > 1)
+    finally:
+        reshard(pl_module.model)
+        pl_module.train(was_training)
+    if rank0:
+        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        flat = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        for logger in trainer.loggers:
+            logger.log_metrics(flat, step=trainer.global_step)
+            logger.save()
+    return metrics
+
+
+class PeriodicEval(pl.Callback):
+    """`eval.every_n_steps=N`: the evaluation at step 0 (or the resumed step) and every N steps, written to
+    run.dir/eval/stepNNNNNNN/ and logged as `eval/*` (metrics.csv, W&B): quality curves against steps."""
+
+    def __init__(self, settings: Any, run_dir: str | Path) -> None:
+        self.settings, self.out_dir = settings, Path(run_dir) / "eval"
+        self._last_step = -1
+
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # several micro-batches per step, or already done at this step
+            return
+        self._last_step = step
+        evaluate_module(self.settings, trainer, pl_module, self.out_dir / f"step{step:07d}")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.run(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.settings.every_n_steps == 0:
+            self.run(trainer, pl_module)
+
+
+# --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
 
@@ -195,30 +258,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
 
 
 def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer: pl.Trainer) -> dict[str, Any]:
-    """Evaluate the final weights on every rank; rank 0 writes eval/ and logs the metrics."""
-    from framework.eval import dataset_kind, evaluate
-    from framework.pipeline import Pipeline
-    from framework.fsdp import reshard
-
-    if dataset_kind(module.dataset_info) is None:
-        return {}
-    module.eval()
-    pipe = Pipeline(module.model, module.objective, module.empty_text, module.dataset_info, module.device)
-    e, rank0 = cfg.eval, trainer.global_rank == 0
-    # The averaged weights when a plugin keeps them (plugins/ema.py), like framework.eval on the checkpoint.
-    try:
-        with averaged_weights(trainer, module):
-            metrics = evaluate(pipe, e, run_dir / "eval" / "judged.png" if rank0 else None,
-                               split_ranks=trainer.world_size > 1)
-    finally:
-        reshard(module.model)
-    if rank0:
-        (run_dir / "eval" / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        flat = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-        for logger in trainer.loggers:
-            logger.log_metrics(flat, step=trainer.global_step)
-            logger.save()
-    return metrics
+    """Evaluate the final weights on every rank; rank 0 writes run.dir/eval/ and logs the metrics."""
+    return evaluate_module(cfg.eval, trainer, module, run_dir / "eval")
 
 
 def finish_loggers(trainer: pl.Trainer) -> None:

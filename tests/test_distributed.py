@@ -326,6 +326,22 @@ def test_sharded_folder_exports_and_samples(runs, tmp_path):
     assert pipe.generate(["a handwritten 3"], steps=1).shape == (1, 1, 8, 8)
 
 
+def test_growth_from_a_sharded_checkpoint_on_two_fsdp_ranks_equals_one_process(runs, tmp_path, digits_shards):
+    """plugins=[growth] from split's sharded step-2 folder: each fsdp rank keeps only its rows of the grown
+    model, and the run follows the one-process growth of the same source with the same global batch."""
+    source = runs["split"] / "checkpoints" / "step0000002.ckpt"
+    grow = ["plugins=[growth]", f"plugins.growth.ckpt={source}", "plugins.growth.init=block_expand",
+            "model.num_layers=8", "trainer.max_steps=2"]
+    run_train(tmp_path / "one", digits_shards, *grow, "data.batch_size=16")
+    run_train(tmp_path / "two", digits_shards, *grow, *fsdp())
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    torch.testing.assert_close(torch.tensor([two[0], two[1]]), torch.tensor([one[0], one[1]]), **TOL)
+    wo, wt = weights(tmp_path / "one" / "checkpoints" / "last.ckpt"), weights(tmp_path / "two" / "checkpoints" / "last.ckpt")
+    assert wo.keys() == wt.keys() and any(k.startswith("net.transformer_blocks.7.") for k in wo)
+    for k in wo:
+        torch.testing.assert_close(wt[k], wo[k], **WTOL)
+
+
 # --------------------------------------------------------------------------------------------
 # Gradient accumulation and non-finite steps under fsdp
 # --------------------------------------------------------------------------------------------

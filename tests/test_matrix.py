@@ -30,7 +30,7 @@ MATRIX = [
     ("ddp-1-wandb", "ddp", 1, "wandb", []),
     # The digit-pairs benchmark (8x16 latents): the 2-rank evaluation picks best-of-3 by the pair judge.
     ("ddp-2-csv-pairs-bestof", "ddp", 2, "csv", ["experiment=pairs", "eval.best_of=3"]),
-    ("ddp-2-none", "ddp", 2, "none", ["trainer.accumulate_grad_batches=2"]),
+    ("ddp-2-none", "ddp", 2, "none", ["trainer.accumulate_grad_batches=2", "eval.every_n_steps=2"]),
     ("fsdp-1-none", "fsdp", 1, "none", []),
     ("fsdp-2-wandb", "fsdp", 2, "wandb", ["strategy.sharding=FULL_SHARD", "eval.best_of=2", "eval.selection=tournament"]),
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",

@@ -1,0 +1,88 @@
+"""Prompt sets of the datasets that have a built-in classifier (digits, digit pairs), and class labels
+for class-conditional models: what framework.eval generates and scores, and what plugins calibrate on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# Prompt sets (one per kind of dataset that has a classifier)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptSet:
+    """What is generated (one entry per prompt and seed) and how the images are scored."""
+
+    kind: str  # "digits" or "pairs"
+    prompts: list[str]
+    targets: list[Any]  # digit, or (left, right)
+    heldout: np.ndarray  # bool: a held-out phrasing (digits) or a held-out pair (pairs)
+    labels: list[int] | None  # class labels for class-conditional models
+
+    @property
+    def judge(self) -> str:
+        return self.kind  # each kind has the judge of the same name (framework/judge.py)
+
+
+def digit_prompts(phrasings: int) -> list[tuple[str, int]]:
+    """(prompt, digit) pairs: every digit in `phrasings` of the training caption phrasings."""
+    from data_prep.sources.digits import digit_captions
+
+    pairs = []
+    for d in range(10):
+        caps = digit_captions(d)
+        if phrasings > len(caps):
+            raise ValueError(f"phrasings={phrasings}: the digits captions have only {len(caps)} phrasings")
+        pairs += [(c, d) for c in caps[:phrasings]]
+    return pairs
+
+
+def dataset_kind(info: dict[str, Any]) -> str | None:
+    """'digits', 'pairs' or None (no classifier knows this data) from a dataset.json."""
+    name = str((info.get("source") or {}).get("name", ""))
+    if name == "digit_pairs" and info.get("num_classes") == 100:
+        return "pairs"
+    if info.get("num_classes") == 10 and "digits" in name:
+        return "digits"
+    return None
+
+
+def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
+    from data_prep.sources.digit_pairs import HELDOUT_PAIRS, pair_captions
+    from data_prep.sources.digits import heldout_digit_captions
+
+    if seeds < 1 or phrasings < 1:
+        raise ValueError(f"seeds={seeds} and phrasings={phrasings} must be >= 1")
+    items: list[tuple[str, Any, bool]] = []
+    if kind == "digits":
+        items += [(c, d, False) for c, d in digit_prompts(phrasings)]
+        items += [(c, d, True) for d in range(10) for c in heldout_digit_captions(d)]
+        label = lambda t: t
+    else:
+        for a in range(10):
+            for b in range(10):
+                caps = pair_captions(a, b)
+                if phrasings > len(caps):
+                    raise ValueError(f"phrasings={phrasings}: the pair captions have only {len(caps)} phrasings")
+                items += [(c, (a, b), (a, b) in HELDOUT_PAIRS) for c in caps[:phrasings]]
+        label = lambda t: 10 * t[0] + t[1]
+    rows = [it for it in items for _ in range(seeds)]
+    return PromptSet(kind, [r[0] for r in rows], [r[1] for r in rows], np.array([r[2] for r in rows]),
+                     [label(r[1]) for r in rows])
+
+
+def prompt_labels(pipe: Any, prompts: list[str]) -> list[int | None] | None:
+    """Class labels for class-conditional models: the digit, or 10 * left + right for digit pairs."""
+    if pipe.model.cfg.num_classes is None:
+        return None
+    if pipe.model.cfg.num_classes == 100:
+        from data_prep.sources.digit_pairs import parse_pair
+
+        return [None if lr is None else 10 * lr[0] + lr[1] for lr in map(parse_pair, prompts)]
+    from framework.judge import prompt_digit
+
+    return [prompt_digit(p) for p in prompts]

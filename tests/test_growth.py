@@ -1,0 +1,240 @@
+"""Model growth (plugins/growth) and depth pruning (plugins/prune) against hand-built references."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from framework.blocks import block_views, silence_block
+from framework.models import build_denoiser, load_preset
+from plugins.growth import GrowthConfig, grow, grow_checkpoint, layer_plan
+from plugins.prune import PruneCommand, choose_kept, prune
+from tests.test_train import cheap, compose_cfg, losses
+
+FAMILIES = ["pixart_debug", "sana_debug", "dit_debug"]
+
+
+def _source(name: str, layers: int = 2):
+    """A debug model with every weight perturbed (no zero-initialised projection left: each block matters)."""
+    cfg = load_preset(name, num_layers=layers)
+    torch.manual_seed(1)
+    net = build_denoiser(cfg)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return cfg, net
+
+
+def _outputs(net, cfg) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=g)
+    text = torch.randn(2, 5, cfg.text_dim or 8, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    labels = torch.tensor([3, 7]) if cfg.family == "dit" else None
+    with torch.no_grad():
+        return net(x, torch.tensor([20.0, 700.0]), text, mask, labels)
+
+
+def _grown_net(cfg, state, layers):
+    net = build_denoiser(dataclasses.replace(cfg, num_layers=layers))
+    net.load_state_dict(state)
+    return net
+
+
+@pytest.mark.parametrize("init", ["constant", "cyclic", "block_expand"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_grown_model_computes_the_source_function(name, init):
+    cfg, src = _source(name)
+    state, plan = grow(src.state_dict(), cfg, 5, init, seed=3)
+    grown = _grown_net(cfg, state, 5)
+    ref = _outputs(src, cfg)
+    torch.testing.assert_close(_outputs(grown, cfg), ref, rtol=0, atol=1e-6)
+    assert ref.abs().max() > 0.1
+    # The copied blocks are the source's; the silenced ones still carry (non-zero) weights to train.
+    views = block_views(grown)
+    for j, (s, silenced) in enumerate(plan):
+        if s is not None:
+            for k, v in src.net.transformer_blocks[s].state_dict().items():
+                if not (silenced and any(k.startswith(b) for b in ("attn1.to_out", "attn2.to_out", "ff.net.2", "ff.conv_point"))):
+                    assert torch.equal(views[j].module.state_dict()[k], v), (j, k)
+        assert views[j].branches[0].module.to_q.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_without_zero_gate_or_with_drop_last_the_function_changes(name):
+    cfg, src = _source(name)
+    ref = _outputs(src, cfg)
+    for kwargs in (dict(init="cyclic", zero_gate=False), dict(init="constant", zero_gate=False),
+                   dict(init="constant", drop_last=1)):
+        state, _ = grow(src.state_dict(), cfg, 4, seed=3, **kwargs)
+        assert (_outputs(_grown_net(cfg, state, 4), cfg) - ref).abs().max() > 1e-3, kwargs
+
+
+def test_layer_plans_by_hand():
+    assert layer_plan(3, 5, "constant") == [(0, False), (1, False), (2, False), (None, True), (None, True)]
+    assert layer_plan(3, 5, "constant", drop_last=1) == [(0, False), (1, False), (None, True), (None, True), (None, True)]
+    assert layer_plan(2, 5, "cyclic") == [(0, False), (1, False), (0, True), (1, True), (0, True)]
+    assert layer_plan(2, 4, "block_expand") == [(0, False), (0, True), (1, False), (1, True)]
+    assert layer_plan(3, 5, "block_expand") == [(0, False), (0, True), (1, False), (1, True), (2, False)]
+
+
+def test_growth_refuses_the_unet_and_mismatched_sources():
+    cfg = load_preset("sd2_unet_debug")
+    with pytest.raises(ValueError, match="unet has no stack"):
+        grow(build_denoiser(cfg).state_dict(), cfg, cfg.num_layers + 1)
+    cfg, src = _source("pixart_debug")
+    with pytest.raises(ValueError, match="not more than the source"):
+        grow(src.state_dict(), cfg, 2)
+    with pytest.raises(ValueError, match="drop_last=1 applies to init=constant only"):
+        GrowthConfig(ckpt="x", init="cyclic", drop_last=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Through training, sampling, evaluation and export
+# --------------------------------------------------------------------------------------------
+
+
+class _CrashAt(pl.Callback):
+    """Raises after optimizer step `step` (a crash: the last checkpoint is what survives)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory, digits_shards) -> Path:
+    """A 4-block quickstart model trained for 3 steps: the growth source."""
+    from framework.train import train
+
+    tmp = tmp_path_factory.mktemp("small")
+    return Path(train(compose_cfg(cheap(tmp, digits_shards, steps=3)))["checkpoint"])
+
+
+def test_grown_run_starts_at_the_source_models_loss_and_its_ema_at_the_grown_weights(tmp_path, digits_shards, small_ckpt):
+    from framework.pipeline import model_weights, read_checkpoint
+    from framework.train import train
+
+    source = train(compose_cfg(cheap(tmp_path, digits_shards, f"init_from={small_ckpt}", steps=1, run="source")))
+    grown = train(compose_cfg(cheap(tmp_path, digits_shards, "plugins=[growth,ema]", f"plugins.growth.ckpt={small_ckpt}",
+                                    "model.num_layers=6", "plugins.ema.decay=0.999999", steps=1, run="grown")))
+    # Step 0: the same batch and noise through the same function.
+    assert abs(losses(Path(grown["run_dir"]))[0] - losses(Path(source["run_dir"]))[0]) < 1e-6
+    expected, _, record = grow_checkpoint(str(small_ckpt), 6, GrowthConfig(ckpt=str(small_ckpt)), seed=0)
+    assert record["weights"] == "train" and record["from_layers"] == 4
+    ema = model_weights(read_checkpoint(grown["checkpoint"]), "ema")
+    for k, v in expected.items():
+        torch.testing.assert_close(ema[k], v, rtol=0, atol=1e-6)
+
+
+def test_growth_run_resumes_after_a_crash_like_an_uninterrupted_run(tmp_path, digits_shards, small_ckpt, monkeypatch):
+    import framework.train as train_lib
+
+    args = ["plugins=[growth]", f"plugins.growth.ckpt={small_ckpt}", "plugins.growth.init=cyclic",
+            "model.num_layers=6", "trainer.checkpoint_every_n_steps=2", "resume=auto"]
+    full = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="full")))
+    base = train_lib.build_callbacks
+    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), _CrashAt(3)])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
+    monkeypatch.setattr(train_lib, "build_callbacks", base)
+    resumed = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
+    lf, lr = losses(Path(full["run_dir"])), losses(Path(resumed["run_dir"]))
+    assert [lr[s] for s in (2, 3)] == [lf[s] for s in (2, 3)]
+    wf = torch.load(full["checkpoint"], weights_only=True)["state_dict"]
+    wr = torch.load(resumed["checkpoint"], weights_only=True)["state_dict"]
+    assert wf.keys() == wr.keys() and all(torch.equal(wf[k], wr[k]) for k in wf)
+
+
+def test_grown_and_pruned_checkpoints_work_in_every_command(tmp_path, digits_shards, small_ckpt):
+    """An identity block (zeroed output projections) gets BI ~0 and goes first; the grown and pruned
+    checkpoints sample, evaluate, export to diffusers (loaded back with the reduced depth) and train."""
+    from diffusers import PixArtTransformer2DModel
+
+    from framework.checkpointing import save_derived
+    from framework.eval import EvalCommand, evaluate
+    from framework.export import ExportCommand, export
+    from framework.pipeline import Pipeline, read_checkpoint
+    from framework.train import train
+
+    state, source, record = grow_checkpoint(str(small_ckpt), 5, GrowthConfig(ckpt=str(small_ckpt)), seed=0)
+    grown = save_derived(tmp_path / "grown.ckpt", state, source, {"num_layers": 5}, record)
+    # Block 4 is the fresh, silenced block of init=constant; make block 1 the identity too.
+    pipe = Pipeline.from_checkpoint(grown)
+    assert pipe.model.cfg.num_layers == 5
+    silence_block(block_views(pipe.model)[1])
+    marked = save_derived(tmp_path / "marked.ckpt", pipe.model.state_dict(), read_checkpoint(grown), {}, {"test": 1})
+    report = prune(PruneCommand(ckpt=str(marked), keep=3, out=str(tmp_path / "pruned" / "p.ckpt"),
+                                prompts=["a handwritten 3", "the digit 5"], steps=3))
+    bi = report["importance"]
+    assert bi[1] < 1e-6 and bi[4] < 1e-6 and min(bi[i] for i in (0, 2, 3)) > 1e-3, bi
+    assert report["dropped"] == [1, 4] and report["kept"] == [0, 2, 3]
+    assert (tmp_path / "pruned" / "importance.json").exists() and (tmp_path / "pruned" / "importance.png").exists()
+    pruned = tmp_path / "pruned" / "p.ckpt"
+    # Dropping identity blocks keeps the function: the pruned model samples what the marked one does.
+    a = Pipeline.from_checkpoint(marked).generate(["a handwritten 3"], steps=3, seed=1)
+    b = Pipeline.from_checkpoint(pruned).generate(["a handwritten 3"], steps=3, seed=1)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    metrics = evaluate(Pipeline.from_checkpoint(pruned), EvalCommand(ckpt=str(pruned), seeds=1, phrasings=1, steps=2))
+    assert 0 <= metrics["prompt_accuracy"] <= 1 and metrics["fd"] > 0
+    folder = export(ExportCommand(ckpt=str(pruned), out=str(tmp_path / "diffusers"), format="diffusers"))
+    net = PixArtTransformer2DModel.from_pretrained(folder)
+    assert net.config.num_layers == 3 and len(net.transformer_blocks) == 3
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, f"init_from={pruned}", "model.num_layers=3", steps=1,
+                                  run="recover")))
+    assert len(losses(Path(out["run_dir"]))) == 1
+    with pytest.raises(ValueError, match="another model"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, f"init_from={grown}", steps=1, run="wrong_depth")))
+
+
+def test_choose_kept_by_hand():
+    bi = [0.5, 0.1, 0.3, 0.05, 0.4]
+    assert choose_kept(bi, 3, "importance", [], 0, "pixart") == [0, 2, 4]
+    assert choose_kept(bi, 3, "importance", [3], 0, "pixart") == [0, 3, 4]
+    assert choose_kept(bi, 3, "last", [], 0, "pixart") == [0, 1, 2]
+    assert choose_kept(bi, 3, "last", [-1], 0, "pixart") == [0, 1, 4]
+    assert choose_kept([0.0] + bi[1:], 4, "importance", [], 0, "dit") == [0, 1, 2, 4]  # dit keeps block 0 (BI 0)
+    r = choose_kept(bi, 2, "random", [], 7, "pixart")
+    assert r == choose_kept(bi, 2, "random", [], 7, "pixart") and len(r) == 2
+    with pytest.raises(ValueError, match="keep=5"):
+        choose_kept(bi, 5, "importance", [], 0, "pixart")
+
+
+def test_eval_every_n_steps_logs_fd_and_accuracy_curves(tmp_path, digits_shards):
+    from framework.train import train
+
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, "eval.every_n_steps=2", "eval.seeds=1", "eval.phrasings=1",
+                                  "eval.steps=2", steps=4)))
+    run = Path(out["run_dir"])
+    from plugins.growth.report import read_series
+
+    assert [s for s, _ in read_series(run, "eval/fd")] == [0, 2, 4]
+    assert len(read_series(run, "eval/prompt_accuracy")) == 3
+    assert (run / "eval" / "step0000002" / "metrics.json").exists()
+
+
+def test_growth_report_by_hand(tmp_path):
+    from plugins.growth.report import compare
+
+    def write(name, rows):
+        d = tmp_path / name
+        d.mkdir()
+        lines = ["step,train/loss,eval/fd"] + [f"{s},{loss},{fd}" for s, loss, fd in rows]
+        (d / "metrics.csv").write_text("\n".join(lines) + "\n")
+        return d
+
+    small = write("small", [(0, 1.0, 50), (10, 0.5, 20), (20, 0.4, 10)])
+    grown = write("grown", [(0, 0.4, 10), (10, 0.3, 6), (20, 0.25, 4)])
+    scratch = write("scratch", [(0, 1.0, 60), (20, 0.5, 15), (30, 0.4, 9), (40, 0.3, 5)])
+    r = compare(small, grown, scratch)
+    assert r["growth_step"] == 20 and r["small_final_fd"] == 10
+    assert r["steps_to_small_final_fd"] == {"grown_total": 20, "grown_after_growth": 0, "scratch": 30}
+    assert r["final_fd"] == {"small": 10, "grown": 4, "scratch": 5}
+    assert r["loss_around_growth"] == {"small_last": 0.4, "grown_first": 0.4}
