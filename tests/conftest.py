@@ -18,8 +18,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# The evaluation's digit classifier is cached on disk: one cache for this test session (subprocesses inherit it).
-os.environ["LATENTFORGE_CACHE"] = tempfile.mkdtemp(prefix="latentforge-cache-")
+# The evaluation's digit classifier is cached on disk: one cache for this test session (subprocesses inherit
+# it), shared by the session's xdist workers (they have the same run id; the cache writes are atomic).
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN_ID:
+    os.environ["LATENTFORGE_CACHE"] = os.path.join(tempfile.gettempdir(), f"latentforge-cache-{_RUN_ID}")
+else:
+    os.environ["LATENTFORGE_CACHE"] = tempfile.mkdtemp(prefix="latentforge-cache-")
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

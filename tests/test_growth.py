@@ -237,4 +237,5 @@ def test_growth_report_by_hand(tmp_path):
     assert r["growth_step"] == 20 and r["small_final_fd"] == 10
     assert r["steps_to_small_final_fd"] == {"grown_total": 20, "grown_after_growth": 0, "scratch": 30}
     assert r["final_fd"] == {"small": 10, "grown": 4, "scratch": 5}
-    assert r["loss_around_growth"] == {"small_last": 0.4, "grown_first": 0.4}
+    assert r["steps_to_scratch_final_fd"] == {"grown_total": 40, "scratch": 40}
+    assert r["loss_around_growth"] == {"small_last": pytest.approx(1.9 / 3), "grown_first": pytest.approx(0.95 / 3)}

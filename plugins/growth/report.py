@@ -3,8 +3,8 @@
 Reads the three runs' metrics.csv (train/loss, and eval/fd, eval/prompt_accuracy from
 `eval.every_n_steps`), puts the grown run after the small one on one step axis (the small run's last
 step + the grown run's steps), and writes growth.png (loss and fd against steps) and growth.json: the
-final fd of each run, the steps each needs to reach the small model's final fd, and the loss just
-before and just after growing (the same function: no jump).
+final fd of each run, the steps each needs to reach the small model's final fd and the scratch run's,
+and the loss just before and just after growing (the same function: no jump).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.cli import quiet_hydra
+
+LOSS_WINDOW = 4  # logged losses averaged on each side of the growth
 
 
 @dataclass
@@ -62,7 +64,8 @@ def compare(small: str | Path, grown: str | Path, scratch: str | Path) -> dict[s
         if not series:
             raise ValueError(f"the {name} run logged no eval/fd: train it with eval.every_n_steps=N")
     offset = max(s for s, _ in loss["small"] + fd["small"])
-    target = fd["small"][-1][1]
+    target, scratch_final = fd["small"][-1][1], fd["scratch"][-1][1]
+    mean = lambda pairs: sum(v for _, v in pairs) / len(pairs)
     return {
         "growth_step": offset,
         "small_final_fd": target,
@@ -74,8 +77,14 @@ def compare(small: str | Path, grown: str | Path, scratch: str | Path) -> dict[s
             "grown_after_growth": first_reaching(fd["grown"], target),
             "scratch": first_reaching(fd["scratch"], target),
         },
+        "steps_to_scratch_final_fd": {
+            "grown_total": first_reaching(fd["grown"], scratch_final, offset),
+            "scratch": first_reaching(fd["scratch"], scratch_final),
+        },
         "fd_at_growth": {"small": target, "grown_step0": fd["grown"][0][1]},
-        "loss_around_growth": {"small_last": loss["small"][-1][1], "grown_first": loss["grown"][0][1]},
+        # Logged losses are single batches: the mean of the last / first LOSS_WINDOW logged ones.
+        "loss_around_growth": {"small_last": mean(loss["small"][-LOSS_WINDOW:]),
+                               "grown_first": mean(loss["grown"][:LOSS_WINDOW])},
         "curves": {"fd": fd, "loss": loss, "prompt_accuracy": acc},
     }
 
