@@ -33,6 +33,9 @@ MATRIX = [
     ("ddp-2-none", "ddp", 2, "none", ["trainer.accumulate_grad_batches=2", "eval.every_n_steps=2"]),
     ("fsdp-1-none", "fsdp", 1, "none", []),
     ("fsdp-2-wandb", "fsdp", 2, "wandb", ["strategy.sharding=FULL_SHARD", "eval.best_of=2", "eval.selection=tournament"]),
+    # Growth from a 4-block checkpoint ({growth_source}, a tiny trained run) to 6 blocks, with an EMA of the grown weights.
+    ("ddp-2-wandb-growth-ema", "ddp", 2, "wandb",
+     ["plugins=[growth,ema]", "plugins.growth.ckpt={growth_source}", "plugins.growth.init=cyclic", "model.num_layers=6"]),
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
      ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
       "trainer.accumulate_grad_batches=2"]),
@@ -60,10 +63,22 @@ def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: 
     return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def growth_source(tmp_path_factory, digits_shards) -> Path:
+    """A 4-block quickstart model after 2 steps: the source of the growth row."""
+    from framework.train import train
+    from tests.test_train import cheap, compose_cfg
+
+    return Path(train(compose_cfg(cheap(tmp_path_factory.mktemp("source"), digits_shards, steps=2)))["checkpoint"])
+
+
 @pytest.mark.parametrize("strategy,devices,logger,extra", [m[1:] for m in MATRIX], ids=[m[0] for m in MATRIX])
 def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, request, strategy, devices, logger, extra):
     pairs = "experiment=pairs" in extra
     run_dir = tmp_path / "run"
+    if any("{growth_source}" in e for e in extra):
+        source = request.getfixturevalue("growth_source")
+        extra = [e.replace("{growth_source}", str(source)) for e in extra]
     stdout = run_command(run_dir, request.getfixturevalue("pairs_shards" if pairs else "digits_shards"), strategy,
                          devices, logger, extra)
 
@@ -80,6 +95,12 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
     last_ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert last_ckpt.exists()
     assert last_ckpt.is_dir() == (strategy == "fsdp"), "fsdp writes a sharded folder, the others one file"
+    if "model.num_layers=6" in extra:  # the grown model, with its EMA, is what was trained and saved
+        import torch
+
+        ckpt = torch.load(last_ckpt, weights_only=True)
+        assert {k.split(".")[3] for k in ckpt["state_dict"] if k.startswith("model.net.transformer_blocks.")} == set("012345")
+        assert "net.transformer_blocks.5.ff.net.2.weight" in ckpt["latentforge"]["ema_state"]
 
     if logger == "csv":
         assert sorted(losses(run_dir)) == list(range(STEPS))
