@@ -12,6 +12,14 @@ from framework.registry import averaged_weights
 from framework.fsdp import reshard
 
 
+def module_pipeline(pl_module: pl.LightningModule) -> Pipeline:
+    """A Pipeline over the live module's denoiser (its current weights, whatever they are swapped to).
+
+    Build it once per callback and keep it: it loads the image codec now and the text encoder on first use.
+    """
+    return Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, pl_module.dataset_info, pl_module.device)
+
+
 class SampleGrid(pl.Callback):
     """Draws a prompt grid every `every_n_steps` steps and when training ends; saves it under run.dir/samples.
 
@@ -27,9 +35,7 @@ class SampleGrid(pl.Callback):
 
     def _pipeline(self, pl_module: pl.LightningModule) -> Pipeline:
         if self._pipe is None:
-            self._pipe = Pipeline(
-                pl_module.model, pl_module.objective, pl_module.empty_text, pl_module.dataset_info, pl_module.device
-            )
+            self._pipe = module_pipeline(pl_module)
         return self._pipe
 
     def draw(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path | None:
@@ -72,4 +78,3 @@ class SampleGrid(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.draw(trainer, pl_module)
-

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from framework.cli import quiet_hydra, resolve_device
 from framework.config import EvalSettings
 from framework.pipeline import Pipeline, save_grid
-from framework.prompts import PromptSet, dataset_kind, prompt_set  # noqa: F401  (part of this command's API)
+from framework.prompts import PromptSet, dataset_kind, prompt_set
 
 
 @lru_cache(maxsize=2)

@@ -58,11 +58,13 @@ def model_weights(ckpt: dict[str, Any], weights: str = "ema") -> dict[str, torch
     return {**trained, **averaged}
 
 
-def has_ema(ckpt: dict[str, Any]) -> bool:
-    """Whether the checkpoint holds EMA weights (which model_weights(ckpt, "ema") then returns)."""
+def weights_used(ckpt: dict[str, Any], weights: str = "ema") -> str:
+    """Which weights model_weights(ckpt, weights) returns: "ema" when asked for and the checkpoint has them,
+    else "train"."""
     from framework.module import CKPT_KEY
 
-    return bool(ckpt[CKPT_KEY].get("ema_state")) or any(k.startswith("ema_state.") for k in ckpt["state_dict"])
+    has_ema = bool(ckpt[CKPT_KEY].get("ema_state")) or any(k.startswith("ema_state.") for k in ckpt["state_dict"])
+    return "ema" if weights == "ema" and has_ema else "train"
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,9 +96,15 @@ class Pipeline:
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", weights: str = "ema") -> "Pipeline":
+        """The pipeline of a checkpoint (one file or a sharded folder), EMA weights when present and asked for."""
+        return cls.from_checkpoint_dict(read_checkpoint(path), device, weights, path)
+
+    @classmethod
+    def from_checkpoint_dict(cls, ckpt: dict[str, Any], device: str = "cpu", weights: str = "ema",
+                             path: str | os.PathLike = "checkpoint") -> "Pipeline":
+        """Like from_checkpoint, for a checkpoint already read with read_checkpoint (`path` names it in errors)."""
         from framework.module import CKPT_KEY
 
-        ckpt = read_checkpoint(path)
         extra = ckpt[CKPT_KEY]
         cfg = extra["config"]
         model = build_denoiser(ModelConfig(**cfg["model"]))

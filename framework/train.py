@@ -18,12 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
-from framework.callbacks import SampleGrid
+from framework.callbacks import SampleGrid, module_pipeline
 from framework.cli import share_cpu_threads, uses_gpu
 from framework.config import TrainConfig
 from framework.data import LatentDataModule
 from framework.loggers import RunCSVLogger, wandb_logger
 from framework.module import DiffusionModule
+from framework.pipeline import Pipeline
 from framework.registry import averaged_weights, build_plugin_callbacks
 
 config_lib.register()
@@ -141,16 +142,20 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 # Evaluation during and after training
 # --------------------------------------------------------------------------------------------
-def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, out_dir: Path) -> dict[str, Any]:
-    """framework.eval's metrics for the module's current weights (averaged ones when a plugin keeps them).
+
+
+def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, pipe: Pipeline,
+                    out_dir: Path) -> dict[str, Any]:
+    """framework.eval's metrics for the module's current weights (averaged ones when a plugin keeps them),
+    generated through `pipe` (framework.callbacks.module_pipeline of the module).
 
     Every rank takes part (a sharded model needs all of them in each forward, and they share the
     images); rank 0 writes out_dir/metrics.json and the judged grid and logs `eval/*` at this step.
     Returns {} when the dataset has no built-in metrics.
     """
-    from framework.eval import dataset_kind, evaluate
+    from framework.eval import evaluate
     from framework.fsdp import reshard
-    from framework.pipeline import Pipeline
+    from framework.prompts import dataset_kind
 
     if dataset_kind(pl_module.dataset_info) is None:
         return {}
@@ -159,7 +164,6 @@ def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningM
         out_dir.mkdir(parents=True, exist_ok=True)
     was_training = pl_module.training
     pl_module.eval()
-    pipe = Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, pl_module.dataset_info, pl_module.device)
     try:
         with averaged_weights(trainer, pl_module):
             metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None,
@@ -183,13 +187,16 @@ class PeriodicEval(pl.Callback):
     def __init__(self, settings: Any, run_dir: str | Path) -> None:
         self.settings, self.out_dir = settings, Path(run_dir) / "eval"
         self._last_step = -1
+        self._pipe: Pipeline | None = None  # one for the whole run: the text encoder loads once
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         if step == self._last_step:  # several micro-batches per step, or already done at this step
             return
         self._last_step = step
-        evaluate_module(self.settings, trainer, pl_module, self.out_dir / f"step{step:07d}")
+        if self._pipe is None:
+            self._pipe = module_pipeline(pl_module)
+        evaluate_module(self.settings, trainer, pl_module, self._pipe, self.out_dir / f"step{step:07d}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.run(trainer, pl_module)
@@ -259,7 +266,7 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
 
 def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer: pl.Trainer) -> dict[str, Any]:
     """Evaluate the final weights on every rank; rank 0 writes run.dir/eval/ and logs the metrics."""
-    return evaluate_module(cfg.eval, trainer, module, run_dir / "eval")
+    return evaluate_module(cfg.eval, trainer, module, module_pipeline(module), run_dir / "eval")
 
 
 def finish_loggers(trainer: pl.Trainer) -> None:

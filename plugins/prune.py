@@ -167,12 +167,12 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
     """Measure, choose, write; returns the report written to importance.json."""
     from framework.checkpointing import save_derived
     from framework.cli import resolve_device
-    from framework.pipeline import has_ema, model_weights, read_checkpoint
+    from framework.pipeline import model_weights, read_checkpoint, weights_used
     from framework.prompts import prompt_labels
 
     ckpt = read_checkpoint(cmd.ckpt)
-    used = "ema" if cmd.weights == "ema" and has_ema(ckpt) else "train"
-    pipe = Pipeline.from_checkpoint(cmd.ckpt, device=resolve_device(cmd.device), weights=used)
+    used = weights_used(ckpt, cmd.weights)
+    pipe = Pipeline.from_checkpoint_dict(ckpt, resolve_device(cmd.device), used, cmd.ckpt)
     if not has_stack(pipe.model):
         raise ValueError(f"prune: model.family={pipe.model.cfg.family} has no stack of transformer blocks to "
                          "prune; pruning supports pixart, sana and dit.")

@@ -113,7 +113,8 @@ def test_pair_source_round_trips_through_the_shards(pairs_shards, tmp_path):
 
 
 def test_pair_metrics_score_real_pairs_high_and_swapped_pairs_low():
-    from framework.eval import prompt_set, real_reference, score_images
+    from framework.eval import real_reference, score_images
+    from framework.prompts import prompt_set
 
     ps = prompt_set("pairs", seeds=1, phrasings=1)
     ref = real_reference("pairs")  # 4 real held-out pairs per ordered pair, in (a, b) order

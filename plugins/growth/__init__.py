@@ -134,13 +134,13 @@ def grow_checkpoint(path: str, n_target: int, cfg: GrowthConfig, seed: int,
                     target_cfg: ModelConfig | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(grown weights, the source checkpoint, a record of what was done) for the checkpoint at `path`."""
     from framework.module import CKPT_KEY
-    from framework.pipeline import has_ema, model_weights, read_checkpoint
+    from framework.pipeline import model_weights, read_checkpoint, weights_used
 
     ckpt = read_checkpoint(path)
     source_cfg = to_model_config(ckpt[CKPT_KEY]["config"]["model"])
     if target_cfg is not None:
         check_growable(source_cfg, target_cfg)
-    used = "ema" if cfg.weights == "ema" and has_ema(ckpt) else "train"
+    used = weights_used(ckpt, cfg.weights)
     state, plan = grow(model_weights(ckpt, used), source_cfg, n_target, cfg.init, cfg.drop_last, cfg.zero_gate, seed)
     record = {"command": "growth", "source": str(path), "source_step": ckpt.get("global_step"), "weights": used,
               "init": cfg.init, "drop_last": cfg.drop_last, "zero_gate": cfg.zero_gate, "seed": seed,
@@ -149,12 +149,16 @@ def grow_checkpoint(path: str, n_target: int, cfg: GrowthConfig, seed: int,
     return state, ckpt, record
 
 
+def same_function(record: dict[str, Any]) -> bool:
+    """Whether the grown model starts as the source's function (zero_gate on, no source block dropped)."""
+    return record["zero_gate"] and not record["drop_last"]
+
+
 def describe(record: dict[str, Any]) -> str:
     """One line on what a growth did."""
-    same = record["zero_gate"] and not record["drop_last"]
     return (f"growth: {record['from_layers']} -> {record['to_layers']} blocks, init={record['init']}, from "
             f"{record['weights']} weights of {record['source']} (step {record['source_step']}); "
-            + ("starts as the same function" if same else "starts as a DIFFERENT function (drop_last or zero_gate=false)"))
+            + ("starts as the same function" if same_function(record) else "starts as a DIFFERENT function (drop_last or zero_gate=false)"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,14 +184,10 @@ class Growth(pl.Callback):
         if trainer.ckpt_path:
             rank_zero_info(f"growth: resuming from {trainer.ckpt_path}; its weights are used, not a new growth")
             return
-        target = pl_module.model_cfg if isinstance(pl_module.model_cfg, ModelConfig) else to_model_config(pl_module.model_cfg)
+        target = to_model_config(pl_module.model_cfg)
         state, _, self.record = grow_checkpoint(self.cfg.ckpt, target.num_layers, self.cfg, self.seed, target)
         pl_module.start_from(state)
-        message = describe(self.record)
-        if "DIFFERENT" in message:
-            rank_zero_warn(message)
-        else:
-            rank_zero_info(message)
+        (rank_zero_info if same_function(self.record) else rank_zero_warn)(describe(self.record))
 
 
 def build(cfg: GrowthConfig, run_cfg: Any) -> Growth:

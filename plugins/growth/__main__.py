@@ -25,7 +25,7 @@ class GrowCommand(GrowthConfig):
     """The grown checkpoint, a .ckpt file."""
     target_layers: int = 0
     """Blocks of the grown model."""
-    seed: int | None = 0
+    seed: int = 0
     """Seed of the fresh blocks' random init."""
 
 
@@ -37,7 +37,7 @@ def main(cfg: GrowCommand) -> None:
     from framework.checkpointing import save_derived
 
     cmd: GrowCommand = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    state, source, record = grow_checkpoint(cmd.ckpt, cmd.target_layers, cmd, cmd.seed or 0)
+    state, source, record = grow_checkpoint(cmd.ckpt, cmd.target_layers, cmd, cmd.seed)
     path = save_derived(cmd.out, state, source, {"num_layers": cmd.target_layers}, record)
     print(describe(record))
     print(f"wrote {path}\ntrain on from it with: python -m framework.train init_from={path} "

@@ -57,9 +57,9 @@ def first_reaching(series: list[tuple[int, float]], target: float, offset: int =
 
 
 def compare(small: str | Path, grown: str | Path, scratch: str | Path) -> dict[str, Any]:
-    fd = {name: read_series(run, "eval/fd") for name, run in (("small", small), ("grown", grown), ("scratch", scratch))}
-    loss = {name: read_series(run, "train/loss") for name, run in (("small", small), ("grown", grown), ("scratch", scratch))}
-    acc = {name: read_series(run, "eval/prompt_accuracy") for name, run in (("small", small), ("grown", grown), ("scratch", scratch))}
+    runs = {"small": small, "grown": grown, "scratch": scratch}
+    fd, loss, acc = ({name: read_series(run, key) for name, run in runs.items()}
+                     for key in ("eval/fd", "train/loss", "eval/prompt_accuracy"))
     for name, series in fd.items():
         if not series:
             raise ValueError(f"the {name} run logged no eval/fd: train it with eval.every_n_steps=N")
