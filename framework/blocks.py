@@ -25,6 +25,9 @@ from torch import nn
 from framework.models import Denoiser
 
 BranchKind = Literal["self_attn", "cross_attn", "mlp"]
+# Where diffusers' blocks keep each branch's module (BasicTransformerBlock and SanaTransformerBlock alike).
+# Both call it and only then apply the adaLN gate, so the module's output is the branch's ungated output.
+BRANCH_ATTRS: dict[str, str] = {"self_attn": "attn1", "cross_attn": "attn2", "mlp": "ff"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,6 +44,11 @@ class Branch:
     # the branch's module (diffusers Attention, FeedForward or GLUMBConv)
     out_proj: nn.Linear | nn.Conv2d
     # last op of the branch; an nn.Linear, except SANA's MLP whose last op is a 1x1 nn.Conv2d
+
+    @property
+    def attr(self) -> str:
+        """The block's attribute holding `module` (attn1, attn2 or ff): swap it to wrap the branch."""
+        return BRANCH_ATTRS[self.kind]
 
 
 @dataclass

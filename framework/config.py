@@ -173,6 +173,9 @@ class EvalSettings:
     """score (keep the judge's highest scores) or tournament (SANA-1.5's knockout of pairwise comparisons)."""
     pick: int = 1
     """Images kept (and scored) per prompt."""
+    cache_schedule: str | None = None
+    """Cached sampling (framework/caching.py): a cache_schedule.json from experiment=cache_router (or its run
+    dir), or uniform:K (a full step every K steps); null: every branch at every step."""
 
     def __post_init__(self) -> None:
         from framework.bestof import SELECTIONS

@@ -80,7 +80,8 @@ def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n
     t0 = time.perf_counter()
     labels = ps.labels if pipe.model.cfg.num_classes is not None else None
     images = pipe.generate(ps.prompts, settings.steps, settings.guidance, settings.sampler, seed=0, labels=labels,
-                           batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n, progress=progress)
+                           batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n, progress=progress,
+                           cache_schedule=settings.cache_schedule)
     seconds = time.perf_counter() - t0
     return images.view(len(ps.prompts), n, *images.shape[1:]), len(images) / seconds
 
@@ -111,6 +112,9 @@ def evaluate(
     kept = select(candidates, ps.prompts, judge, settings.selection, settings.pick).flatten(0, 1)
     metrics = score_images(ps, kept, settings.pick)
     metrics.update(images_per_s=images_per_s, best_of=settings.best_of)
+    if settings.cache_schedule:
+        schedule = pipe.schedule(settings.cache_schedule, settings.sampler, settings.steps)
+        metrics.update(cache_schedule=schedule.kind, branches_computed=schedule.computed_fraction)
     if settings.best_of > 1:
         metrics.update(selection=settings.selection, judge=judge.name)
     if grid_path is not None:

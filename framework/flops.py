@@ -49,6 +49,8 @@ def count_train_flops_per_sample(denoiser: Denoiser, batch_example: dict[str, An
     labels = None if labels is None else labels[:n].to(device)  # (n,)
     t = torch.full((n,), 500.0, device=device)  # any timestep costs the same
     params = [p for p in denoiser.parameters() if p.requires_grad]
+    if not params:  # a frozen backbone (a distillation stage): backward still runs through its activations
+        x = x.clone().requires_grad_()
     saved = [p.grad for p in params]
     for p in params:
         p.grad = None

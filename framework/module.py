@@ -19,6 +19,7 @@ from framework.data import drop_captions
 from framework.models import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
 from framework.objectives import Objective, ObjectiveConfig
 from framework.optim import OptimizerConfig, build_optimizer, lr_lambda
+from framework.registry import training_loss_hook
 
 CKPT_KEY = "latentforge"  # our own entry in the Lightning checkpoint dict
 MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
@@ -127,14 +128,15 @@ class DiffusionModule(pl.LightningModule):
             self.flops_per_batch = count_train_flops_per_sample(self.model, batch) * batch["latents"].shape[0]
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Every trainable parameter of the module: the backbone's, or a stage's own (a frozen backbone + router).
+        params = [p for p in self.parameters() if p.requires_grad]
         opt = build_optimizer(params, self.optimizer_cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.optimizer_cfg, self.max_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- the training step --------------------------------------------------------------
 
-    def _generator(self) -> torch.Generator:
+    def step_generator(self) -> torch.Generator:
         """CPU generator for this micro-batch, independent of rank count and of restarts."""
         accumulate = self.trainer.accumulate_grad_batches
         micro = self.global_step * accumulate + self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
@@ -143,7 +145,7 @@ class DiffusionModule(pl.LightningModule):
     def _draw(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Noise, noise level and caption-drop flags for this rank's slice of the global batch."""
         B, W, r = x0.shape[0], self.trainer.world_size, self.global_rank
-        g = self._generator()
+        g = self.step_generator()
         noise, u = self.objective.draw(x0.new_empty((W * B, *x0.shape[1:]), device="cpu"), g)
         drop = torch.rand(W * B, generator=g) < self.objective.cfg.caption_dropout
         # Streaming deals a global batch out round-robin: rank r holds global rows r, r+W, r+2W, ...
@@ -162,9 +164,13 @@ class DiffusionModule(pl.LightningModule):
         else:
             labels = None
 
-        xt, t, target = self.objective.corrupt(x0, noise, u)
-        pred = self.model(xt, t, text, mask, labels)  # (B, C, h, w)
-        loss = F.mse_loss(pred.float(), target.float())
+        hook = training_loss_hook(self.trainer)
+        if hook is not None:  # a distillation stage (plugins/cache_router.py) computes its own loss
+            loss = hook.training_loss(self, x0, noise, text, mask, labels)
+        else:
+            xt, t, target = self.objective.corrupt(x0, noise, u)
+            pred = self.model(xt, t, text, mask, labels)  # (B, C, h, w)
+            loss = F.mse_loss(pred.float(), target.float())
 
         if not self._all_finite(loss):
             if not self.skip_nonfinite:

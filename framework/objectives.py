@@ -118,6 +118,13 @@ class Objective:
         target = noise if self.cfg.name == "eps" else self.ddpm.get_velocity(x0, noise, t)
         return xt, t.to(x0.dtype), target
 
+    def noise_to(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """x0 noised to a sampler's timestep t (a scalar on the 0..T scale, as schedulers hand out)."""
+        if self.cfg.name == "flow":
+            s = (t.float() / self.cfg.num_train_timesteps).to(x0.dtype)  # the (already shifted) sigma
+            return (1.0 - s) * x0 + s * noise
+        return self.ddpm.add_noise(x0, noise, t.long().expand(x0.shape[0]).to(x0.device))
+
     def shift(self, sigma: torch.Tensor) -> torch.Tensor:
         """Resolution-dependent timestep shift of SD3/SANA (identity at shift=1)."""
         k = self.cfg.flow_shift

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from framework.caching import BranchRunner, CacheSchedule, ScheduledSampling, resolve_schedule
 from framework.models import Denoiser, ModelConfig, build_denoiser
-from framework.objectives import Objective, ObjectiveConfig, sample_latents
+from framework.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig, sample_latents
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint loading
@@ -139,6 +141,7 @@ class Pipeline:
         split_ranks: bool = False,
         candidates: int = 1,
         progress: bool = False,
+        cache_schedule: str | CacheSchedule | None = None,
     ) -> torch.Tensor:
         """Images (N * candidates, C, H, W) in [-1, 1], each prompt's candidates together.
 
@@ -149,6 +152,9 @@ class Pipeline:
         ranks in each forward); each rank then generates its own contiguous share of the prompts and
         every rank gets all images back, the same ones one process would draw.
         progress: a bar over the batches (on rank 0).
+        cache_schedule: a CacheSchedule, or a `cache_schedule=` value (a file, uniform:K): sampling reuses the
+        branches it skips from the previous step (framework/caching.py); refused when made for another
+        sampler, step count or model.
         """
         if candidates < 1:
             raise ValueError(f"candidates={candidates} must be >= 1")
@@ -160,9 +166,10 @@ class Pipeline:
         prompts = [p for p in prompts for _ in range(candidates)]
         labels = [lbl for lbl in labels for _ in range(candidates)]
         n = len(prompts)
+        schedule = self.schedule(cache_schedule, sampler, steps)
         world = _world_size() if split_ranks else 1
         if world == 1:
-            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, progress)
+            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, progress, schedule)
         import torch.distributed as dist
 
         # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
@@ -171,45 +178,65 @@ class Pipeline:
         idx = [i for i in range(rank * per, (rank + 1) * per) if i < n]
         idx += [0] * (per - len(idx))
         mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
-                              steps, guidance, sampler, batch_size, progress and rank == 0).to(self.device)
+                              steps, guidance, sampler, batch_size, progress and rank == 0, schedule).to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         return torch.cat(gathered)[:n].cpu()
 
+    def schedule(self, spec: str | CacheSchedule | None, sampler: str | None, steps: int) -> CacheSchedule | None:
+        """The cache schedule `spec` names, checked against this model, the sampler and the step count."""
+        name = sampler or DEFAULT_SAMPLER[self.objective.cfg.name]
+        if isinstance(spec, CacheSchedule):
+            spec.check(self.model, self.objective.cfg.name, name, steps)
+            return spec
+        return resolve_schedule(spec, self.model, self.objective.cfg.name, name, steps)
+
     def _generate(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
-                  guidance: float, sampler: str | None, batch_size: int, progress: bool = False) -> torch.Tensor:
+                  guidance: float, sampler: str | None, batch_size: int, progress: bool = False,
+                  schedule: CacheSchedule | None = None) -> torch.Tensor:
         from tqdm import tqdm
 
-        from framework.data import drop_captions, pad_and_stack
-
-        n = len(prompts)
-        C, (H, W) = self.model.cfg.in_channels, self.model.cfg.latent_hw
-        class_cond = self.model.cfg.num_classes is not None
-        out = []
+        n, out = len(prompts), []
         bar = tqdm(total=n, desc="generate", unit="img", disable=not progress, leave=False)
-        for i in range(0, n, batch_size):
-            chunk = prompts[i : i + batch_size]
-            b = len(chunk)
-            text, mask = pad_and_stack([e.to(self.device) for e in self.encode(chunk)])  # (b, L, D)
-            drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(self.device)
-            text2, mask2 = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), self.empty_text.to(self.device), drop)
-            lab = None
-            if class_cond:
-                lab = torch.tensor(labels[i : i + batch_size], device=self.device)
-                lab = torch.cat([lab, self.model.null_labels(b).to(self.device)])
-
-            def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-                pred = self.model(x.repeat(2, 1, 1, 1), t.repeat(2), text2, mask2, lab).float()
-                cond, uncond = pred.chunk(2)
-                return uncond + guidance * (cond - uncond)
-
-            # One generator per image keeps image i independent of the batch it lands in.
-            x = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for s in seeds[i : i + b]])
-            z = sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
-            out.append(self.decode(z))
-            bar.update(b)
+        runner = BranchRunner(self.model) if schedule is not None else None
+        with runner.installed() if runner else nullcontext():
+            for i in range(0, n, batch_size):
+                out.append(self._generate_batch(prompts[i : i + batch_size], labels[i : i + batch_size],
+                                                seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule))
+                bar.update(len(out[-1]))
         bar.close()
         return torch.cat(out)
+
+    def _generate_batch(self, chunk: list[str], labels: list[int | None], seeds: list[int], steps: int,
+                        guidance: float, sampler: str | None, runner: BranchRunner | None,
+                        schedule: CacheSchedule | None) -> torch.Tensor:
+        """One batch of images; both CFG halves in one forward, so they share one branch cache."""
+        from framework.data import drop_captions, pad_and_stack
+
+        C, (H, W) = self.model.cfg.in_channels, self.model.cfg.latent_hw
+        b = len(chunk)
+        text, mask = pad_and_stack([e.to(self.device) for e in self.encode(chunk)])  # (b, L, D)
+        drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(self.device)
+        text2, mask2 = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), self.empty_text.to(self.device), drop)
+        lab = None
+        if self.model.cfg.num_classes is not None:
+            lab = torch.tensor(labels, device=self.device)
+            lab = torch.cat([lab, self.model.null_labels(b).to(self.device)])
+        steps_run = ScheduledSampling(runner, schedule) if runner is not None else None
+        if runner is not None:
+            runner.reset()
+
+        def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            if steps_run is not None:
+                steps_run.next_step()
+            pred = self.model(x.repeat(2, 1, 1, 1), t.repeat(2), text2, mask2, lab).float()  # (2b, C, H, W)
+            cond, uncond = pred.chunk(2)
+            return uncond + guidance * (cond - uncond)
+
+        # One generator per image keeps image i independent of the batch it lands in.
+        x = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        z = sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
+        return self.decode(z)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling)."""

@@ -6,7 +6,8 @@ surgery belongs in the callback's `setup()` hook: Lightning calls it before `con
 (sharding) and before `configure_optimizers`, the one moment a swap is safe.
 
 A callback can also provide a hook the framework calls: a `WeightAverager` (below) offers averaged
-weights, which sample grids and the end-of-training evaluation then use.
+weights, which sample grids and the end-of-training evaluation then use; a `TrainingLoss` replaces the
+denoising loss of the training step (a distillation stage such as plugins/cache_router.py).
 """
 
 from __future__ import annotations
@@ -78,3 +79,26 @@ def averaged_weights(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Abst
         names = ", ".join(type(cb).__name__ for cb in found)
         raise ValueError(f"plugins: {names} each keep averaged weights; select one of them")
     return found[0].averaged_weights(pl_module) if found else nullcontext()
+
+
+@runtime_checkable
+class TrainingLoss(Protocol):
+    """A callback that computes the training step's loss in place of the denoising loss.
+
+    DiffusionModule.training_step still draws the step's noise and caption / label dropout (seeded, the
+    same on any number of ranks) and handles non-finite losses, logging and the optimizer; the hook gets
+    this rank's batch with dropout applied. The optimizer trains every parameter of the LightningModule
+    that requires grad, so a stage that trains only its own module freezes the backbone in setup().
+    """
+
+    def training_loss(self, pl_module: pl.LightningModule, x0: Any, noise: Any, text: Any, text_mask: Any,
+                      labels: Any) -> Any: ...
+
+
+def training_loss_hook(trainer: pl.Trainer) -> TrainingLoss | None:
+    """The run's TrainingLoss callback, or None for the ordinary denoising loss."""
+    found = [cb for cb in trainer.callbacks if isinstance(cb, TrainingLoss)]
+    if len(found) > 1:
+        names = ", ".join(type(cb).__name__ for cb in found)
+        raise ValueError(f"plugins: {names} each replace the training loss; select one of them")
+    return found[0] if found else None

@@ -47,6 +47,8 @@ class SampleCommand:
     """Images kept per prompt."""
     weights: str = "ema"
     """ema (when the checkpoint has EMA weights) or train."""
+    cache_schedule: str | None = None
+    """Cached sampling: a cache_schedule.json from experiment=cache_router (or its run dir), or uniform:K."""
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -74,7 +76,7 @@ def run(cfg: SampleCommand) -> list[Path]:
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()
     images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=prompt_labels(pipe, prompts),
-                           candidates=cfg.best_of, progress=True)
+                           candidates=cfg.best_of, progress=True, cache_schedule=cfg.cache_schedule)
     seconds = time.perf_counter() - t0
     print(f"generated {len(images)} images ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "
           f"{len(images) / seconds:.1f} images/s")

@@ -36,6 +36,9 @@ MATRIX = [
     # Growth from a 4-block checkpoint ({growth_source}, a tiny trained run) to 6 blocks, with an EMA of the grown weights.
     ("ddp-2-wandb-growth-ema", "ddp", 2, "wandb",
      ["plugins=[growth,ema]", "plugins.growth.ckpt={growth_source}", "plugins.growth.init=cyclic", "model.num_layers=6"]),
+    # The cache-router stage on the same source (frozen backbone), its final evaluation sampling with the learned schedule.
+    ("ddp-2-wandb-cache_router", "ddp", 2, "wandb",
+     ["experiment=cache_router", "init_from={growth_source}", "plugins.cache_router.steps=2"]),
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
      ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
       "trainer.accumulate_grad_batches=2"]),
@@ -101,6 +104,12 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         ckpt = torch.load(last_ckpt, weights_only=True)
         assert {k.split(".")[3] for k in ckpt["state_dict"] if k.startswith("model.net.transformer_blocks.")} == set("012345")
         assert "net.transformer_blocks.5.ff.net.2.weight" in ckpt["latentforge"]["ema_state"]
+    if "experiment=cache_router" in extra:  # only the router trained; the evaluation used its schedule
+        import torch
+
+        trained, source = (torch.load(p, weights_only=True)["state_dict"] for p in (last_ckpt, request.getfixturevalue("growth_source")))
+        assert all(torch.equal(trained[k], v) for k, v in source.items()) and trained.keys() - source.keys() == {"router.logits"}
+        assert metrics["cache_schedule"] == "learned" and (run_dir / "cache_schedule.png").is_file()
 
     if logger == "csv":
         assert sorted(losses(run_dir)) == list(range(STEPS))

@@ -11,6 +11,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
   optimizer  optimizer-state bytes per parameter, AdamW vs CAME vs CAME-8bit (plugins/came.py)
   ema        EMA cost per step before and after its start (plugins/ema.py)
   norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
+  cache      cached sampling (framework/caching.py): images/s, accuracy and fd of full sampling, a learned
+             schedule, uniform:K at the same cost and fewer steps at the same latency
 Each prints a table and writes one JSON row per configuration to `out`.
 """
 
@@ -23,8 +25,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench import (suite_data, suite_ema, suite_init_memory, suite_memory, suite_norm, suite_optimizer,
-                             suite_train)
+from framework.bench import (suite_cache, suite_data, suite_ema, suite_init_memory, suite_memory, suite_norm,
+                             suite_optimizer, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
 
@@ -37,6 +39,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "optimizer": (suite_optimizer.OptimizerBench, suite_optimizer.run),
     "ema": (suite_ema.EMABench, suite_ema.run),
     "norm": (suite_norm.NormBench, suite_norm.run),
+    "cache": (suite_cache.CacheBench, suite_cache.run),
 }
 
 

@@ -1,0 +1,276 @@
+"""The cache router: Learning-to-Cache as a frozen-weight distillation stage (`experiment=cache_router`).
+
+Learning-to-Cache (Ma et al., NeurIPS 2024, arXiv:2406.01733) learns, for one sampler and step count,
+which residual branches of a diffusion transformer may reuse their output from the previous sampling
+step. Here it is a training stage of any stack family (PixArt, SANA, DiT): the backbone loaded with
+`init_from` is frozen, and the only trainable parameters are the router's logits, one per
+(cache step, block, branch). beta = sigmoid(logit). As in the paper, the cache steps are every other
+step (1, 3, 5, ...) and the steps between them compute everything, so a reused output is one step old.
+
+One training step (the `TrainingLoss` hook of framework/registry.py):
+  1. draw a cache step k (the odd steps; each follows a full step) and noise the batch to the sampler's
+     timestep t_{k-1};
+  2. teacher, full: the frozen model at t_{k-1} (every branch output kept as the cache), one sampler
+     step to x_k, then the frozen model at t_k;
+  3. student: the model at t_k where every branch returns beta * fresh + (1 - beta) * cached, cached
+     being that branch's output at t_{k-1} before its adaLN gate;
+  4. loss = MSE(student, teacher) + sparsity * sum(beta_k): the penalty pushes beta down wherever the
+     cache costs the prediction little.
+Captions and labels are dropped as in training, so both halves of classifier-free guidance are learned.
+The schedule recomputes branch (k, block, branch) of a cache step when beta > threshold; it is written to
+run.dir/cache_schedule.json (with a heat map, cache_schedule.png) at every checkpoint and at the end,
+and `cache_schedule=PATH` in framework.sample / framework.eval samples with it (framework/caching.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from framework.blocks import has_stack
+from framework.caching import SCHEDULE_FILE, BranchRunner, CacheSchedule, model_signature
+from framework.objectives import DEFAULT_SAMPLER, check_sampler
+from framework.registry import register_plugin
+
+TRAINABLE_SAMPLERS = ("ddim", "flow_euler")  # one step of these is a function of (x, t, prediction) alone
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CacheRouterConfig:
+    """Fields of plugins.cache_router (conf/plugins/cache_router.yaml)."""
+
+    sampler: str | None = None
+    """ddim or flow_euler: the sampler the schedule is for; null: the objective's default (flow_euler for flow)."""
+    steps: int = 20
+    """Sampling steps the schedule is for (10, 20, 50, ...)."""
+    sparsity: float = 3e-3
+    """lambda of the penalty lambda * sum(beta) per step: larger reuses more branches."""
+    threshold: float = 0.5
+    """A branch is recomputed at a step when its beta > threshold."""
+    init_logit: float = 2.0
+    """Starting router logit (sigmoid(2) = 0.88: the student starts close to the full model)."""
+    out: str | None = None
+    """Where the schedule is written; null: run.dir/cache_schedule.json (the heat map beside it, .png)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 2:
+            raise ValueError(f"plugins.cache_router.steps={self.steps}: need >= 2 (step 1 is the first that can reuse step 0)")
+        if self.sparsity < 0:
+            raise ValueError(f"plugins.cache_router.sparsity={self.sparsity} must be >= 0")
+        if not 0 < self.threshold < 1:
+            raise ValueError(f"plugins.cache_router.threshold={self.threshold} must lie in (0, 1)")
+
+
+# --------------------------------------------------------------------------------------------
+# The router
+# --------------------------------------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """One logit per (cache step, block, branch); blocks with fewer branches leave theirs unused.
+
+    Cache steps are the odd steps 1, 3, 5, ...: as in Learning-to-Cache, every cache step follows a full
+    step, so the cache a branch reuses is always one step old, in training and in sampling alike.
+    One tensor rather than a parameter per step: each batch trains one step's row, and DDP needs every
+    parameter to take part in every backward (the other rows get zero gradients).
+    """
+
+    def __init__(self, steps: int, branches: list[list[str]], init_logit: float) -> None:
+        super().__init__()
+        self.steps, self.cache_steps = steps, list(range(1, steps, 2))
+        width = max(len(b) for b in branches)
+        self.logits = nn.Parameter(torch.full((len(self.cache_steps), len(branches), width), float(init_logit)))
+        present = torch.zeros(len(branches), width, dtype=torch.bool)
+        for i, kinds in enumerate(branches):
+            present[i, : len(kinds)] = True
+        self.register_buffer("present", present, persistent=False)  # (blocks, width)
+
+    def beta(self, step: int) -> torch.Tensor:
+        """(blocks, width) mixing weights of a cache step; absent branches 0 (never used)."""
+        if step not in self.cache_steps:
+            raise ValueError(f"step {step} is not a cache step (the odd steps below {self.steps})")
+        return torch.sigmoid(self.logits[(step - 1) // 2]) * self.present
+
+    def computed_fraction(self, threshold: float) -> torch.Tensor:
+        """Share of all (step, block, branch) evaluations the schedule at `threshold` computes."""
+        cached_kept = ((torch.sigmoid(self.logits.detach()) > threshold) & self.present).sum()
+        n = self.present.sum()
+        return (cached_kept + (self.steps - len(self.cache_steps)) * n) / (self.steps * n)
+
+    def schedule(self, cfg: CacheRouterConfig, sampler: str, signature: dict[str, Any],
+                 source: dict[str, Any]) -> CacheSchedule:
+        """The static schedule: full steps compute everything; a cache step recomputes where beta > threshold."""
+        beta = torch.ones(self.steps, *self.logits.shape[1:])
+        beta[self.cache_steps] = torch.sigmoid(self.logits.detach().float().cpu())
+        b = [[[round(float(beta[s, i, j]), 4) for j in range(len(kinds))] for i, kinds in enumerate(signature["branches"])]
+             for s in range(self.steps)]
+        compute = [[[s not in self.cache_steps or v > cfg.threshold for v in block] for block in step]
+                   for s, step in enumerate(b)]
+        return CacheSchedule(sampler, cfg.steps, signature, compute, kind="learned", beta=b,
+                             threshold=cfg.threshold, source=source)
+
+
+# --------------------------------------------------------------------------------------------
+# The heat map
+# --------------------------------------------------------------------------------------------
+
+
+def plot_schedule(schedule: CacheSchedule, path: str | Path) -> Path:
+    """Steps x (block, branch) heat map of beta (or of compute), reused cells marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    kinds = schedule.model["branches"]
+    labels = [f"{i}.{k.replace('_attn', '')}" for i, ks in enumerate(kinds) for k in ks]
+    values = schedule.beta if schedule.beta is not None else schedule.compute
+    grid = np.array([[float(v) for block in step for v in block] for step in values]).T  # (branches, steps)
+    reused = np.array([[not c for block in step for c in block] for step in schedule.compute]).T
+    fig, ax = plt.subplots(figsize=(1.2 + 0.32 * schedule.steps, 1.2 + 0.24 * len(labels)))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    ys, xs = np.nonzero(reused)
+    ax.scatter(xs, ys, marker="x", color="white", s=18, linewidths=1.0)
+    ax.set_xticks(range(schedule.steps))
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xlabel("sampling step (0 = pure noise);  x = reused from the step before")
+    ax.set_ylabel("block.branch")
+    ax.set_title(f"{schedule.describe()}", fontsize=9)
+    fig.colorbar(im, ax=ax, label="beta" if schedule.beta is not None else "computed")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# The callback: freezes the backbone, owns the router, computes the loss, writes the schedule
+# --------------------------------------------------------------------------------------------
+
+
+class CacheRouterStage(pl.Callback):
+    """Frozen backbone + router (plugins=[cache_router]); the loss of every training step."""
+
+    def __init__(self, cfg: CacheRouterConfig, sampler: str, objective: str, out: Path, init_from: str) -> None:
+        self.cfg, self.sampler, self.objective_name, self.out, self.init_from = cfg, sampler, objective, out, init_from
+        self.runner: BranchRunner | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or hasattr(pl_module, "router"):
+            return
+        model = pl_module.model
+        if not has_stack(model):
+            raise ValueError(f"plugins=[cache_router]: model.family={model.cfg.family} has no stack of transformer "
+                             "blocks; the cache router handles pixart, sana and dit")
+        model.requires_grad_(False)  # frozen: no gradients, so no optimizer state either
+        branches = model_signature(model, self.objective_name)["branches"]
+        pl_module.router = Router(self.cfg.steps, branches, self.cfg.init_logit)  # trained, checkpointed, DDP-synced
+        self.runner = BranchRunner(model)
+        rank_zero_info(f"cache_router: backbone frozen ({sum(p.numel() for p in model.parameters()):,} parameters); "
+                       f"router {pl_module.router.logits.numel()} logits for {self.sampler}, {self.cfg.steps} steps")
+
+    def training_loss(self, pl_module: pl.LightningModule, x0: torch.Tensor, noise: torch.Tensor,
+                      text: torch.Tensor, text_mask: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        # The sampling step: from the module's step generator, so the same on every rank and after a resume.
+        router = pl_module.router
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=pl_module.step_generator())))
+        k = router.cache_steps[int(torch.randint(len(router.cache_steps), (1,), generator=g))]
+        mse, beta = self.distill(pl_module, k, x0, noise, text, text_mask, labels)
+        loss = mse + self.cfg.sparsity * beta.sum()
+        pl_module.log_dict({"cache/distill_mse": mse.detach(), "cache/beta_mean": beta.detach().sum() / router.present.sum(),
+                            "cache/computed": router.computed_fraction(self.cfg.threshold)},
+                           on_step=True, batch_size=x0.shape[0], sync_dist=pl_module.trainer.world_size > 1)
+        return loss
+
+    def distill(self, pl_module: pl.LightningModule, k: int, x0: torch.Tensor, noise: torch.Tensor,
+                text: torch.Tensor, text_mask: torch.Tensor,
+                labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MSE(student, teacher), beta of step k) for sampling step k of a batch (x0: clean scaled latents)."""
+        model, objective, runner = pl_module.model, pl_module.objective, self.runner
+        model.eval()  # the teacher is deterministic (no dropout), and so the student
+        scheduler = objective.sampler(self.sampler)
+        scheduler.set_timesteps(self.cfg.steps, device=x0.device)
+        t_prev, t_k = scheduler.timesteps[k - 1], scheduler.timesteps[k]
+        B = x0.shape[0]
+        x_prev = objective.noise_to(x0, noise, t_prev)  # (B, C, h, w): where the trajectory is at step k-1
+        with runner.installed():
+            with torch.no_grad():
+                pred_prev = model(x_prev, t_prev.expand(B).float(), text, text_mask, labels)  # fills the cache
+                # A fresh scheduler takes one step from t_prev (DDIM and flow-Euler need no history).
+                x_k = scheduler.step(pred_prev.float(), t_prev, x_prev.float()).prev_sample.to(x0.dtype)
+            beta = pl_module.router.beta(k)  # (blocks, branches)
+            with runner.mix(beta):
+                student = model(x_k, t_k.expand(B).float(), text, text_mask, labels)  # (B, C, h, w)
+        with torch.no_grad():
+            teacher = model(x_k, t_k.expand(B).float(), text, text_mask, labels)  # the full model at step k
+        return F.mse_loss(student.float(), teacher.float()), beta
+
+    # ---- the schedule on disk -----------------------------------------------------------
+
+    def write_schedule(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> CacheSchedule | None:
+        router = getattr(pl_module, "router", None)
+        if router is None or trainer.global_rank != 0:
+            return None
+        source = {"init_from": str(self.init_from), "router_step": trainer.global_step,
+                  "sparsity": self.cfg.sparsity}
+        schedule = router.schedule(self.cfg, self.sampler, model_signature(pl_module.model, self.objective_name), source)
+        schedule.save(self.out)
+        plot_schedule(schedule, self.out.with_suffix(".png"))
+        return schedule
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.write_schedule(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write_schedule(trainer, pl_module)  # evaluations during the run (eval.every_n_steps) read it
+        trainer.strategy.barrier()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        schedule = self.write_schedule(trainer, pl_module)
+        if schedule is not None:
+            rank_zero_info(f"cache_router: {schedule.describe()}; wrote {self.out} and {self.out.with_suffix('.png')}")
+        trainer.strategy.barrier()  # every rank's final evaluation reads the finished file
+
+
+def build(cfg: CacheRouterConfig, run_cfg: Any) -> CacheRouterStage:
+    if not run_cfg.init_from:
+        raise ValueError("plugins=[cache_router] distils a trained model: give its checkpoint with init_from=PATH "
+                         "(python -m framework.train experiment=cache_router init_from=runs/quickstart/checkpoints/last.ckpt)")
+    if run_cfg.strategy.name == "fsdp":
+        raise ValueError("plugins=[cache_router] trains only the router on a frozen backbone, which fits any device "
+                         "that samples it: use strategy=ddp (or single) instead of strategy=fsdp")
+    if run_cfg.strategy.compile:
+        raise ValueError("plugins=[cache_router] swaps branch modules during each step, which torch.compile'd "
+                         "blocks do not allow: set strategy.compile=false")
+    objective = run_cfg.objective.name
+    sampler = cfg.sampler or DEFAULT_SAMPLER[objective]
+    check_sampler(objective, sampler)
+    if sampler not in TRAINABLE_SAMPLERS:
+        ok = [s for s in TRAINABLE_SAMPLERS if objective in _objectives(s)]
+        raise ValueError(f"plugins.cache_router.sampler={sampler}: the router trains for one of {TRAINABLE_SAMPLERS} "
+                         f"(a multistep solver's step depends on earlier steps); set plugins.cache_router.sampler={ok[0]}")
+    out = Path(cfg.out) if cfg.out else Path(run_cfg.run.dir) / SCHEDULE_FILE
+    return CacheRouterStage(cfg, sampler, objective, out.resolve(), run_cfg.init_from)
+
+
+def _objectives(sampler: str) -> tuple[str, ...]:
+    from framework.objectives import SAMPLERS
+
+    return SAMPLERS[sampler]
+
+
+register_plugin("cache_router", CacheRouterConfig, build)

@@ -1,0 +1,271 @@
+"""Cached sampling (framework/caching.py) and the cache router stage (plugins/cache_router.py).
+
+References: plain sampling (a schedule that computes everything must reproduce it bit for bit), call
+counts taken with forward hooks, the source checkpoint (the frozen backbone), an uninterrupted run (resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from framework.blocks import block_views
+from framework.caching import CacheSchedule, model_signature, resolve_schedule, uniform_schedule
+from tests.test_growth import FAMILIES, _CrashAt
+from tests.test_train import cheap, compose_cfg, losses
+
+PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0"]
+
+
+def family_pipeline(name: str, digits_shards: Path):
+    """A debug preset of the family on the digits data (1 channel, MiniLM captions), every weight perturbed so
+    that each branch matters (adaLN-zero and zero-initialised projections would hide a wrong cache)."""
+    from framework.data import read_dataset_info
+    from framework.models import build_denoiser, load_preset
+    from framework.objectives import Objective, ObjectiveConfig
+    from framework.pipeline import Pipeline
+
+    info = read_dataset_info(str(digits_shards))
+    overrides = {"in_channels": 1, "num_layers": 2} | ({} if name == "dit_debug" else {"text_dim": 384})
+    torch.manual_seed(0)
+    model = build_denoiser(load_preset(name, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
+
+
+def generate(pipe, steps: int = 4, **kw) -> torch.Tensor:
+    labels = [3, 7, 0] if pipe.model.cfg.num_classes is not None else None
+    return pipe.generate(PROMPTS, steps=steps, seed=5, labels=labels, batch_size=2, **kw)  # two batches
+
+
+def random_schedule(pipe, steps: int, seed: int = 0) -> CacheSchedule:
+    g = torch.Generator().manual_seed(seed)
+    sig = model_signature(pipe.model, "flow")
+    compute = [[[s == 0 or bool(torch.rand(1, generator=g) < 0.5) for _ in kinds] for kinds in sig["branches"]]
+               for s in range(steps)]
+    return CacheSchedule("flow_euler", steps, sig, compute, kind="learned")
+
+
+# --------------------------------------------------------------------------------------------
+# Cached sampling
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_schedule_that_computes_everything_samples_bit_for_bit_like_plain_sampling(name, digits_shards):
+    from plugins.cache_router import CacheRouterConfig, Router
+
+    pipe = family_pipeline(name, digits_shards)
+    plain = generate(pipe)
+    sig = model_signature(pipe.model, "flow")
+    # A router whose every beta is above the threshold: nothing is cached.
+    everything = Router(4, sig["branches"], 3.0).schedule(CacheRouterConfig(steps=4), "flow_euler", sig, {})
+    assert everything.computed_fraction == 1.0
+    assert torch.equal(generate(pipe, cache_schedule=everything), plain)
+    assert torch.equal(generate(pipe, cache_schedule="uniform:1"), plain)
+    # Reusing branches changes the images, and the model is left as it was.
+    reused = generate(pipe, cache_schedule="uniform:2")
+    assert (reused - plain).abs().max() > 1e-3
+    assert torch.equal(generate(pipe), plain)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_skipped_branch_is_not_called(name, digits_shards):
+    """Forward hooks on every branch module count its calls: exactly the computed (step, block, branch) cells,
+    per image batch (classifier-free guidance runs both halves in one call); SANA's linear attention included."""
+    pipe = family_pipeline(name, digits_shards)
+    schedule = random_schedule(pipe, 5)
+    assert 0.3 < schedule.computed_fraction < 0.9
+    calls: dict[tuple[int, int], int] = {}
+    hooks = []
+    for i, view in enumerate(block_views(pipe.model)):
+        for j, branch in enumerate(view.branches):
+            calls[(i, j)] = 0
+            hooks.append(branch.module.register_forward_hook(lambda *_, key=(i, j): calls.__setitem__(key, calls[key] + 1)))
+    try:
+        generate(pipe, steps=5, cache_schedule=schedule)
+    finally:
+        for h in hooks:
+            h.remove()
+    batches = 2
+    expected = {(i, j): batches * sum(step[i][j] for step in schedule.compute) for (i, j) in calls}
+    assert calls == expected
+
+
+def test_uniform_schedules_by_hand(digits_shards):
+    pipe = family_pipeline("pixart_debug", digits_shards)
+    full_steps = lambda k: [s for s, step in enumerate(uniform_schedule(pipe.model, "flow", "flow_euler", 10, k).compute)
+                            if all(all(b) for b in step)]
+    assert full_steps(2) == [0, 2, 4, 6, 8]
+    assert full_steps(1) == list(range(10))
+    assert full_steps(2.5) == [0, 2, 5, 7]  # ceil(10 / 2.5) = 4 evenly spaced full steps
+    assert uniform_schedule(pipe.model, "flow", "flow_euler", 10, 2.5).computed_fraction == 0.4
+    with pytest.raises(ValueError, match="K must be >= 1"):
+        resolve_schedule("uniform:0.5", pipe.model, "flow", "flow_euler", 10)
+    with pytest.raises(ValueError, match="uniform:K"):
+        resolve_schedule("uniform:x", pipe.model, "flow", "flow_euler", 10)
+
+
+def test_the_schedule_file_round_trips_and_a_mismatched_one_is_refused(tmp_path, digits_shards):
+    pipe = family_pipeline("pixart_debug", digits_shards)
+    schedule = random_schedule(pipe, 4)
+    path = schedule.save(tmp_path / "cache_schedule.json")
+    assert CacheSchedule.load(path) == schedule
+    assert CacheSchedule.load(tmp_path) == schedule  # a run dir holding one
+    assert torch.equal(generate(pipe, cache_schedule=str(path)), generate(pipe, cache_schedule=schedule))
+    with pytest.raises(ValueError, match="made for steps=4"):
+        generate(pipe, steps=5, cache_schedule=str(path))
+    with pytest.raises(ValueError, match="sampler=flow_euler"):
+        generate(pipe, sampler="dpm++", cache_schedule=str(path))
+    other = family_pipeline("sana_debug", digits_shards)
+    with pytest.raises(ValueError, match="another model"):
+        generate(other, cache_schedule=str(path))
+    deeper = dataclasses.replace(schedule, model={**schedule.model, "num_layers": 3})
+    with pytest.raises(ValueError, match="num_layers: schedule 3 vs model 2"):
+        generate(pipe, cache_schedule=deeper)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        generate(pipe, cache_schedule=str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text(json.dumps({"steps": 4}))
+    with pytest.raises(ValueError, match="not a version-1"):
+        CacheSchedule.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="step 0 must compute"):
+        dataclasses.replace(schedule, compute=[[[False] * 3] * 2] + schedule.compute[1:])
+
+
+# --------------------------------------------------------------------------------------------
+# The router stage
+# --------------------------------------------------------------------------------------------
+
+
+# (objective, sampler) per family: dit covers DDIM on an eps model, the others flow-Euler.
+SAMPLING = {"pixart_debug": ("flow", "flow_euler"), "sana_debug": ("flow", "flow_euler"), "dit_debug": ("eps", "ddim")}
+
+
+def family_overrides(name: str) -> list[str]:
+    return [f"model={name}", "model.in_channels=1", "model.num_layers=2", f"objective={SAMPLING[name][0]}"] + (
+        [] if name == "dit_debug" else ["model.text_dim=384"])
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, digits_shards) -> dict[str, Path]:
+    """A 2-step run of each family's debug preset on the digits: the stage's frozen backbones."""
+    from framework.train import train
+
+    tmp = tmp_path_factory.mktemp("sources")
+    return {name: Path(train(compose_cfg(cheap(tmp, digits_shards, *family_overrides(name), steps=2, run=name)))["checkpoint"])
+            for name in FAMILIES}
+
+
+def stage_args(name: str, source: Path, *extra: str) -> list[str]:
+    return ["experiment=cache_router", f"init_from={source}", *family_overrides(name), "plugins.cache_router.steps=4",
+            f"plugins.cache_router.sampler={SAMPLING[name][1]}", "eval.at_end=false", *extra]
+
+
+def backbone(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_router_training_lowers_the_distillation_loss_and_leaves_the_backbone_bit_identical(
+        name, tmp_path, digits_shards, sources):
+    """With no sparsity penalty and a router that starts mostly cached (beta ~0.12), training must raise the
+    betas where caching hurts: the distillation MSE of every sampling step, on fixed batches, goes down."""
+    from framework.caching import BranchRunner
+    from framework.eval import EvalCommand, evaluate
+    from framework.pipeline import Pipeline
+    from framework.sample import SampleCommand
+    from framework.sample import run as sample
+    from framework.train import train
+    from plugins.cache_router import CacheRouterConfig, CacheRouterStage, Router
+
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, *stage_args(
+        name, sources[name], "plugins.cache_router.sparsity=0", "plugins.cache_router.init_logit=-2",
+        "optimizer.lr=0.3"), steps=24, run="stage")))
+    run_dir = Path(out["run_dir"])
+    trained = torch.load(out["checkpoint"], weights_only=True)
+    assert set(k for k in trained["state_dict"] if not k.startswith("model.")) == {"router.logits"}
+    before, after = backbone(sources[name]), backbone(Path(out["checkpoint"]))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(len(s["state"]) and s["state"].keys() - {0} for s in trained["optimizer_states"])
+    assert all(len(g["params"]) == 1 for g in trained["optimizer_states"][0]["param_groups"])  # the router only
+
+    schedule = CacheSchedule.load(run_dir / "cache_schedule.json")
+    assert (run_dir / "cache_schedule.png").is_file() and schedule.steps == 4 and schedule.kind == "learned"
+
+    # The distillation loss before (the starting router) and after (the trained one), same batches.
+    pipe = Pipeline.from_checkpoint(out["checkpoint"], weights="train")
+    objective, sampler = SAMPLING[name]
+    assert pipe.objective.cfg.name == objective and schedule.sampler == sampler
+    stage = CacheRouterStage(CacheRouterConfig(steps=4), sampler, objective, run_dir / "unused.json", "")
+    stage.runner = BranchRunner(pipe.model)
+    router = Router(4, model_signature(pipe.model, objective)["branches"], -2.0)
+    module = SimpleNamespace(model=pipe.model, objective=pipe.objective, router=router)  # what distill() reads
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(8, 1, *pipe.model.cfg.latent_hw, generator=g)
+    noise = torch.randn(x0.shape, generator=g)
+    text = None if name == "dit_debug" else torch.randn(8, 6, 384, generator=g)
+    mask = None if name == "dit_debug" else torch.ones(8, 6, dtype=torch.bool)
+    labels = torch.arange(8) % 10 if name == "dit_debug" else None
+
+    def total() -> float:
+        with torch.no_grad():
+            return sum(float(stage.distill(module, k, x0, noise, text, mask, labels)[0]) for k in router.cache_steps)
+
+    start = total()
+    router.logits.data.copy_(trained["state_dict"]["router.logits"])
+    end = total()
+    assert end < 0.5 * start, (start, end)
+
+    if name == "pixart_debug":  # the public commands sample and evaluate with the run's schedule
+        paths = sample(SampleCommand(ckpt=out["checkpoint"], out=str(tmp_path / "s"), steps=4, cache_schedule=str(run_dir),
+                                     prompts=["a handwritten 3"], device="cpu"))
+        assert paths[-1].name == "grid.png"
+        with pytest.raises(ValueError, match="made for steps=4"):
+            sample(SampleCommand(ckpt=out["checkpoint"], out=str(tmp_path / "s"), steps=5, cache_schedule=str(run_dir)))
+        metrics = evaluate(pipe, EvalCommand(ckpt=out["checkpoint"], seeds=1, phrasings=1, steps=4,
+                                             cache_schedule=str(run_dir / "cache_schedule.json")))
+        assert metrics["cache_schedule"] == "learned" and metrics["branches_computed"] == schedule.computed_fraction
+
+
+def test_the_stage_resumes_after_a_kill_like_an_uninterrupted_run(tmp_path, digits_shards, sources, monkeypatch):
+    import framework.train as train_lib
+
+    args = stage_args("pixart_debug", sources["pixart_debug"], "trainer.checkpoint_every_n_steps=2", "resume=auto")
+    full = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="full")))
+    base = train_lib.build_callbacks
+    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), _CrashAt(3)])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
+    monkeypatch.setattr(train_lib, "build_callbacks", base)
+    resumed = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
+    lf, lr = losses(Path(full["run_dir"])), losses(Path(resumed["run_dir"]))
+    assert [lr[s] for s in (2, 3)] == [lf[s] for s in (2, 3)]
+    wf = torch.load(full["checkpoint"], weights_only=True)["state_dict"]
+    wr = torch.load(resumed["checkpoint"], weights_only=True)["state_dict"]
+    assert wf.keys() == wr.keys() and all(torch.equal(wf[k], wr[k]) for k in wf)
+    assert json.loads((Path(full["run_dir"]) / "cache_schedule.json").read_text()) == \
+        json.loads((Path(resumed["run_dir"]) / "cache_schedule.json").read_text())
+
+
+def test_the_stage_refuses_what_it_cannot_do(tmp_path, digits_shards, sources):
+    from framework.train import train
+
+    source = sources["pixart_debug"]
+    cases = [
+        (["experiment=cache_router"], "give its checkpoint with init_from"),
+        (stage_args("pixart_debug", source, "strategy=fsdp"), "use strategy=ddp"),
+        (stage_args("pixart_debug", source, "plugins.cache_router.sampler=dpm++"), "plugins.cache_router.sampler=flow_euler"),
+        (stage_args("pixart_debug", source, "plugins.cache_router.steps=1"), "steps=1: need >= 2"),
+        (stage_args("pixart_debug", source, "model.num_layers=3"), "another model"),
+    ]
+    for i, (args, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=1, run=f"bad{i}")))
