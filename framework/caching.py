@@ -138,8 +138,9 @@ def uniform_schedule(model: Denoiser, objective: str, sampler: str, steps: int, 
     """`uniform:K`: ceil(steps / K) evenly spaced full steps (step 0 first); every branch reused in between."""
     if every < 1:
         raise ValueError(f"cache_schedule=uniform:{every}: K must be >= 1 (a full step every K steps)")
-    count = math.ceil(round(steps / every, 9))  # rounded first: uniform:{20/13} means 13 full steps, not 14
-    full = {math.floor(round(i * every, 9)) for i in range(count)}
+    # Rounded first: uniform:1.53846 (20/13 to 6 digits) means 13 full steps of 20, not 14.
+    count = math.ceil(round(steps / every, 3))
+    full = {min(steps - 1, math.floor(round(i * every, 3))) for i in range(count)}
     shape = model_signature(model, objective)["branches"]
     compute = [[[s in full] * len(kinds) for kinds in shape] for s in range(steps)]
     return CacheSchedule(sampler, steps, model_signature(model, objective), compute, kind=f"uniform:{every:g}")

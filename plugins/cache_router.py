@@ -36,7 +36,7 @@ from torch import nn
 
 from framework.blocks import has_stack
 from framework.caching import SCHEDULE_FILE, BranchRunner, CacheSchedule, model_signature
-from framework.objectives import DEFAULT_SAMPLER, check_sampler
+from framework.objectives import DEFAULT_SAMPLER, SAMPLERS, check_sampler
 from framework.registry import register_plugin
 
 TRAINABLE_SAMPLERS = ("ddim", "flow_euler")  # one step of these is a function of (x, t, prediction) alone
@@ -260,17 +260,11 @@ def build(cfg: CacheRouterConfig, run_cfg: Any) -> CacheRouterStage:
     sampler = cfg.sampler or DEFAULT_SAMPLER[objective]
     check_sampler(objective, sampler)
     if sampler not in TRAINABLE_SAMPLERS:
-        ok = [s for s in TRAINABLE_SAMPLERS if objective in _objectives(s)]
+        ok = [s for s in TRAINABLE_SAMPLERS if objective in SAMPLERS[s]]
         raise ValueError(f"plugins.cache_router.sampler={sampler}: the router trains for one of {TRAINABLE_SAMPLERS} "
                          f"(a multistep solver's step depends on earlier steps); set plugins.cache_router.sampler={ok[0]}")
     out = Path(cfg.out) if cfg.out else Path(run_cfg.run.dir) / SCHEDULE_FILE
     return CacheRouterStage(cfg, sampler, objective, out.resolve(), run_cfg.init_from)
-
-
-def _objectives(sampler: str) -> tuple[str, ...]:
-    from framework.objectives import SAMPLERS
-
-    return SAMPLERS[sampler]
 
 
 register_plugin("cache_router", CacheRouterConfig, build)

@@ -16,8 +16,8 @@ import torch
 
 from framework.blocks import block_views
 from framework.caching import CacheSchedule, model_signature, resolve_schedule, uniform_schedule
-from tests.test_growth import FAMILIES, _CrashAt
-from tests.test_train import cheap, compose_cfg, losses
+from tests.test_growth import FAMILIES, crash_and_resume
+from tests.test_train import cheap, compose_cfg
 
 PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0"]
 
@@ -236,21 +236,8 @@ def test_router_training_lowers_the_distillation_loss_and_leaves_the_backbone_bi
 
 
 def test_the_stage_resumes_after_a_kill_like_an_uninterrupted_run(tmp_path, digits_shards, sources, monkeypatch):
-    import framework.train as train_lib
-
-    args = stage_args("pixart_debug", sources["pixart_debug"], "trainer.checkpoint_every_n_steps=2", "resume=auto")
-    full = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="full")))
-    base = train_lib.build_callbacks
-    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), _CrashAt(3)])
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
-    monkeypatch.setattr(train_lib, "build_callbacks", base)
-    resumed = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
-    lf, lr = losses(Path(full["run_dir"])), losses(Path(resumed["run_dir"]))
-    assert [lr[s] for s in (2, 3)] == [lf[s] for s in (2, 3)]
-    wf = torch.load(full["checkpoint"], weights_only=True)["state_dict"]
-    wr = torch.load(resumed["checkpoint"], weights_only=True)["state_dict"]
-    assert wf.keys() == wr.keys() and all(torch.equal(wf[k], wr[k]) for k in wf)
+    full, resumed = crash_and_resume(tmp_path, digits_shards, stage_args("pixart_debug", sources["pixart_debug"]),
+                                     monkeypatch)
     assert json.loads((Path(full["run_dir"]) / "cache_schedule.json").read_text()) == \
         json.loads((Path(resumed["run_dir"]) / "cache_schedule.json").read_text())
 

@@ -113,7 +113,7 @@ def test_pair_source_round_trips_through_the_shards(pairs_shards, tmp_path):
 
 
 def test_pair_metrics_score_real_pairs_high_and_swapped_pairs_low():
-    from framework.eval import real_reference, score_images
+    from framework.scoring import real_reference, score_images
     from framework.prompts import prompt_set
 
     ps = prompt_set("pairs", seeds=1, phrasings=1)

@@ -134,11 +134,12 @@ def test_grown_run_starts_at_the_source_models_loss_and_its_ema_at_the_grown_wei
         torch.testing.assert_close(ema[k], v, rtol=0, atol=1e-6)
 
 
-def test_growth_run_resumes_after_a_crash_like_an_uninterrupted_run(tmp_path, digits_shards, small_ckpt, monkeypatch):
+def crash_and_resume(tmp_path, digits_shards, args: list[str], monkeypatch) -> tuple[dict, dict]:
+    """A 4-step run, and the same run crashed after step 3 and resumed (checkpoints every 2 steps): the
+    resumed run must log the same losses from the checkpoint on and end with the same weights."""
     import framework.train as train_lib
 
-    args = ["plugins=[growth]", f"plugins.growth.ckpt={small_ckpt}", "plugins.growth.init=cyclic",
-            "model.num_layers=6", "trainer.checkpoint_every_n_steps=2", "resume=auto"]
+    args = [*args, "trainer.checkpoint_every_n_steps=2", "resume=auto"]
     full = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="full")))
     base = train_lib.build_callbacks
     monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), _CrashAt(3)])
@@ -151,6 +152,12 @@ def test_growth_run_resumes_after_a_crash_like_an_uninterrupted_run(tmp_path, di
     wf = torch.load(full["checkpoint"], weights_only=True)["state_dict"]
     wr = torch.load(resumed["checkpoint"], weights_only=True)["state_dict"]
     assert wf.keys() == wr.keys() and all(torch.equal(wf[k], wr[k]) for k in wf)
+    return full, resumed
+
+
+def test_growth_run_resumes_after_a_crash_like_an_uninterrupted_run(tmp_path, digits_shards, small_ckpt, monkeypatch):
+    crash_and_resume(tmp_path, digits_shards, ["plugins=[growth]", f"plugins.growth.ckpt={small_ckpt}",
+                                               "plugins.growth.init=cyclic", "model.num_layers=6"], monkeypatch)
 
 
 def test_grown_and_pruned_checkpoints_work_in_every_command(tmp_path, digits_shards, small_ckpt):

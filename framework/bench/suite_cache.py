@@ -23,7 +23,7 @@ from typing import Any
 from framework.bench.harness import print_table
 from framework.cli import resolve_device
 from framework.config import EvalSettings
-from framework.eval import generate_candidates, score_images
+from framework.scoring import generate_candidates, score_images
 from framework.pipeline import Pipeline
 from framework.prompts import dataset_kind, prompt_set
 
@@ -44,7 +44,7 @@ class CacheBench:
     phrasings: int = 5
     batch_size: int = 200
     """Images per forward (the whole prompt set of the quickstart in one batch)."""
-    repeats: int = 3
+    repeats: int = 4
     """Timed rounds per variant after the warm-up round (best kept)."""
     weights: str = "ema"
     device: str = "auto"
@@ -77,14 +77,17 @@ def run(cfg: CacheBench) -> list[dict[str, Any]]:
                 "learned": EvalSettings(steps=cfg.steps, cache_schedule=str(cfg.schedule), **base),
                 "uniform": EvalSettings(steps=cfg.steps, cache_schedule=f"uniform:{cfg.steps / full_steps:.6g}", **base)}
     images: dict[str, Any] = {}
+    times: dict[str, list[float]] = {}
 
     def timed(names: list[str]) -> dict[str, float]:
         best: dict[str, float] = {}
         for r in range(cfg.repeats + 1):  # round 0 warms up (allocator, text encoder, caches)
             for name in names:
                 images[name], seconds = _time(pipe, ps, variants[name])
+                print(f"  {name:<10} steps {variants[name].steps:<3} {seconds:.3f} s" + ("" if r else " (warm-up)"))
                 if r:
                     best[name] = min(best.get(name, math.inf), seconds)
+                    times.setdefault(name, []).append(round(seconds, 4))
         return best
 
     first = timed(list(variants))
@@ -96,7 +99,7 @@ def run(cfg: CacheBench) -> list[dict[str, Any]]:
     best = timed(list(variants))
     closest = min((v for v in variants if v.startswith("fewer:")), key=lambda v: abs(best[v] - best["learned"]))
     variants = {**{k: v for k, v in variants.items() if not k.startswith("fewer:")}, "fewer": variants[closest]}
-    best["fewer"], images["fewer"] = best[closest], images[closest]
+    best["fewer"], images["fewer"], times["fewer"] = best[closest], images[closest], times[closest]
     rows = []
     n = len(ps.prompts)
     for name, settings in variants.items():
@@ -104,7 +107,7 @@ def run(cfg: CacheBench) -> list[dict[str, Any]]:
         schedule = pipe.schedule(settings.cache_schedule, sampler, settings.steps)
         rows.append({"variant": name, "schedule": schedule.kind if schedule else "none", "steps": settings.steps,
                      "branches_computed": schedule.computed_fraction if schedule else 1.0,
-                     "images_per_s": n / best[name], "speedup": best["full"] / best[name],
+                     "images_per_s": n / best[name], "speedup": best["full"] / best[name], "seconds": times[name],
                      "accuracy": m.get("prompt_accuracy", m.get("pair_accuracy")),
                      "heldout_accuracy": m.get("heldout_phrasing_accuracy", m.get("heldout_pair_accuracy")),
                      "fd": m["fd"], "num_images": n, "kind": kind, "sampler": sampler, "device": str(pipe.device)})

@@ -1,0 +1,77 @@
+"""Scoring a prompt set's images (accuracy by the digit classifier, fd to real held-out images) and generating
+them: what framework.eval, the end-of-training evaluation and the benchmarks share (core, so benchmarks
+may use it; tests/test_layers.py keeps commands out of their imports).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from framework.config import EvalSettings
+from framework.pipeline import Pipeline
+from framework.prompts import PromptSet
+
+
+@lru_cache(maxsize=2)
+def real_reference(kind: str) -> torch.Tensor:
+    """Real held-out images (never trained on by the model or the classifier) that `fd` compares against.
+
+    Built once per process: a scaling curve scores a dozen image sets against it (read-only)."""
+    from framework.metrics import as_images, real_digit_images
+
+    if kind == "digits":
+        return real_digit_images("heldout")[0]
+    from data_prep.sources.digit_pairs import PAIR_SEED, make_pairs
+
+    images, _ = make_pairs("heldout", [(a, b) for a in range(10) for b in range(10)], 4, PAIR_SEED + 1)
+    return as_images(images)
+
+
+def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> dict[str, Any]:
+    """Metrics of `images` ((P * per_prompt, C, H, W), each prompt's kept images together)."""
+    from framework.metrics import digit_scorer, frechet_distance
+
+    scorer = digit_scorer()
+    rep = lambda xs: [x for x in xs for _ in range(per_prompt)]
+    heldout = np.repeat(ps.heldout, per_prompt)
+    mean = lambda mask: float(mask.mean()) if mask.size else float("nan")
+    out: dict[str, Any] = {}
+    if ps.kind == "digits":
+        targets = np.array(rep(ps.targets))
+        right = scorer.predict(images) == targets
+        out["prompt_accuracy"] = mean(right[~heldout])
+        out["heldout_phrasing_accuracy"] = mean(right[heldout])
+        out["per_digit_accuracy"] = {str(d): mean(right[~heldout & (targets == d)]) for d in range(10)}
+        cells = 1
+    else:
+        targets = np.array(rep(ps.targets)).reshape(-1, 2)
+        left, right_half = images.chunk(2, dim=-1)
+        ok_l = scorer.predict(left) == targets[:, 0]
+        ok_r = scorer.predict(right_half) == targets[:, 1]
+        both = ok_l & ok_r
+        for prefix, mask in (("", ~heldout), ("heldout_", heldout)):
+            out[f"{prefix}pair_accuracy"] = mean(both[mask])
+            out[f"{prefix}left_accuracy"] = mean(ok_l[mask])
+            out[f"{prefix}right_accuracy"] = mean(ok_r[mask])
+        cells = 2
+    out["fd"] = frechet_distance(real_reference(ps.kind), images, scorer.featurizer(cells))
+    out["classifier_heldout_accuracy"] = scorer.heldout_accuracy
+    out["num_images"] = len(images)
+    return out
+
+
+def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n: int,
+                        split_ranks: bool = False, progress: bool = False) -> tuple[torch.Tensor, float]:
+    """(P, n, C, H, W) candidates for the prompt set, and the images/s it took."""
+    t0 = time.perf_counter()
+    labels = ps.labels if pipe.model.cfg.num_classes is not None else None
+    images = pipe.generate(ps.prompts, settings.steps, settings.guidance, settings.sampler, seed=0, labels=labels,
+                           batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n, progress=progress,
+                           cache_schedule=settings.cache_schedule)
+    seconds = time.perf_counter() - t0
+    return images.view(len(ps.prompts), n, *images.shape[1:]), len(images) / seconds
