@@ -30,10 +30,12 @@ def evaluate(
     grid_path: str | Path | None = None,
     split_ranks: bool = False,
     progress: bool = False,
+    decode_ranks: int = 0,
 ) -> dict[str, Any]:
     """Metrics of `pipe` on its dataset's prompt set (best_of / selection / pick from `settings`).
 
     split_ranks: called by every rank of a multi-process job, which share the generation (Pipeline.generate).
+    decode_ranks: called by every rank; the last K decode (Pipeline.generate); rank 0 scores, the others get {}.
     """
     from framework.bestof import select
     from framework.judge import get_judge
@@ -43,7 +45,10 @@ def evaluate(
         raise ValueError(f"no classifier scores this dataset (source {pipe.info.get('source')!r}); evaluation "
                          "knows the digits and digit_pairs data. Use framework.sample to look at the images.")
     ps = prompt_set(kind, settings.seeds, settings.phrasings)
-    candidates, images_per_s = generate_candidates(pipe, ps, settings, settings.best_of, split_ranks, progress)
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, settings.best_of, split_ranks, progress,
+                                                   decode_ranks)
+    if candidates is None:  # a rank that only helped (decode_ranks)
+        return {}
     judge = None
     if settings.best_of > 1:
         judge = get_judge(settings.judge or ps.judge, settings.judge_path)
@@ -94,8 +99,10 @@ def eval_summary(metrics: dict[str, Any]) -> str:
             f"{metrics['classifier_heldout_accuracy']:.3f}, {metrics['num_images']} images)")
 
 
-def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Path) -> dict[str, Any]:
-    """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections."""
+def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Path,
+                  decode_ranks: int = 0) -> dict[str, Any]:
+    """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections.
+    With decode_ranks every rank calls it; rank 0 scores and writes, the others get {}."""
     from framework.bestof import SELECTIONS, select
     from framework.judge import get_judge
 
@@ -104,7 +111,9 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"scaling={ns}: give candidate counts >= 1, e.g. scaling=[1,2,4,8]")
     ns = sorted(set(ns))
-    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], progress=True)
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], progress=True, decode_ranks=decode_ranks)
+    if candidates is None:
+        return {}
     judge = get_judge(settings.judge or ps.judge, settings.judge_path)
     rows = []
     for selection in SELECTIONS:
@@ -169,6 +178,8 @@ class EvalCommand(EvalSettings):
     """auto: a GPU when present."""
     scaling: list[int] | None = None
     """Best-of-N for each N, e.g. [1,2,4,8,16,32], both selections: writes scaling.json and scaling.png."""
+    decode_ranks: int = 0
+    """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
 
 
 ConfigStore.instance().store(name="eval_command", node=EvalCommand)
@@ -177,6 +188,14 @@ ConfigStore.instance().store(name="eval_command", node=EvalCommand)
 @hydra.main(version_base="1.3", config_path=None, config_name="eval_command")
 def main(cfg: EvalCommand) -> None:
     cfg = OmegaConf.to_object(cfg)
+    rank0 = True
+    if cfg.decode_ranks:
+        import torch.distributed as dist
+
+        from framework.decoupled import init_from_env, roles
+
+        roles(init_from_env(), cfg.decode_ranks)  # refuses too few processes
+        rank0 = dist.get_rank() == 0
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     if dataset_kind(pipe.info) is None:
         raise SystemExit(
@@ -186,11 +205,14 @@ def main(cfg: EvalCommand) -> None:
     out = Path(cfg.out) if cfg.out else Path(cfg.ckpt).resolve().parent.parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
     if cfg.scaling:
-        result = scaling_curve(pipe, cfg, list(cfg.scaling), out)
-        print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
-        print(json.dumps(result))
+        result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.decode_ranks)
+        if rank0:
+            print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
+            print(json.dumps(result))
         return
-    metrics = evaluate(pipe, cfg, out / "judged.png", progress=True)
+    metrics = evaluate(pipe, cfg, out / "judged.png", progress=True, decode_ranks=cfg.decode_ranks)
+    if not rank0:
+        return
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"judged grid: {out / 'judged.png'}")
     print(eval_summary(metrics))

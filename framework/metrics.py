@@ -151,7 +151,10 @@ def frechet_distance(real: torch.Tensor, fake: torch.Tensor, featurizer: nn.Modu
     """Fréchet distance between two image sets (N, C, H, W) in [-1, 1] on `featurizer`'s features (torchmetrics)."""
     from torchmetrics.image.fid import FrechetInceptionDistance
 
-    fid = FrechetInceptionDistance(feature=featurizer, reset_real_features=False)
+    # sync_on_compute=False: a process that calls this holds the whole image set (in a multi-rank job every rank
+    # scores all images, or rank 0 alone does); torchmetrics would otherwise sum the states of all processes,
+    # counting every image once per rank (or wait for ranks that never call it).
+    fid = FrechetInceptionDistance(feature=featurizer, reset_real_features=False, sync_on_compute=False)
     for images, real_side in ((real, True), (fake, False)):
         for i in range(0, len(images), batch_size):
             fid.update(images[i : i + batch_size].float(), real=real_side)

@@ -142,7 +142,8 @@ class Pipeline:
         candidates: int = 1,
         progress: bool = False,
         cache_schedule: str | CacheSchedule | None = None,
-    ) -> torch.Tensor:
+        decode_ranks: int = 0,
+    ) -> torch.Tensor | None:
         """Images (N * candidates, C, H, W) in [-1, 1], each prompt's candidates together.
 
         Candidate j of prompt i depends only on (prompt i, seed, i, j), so the first candidates are the
@@ -155,6 +156,9 @@ class Pipeline:
         cache_schedule: a CacheSchedule, or a `cache_schedule=` value (a file, uniform:K): sampling reuses the
         branches it skips from the previous step (framework/caching.py); refused when made for another
         sampler, step count or model.
+        decode_ranks: inside a multi-process job, every rank calls this; the last `decode_ranks` ranks decode
+        while the others denoise (framework/decoupled.py). Rank 0 gets all images, the same ones plain
+        sampling draws; the other ranks get None.
         """
         if candidates < 1:
             raise ValueError(f"candidates={candidates} must be >= 1")
@@ -167,6 +171,11 @@ class Pipeline:
         labels = [lbl for lbl in labels for _ in range(candidates)]
         n = len(prompts)
         schedule = self.schedule(cache_schedule, sampler, steps)
+        if decode_ranks:
+            if split_ranks:
+                raise ValueError("decode_ranks and split_ranks: choose one way to share generation between ranks")
+            return self._generate_decoupled(prompts, labels, noise, steps, guidance, sampler, batch_size, progress,
+                                            schedule, decode_ranks)
         world = _world_size() if split_ranks else 1
         if world == 1:
             return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, progress, schedule)
@@ -201,16 +210,43 @@ class Pipeline:
         runner = BranchRunner(self.model) if schedule is not None else None
         with runner.installed() if runner else nullcontext():
             for i in range(0, n, batch_size):
-                out.append(self._generate_batch(prompts[i : i + batch_size], labels[i : i + batch_size],
-                                                seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule))
+                z = self._denoise_batch(prompts[i : i + batch_size], labels[i : i + batch_size],
+                                        seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule)
+                out.append(self.decode(z))
                 bar.update(len(out[-1]))
         bar.close()
         return torch.cat(out)
 
-    def _generate_batch(self, chunk: list[str], labels: list[int | None], seeds: list[int], steps: int,
-                        guidance: float, sampler: str | None, runner: BranchRunner | None,
-                        schedule: CacheSchedule | None) -> torch.Tensor:
-        """One batch of images; both CFG halves in one forward, so they share one branch cache."""
+    def _generate_decoupled(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
+                            guidance: float, sampler: str | None, batch_size: int, progress: bool,
+                            schedule: CacheSchedule | None, decode_ranks: int) -> torch.Tensor | None:
+        """The batches of _generate, denoised and decoded on separate ranks (framework/decoupled.py)."""
+        import torch.distributed as dist
+        from tqdm import tqdm
+
+        from framework.decoupled import generate_decoupled
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"decode_ranks={decode_ranks} needs a multi-process job: launch with "
+                             f"torchrun --nproc_per_node={decode_ranks + 1} (or more)")
+        n = len(prompts)
+        batches = [{"size": min(batch_size, n - i), "slice": slice(i, i + batch_size)} for i in range(0, n, batch_size)]
+        runner = BranchRunner(self.model) if schedule is not None else None
+
+        def denoise(batch: dict) -> torch.Tensor:
+            s = batch["slice"]
+            return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, runner, schedule)
+
+        bar = tqdm(total=n, desc="denoise", unit="img", disable=not (progress and dist.get_rank() == 0), leave=False)
+        with runner.installed() if runner else nullcontext():
+            images = generate_decoupled(self, batches, decode_ranks, denoise, bar.update)
+        bar.close()
+        return images
+
+    def _denoise_batch(self, chunk: list[str], labels: list[int | None], seeds: list[int], steps: int,
+                       guidance: float, sampler: str | None, runner: BranchRunner | None,
+                       schedule: CacheSchedule | None) -> torch.Tensor:
+        """Scaled latents (b, C, H, W) of one batch; both CFG halves in one forward, so they share one branch cache."""
         from framework.data import drop_captions, pad_and_stack
 
         C, (H, W) = self.model.cfg.in_channels, self.model.cfg.latent_hw
@@ -235,8 +271,7 @@ class Pipeline:
 
         # One generator per image keeps image i independent of the batch it lands in.
         x = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        z = sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
-        return self.decode(z)
+        return sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling)."""

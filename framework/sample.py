@@ -49,6 +49,8 @@ class SampleCommand:
     """ema (when the checkpoint has EMA weights) or train."""
     cache_schedule: str | None = None
     """Cached sampling: a cache_schedule.json from experiment=cache_router (or its run dir), or uniform:K."""
+    decode_ranks: int = 0
+    """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -71,13 +73,20 @@ def run(cfg: SampleCommand) -> list[Path]:
     from framework.bestof import select
     from framework.judge import get_judge
 
+    if cfg.decode_ranks:
+        from framework.decoupled import init_from_env, roles
+
+        roles(init_from_env(), cfg.decode_ranks)  # refuses too few processes
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()
     images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=prompt_labels(pipe, prompts),
-                           candidates=cfg.best_of, progress=True, cache_schedule=cfg.cache_schedule)
+                           candidates=cfg.best_of, progress=True, cache_schedule=cfg.cache_schedule,
+                           decode_ranks=cfg.decode_ranks)
     seconds = time.perf_counter() - t0
+    if images is None:  # a rank that only helped (decode_ranks): rank 0 writes
+        return []
     print(f"generated {len(images)} images ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "
           f"{len(images) / seconds:.1f} images/s")
     kept = select(images.view(len(prompts), cfg.best_of, *images.shape[1:]), prompts, judge, cfg.selection, cfg.pick)

@@ -13,6 +13,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
   norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
   cache      cached sampling (framework/caching.py): images/s, accuracy and fd of full sampling, a learned
              schedule, uniform:K at the same cost and fewer steps at the same latency
+  decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
+             doing both (split_ranks), and denoising / decoding ranks (decode_ranks)
 Each prints a table and writes one JSON row per configuration to `out`.
 """
 
@@ -25,8 +27,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench import (suite_cache, suite_data, suite_ema, suite_init_memory, suite_memory, suite_norm,
-                             suite_optimizer, suite_train)
+from framework.bench import (suite_cache, suite_data, suite_decode, suite_ema, suite_init_memory, suite_memory,
+                             suite_norm, suite_optimizer, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
 
@@ -40,6 +42,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "ema": (suite_ema.EMABench, suite_ema.run),
     "norm": (suite_norm.NormBench, suite_norm.run),
     "cache": (suite_cache.CacheBench, suite_cache.run),
+    "decode": (suite_decode.DecodeBench, suite_decode.run),
 }
 
 
@@ -55,7 +58,8 @@ def main() -> None:
     def _run(cfg: Any) -> None:
         obj = OmegaConf.to_object(cfg)
         rows = run(obj)
-        write_json(rows, obj.out)
+        if rows:  # under torchrun (suite decode) only rank 0 has rows to write
+            write_json(rows, obj.out)
 
     _run()
 

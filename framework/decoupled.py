@@ -1,0 +1,94 @@
+"""Decoupled generation (PipeDiT's DiT/VAE decoupling): some ranks denoise, the others decode.
+
+With `decode_ranks=K` on W ranks, ranks 0..W-K-1 run the sampler and ranks W-K..W-1 run the image
+decoder. Batch b (the same batches plain sampling draws) is denoised by denoiser b mod (W-K) and its
+latents are sent, without waiting, to decoder b mod K, so decoding batch b overlaps denoising batch
+b+1. Decoded images are sent to rank 0, which returns all of them in order; the other ranks return
+None. Every image is computed exactly as plain sampling computes it (same noise, same batches, same
+decode batches), so the images are identical.
+
+torch.distributed gives the point-to-point sends; what it lacks is the schedule above, written here.
+Launch: `torchrun --nproc_per_node=N -m framework.sample ... decode_ranks=K` (or framework.eval).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from framework.pipeline import Pipeline
+
+
+def init_from_env() -> int:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, ...): gloo on CPUs, nccl on GPUs.
+    Returns the world size (1 when not launched by torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        gpu = torch.cuda.is_available()
+        if gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if gpu else "gloo")
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def roles(world: int, decode_ranks: int) -> tuple[list[int], list[int]]:
+    """(denoising ranks, decoding ranks) for decode_ranks=K on `world` ranks."""
+    if not 1 <= decode_ranks < world:
+        raise ValueError(f"decode_ranks={decode_ranks} needs at least {decode_ranks + 1} processes (one or more "
+                         f"denoise, {decode_ranks} decode) but this job has {world}: launch with "
+                         f"torchrun --nproc_per_node={decode_ranks + 1} (or more), or set decode_ranks=0")
+    return list(range(world - decode_ranks)), list(range(world - decode_ranks, world))
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """Where tensors travel: GPU memory under nccl, host memory under gloo."""
+    backend = dist.get_backend()
+    return t.contiguous().cuda() if backend == "nccl" else t.contiguous().cpu()
+
+
+def generate_decoupled(pipe: "Pipeline", batches: list[dict[str, Any]], decode_ranks: int,
+                       denoise: Callable[[dict[str, Any]], torch.Tensor],
+                       on_batch: Callable[[int], None] | None = None) -> torch.Tensor | None:
+    """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks.
+
+    Every rank calls this with the same `batches` (each a dict with at least "size"). Rank 0 gets the
+    images of all batches in order; the other ranks get None.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    denoisers, decoders = roles(world, decode_ranks)
+    denoiser_of = lambda b: denoisers[b % len(denoisers)]
+    decoder_of = lambda b: decoders[b % len(decoders)]
+    C, (H, W) = pipe.model.cfg.in_channels, pipe.model.cfg.latent_hw
+    sends = []
+    if rank in denoisers:
+        for b, batch in enumerate(batches):
+            if denoiser_of(b) == rank:
+                z = denoise(batch)  # (n, C, H, W)
+                sends.append((dist.isend(_wire(z), dst=decoder_of(b), tag=b), z))  # decoded while we go on
+                if on_batch:
+                    on_batch(batch["size"])
+    else:
+        for b, batch in enumerate(batches):
+            if decoder_of(b) == rank:
+                z = _wire(torch.empty(batch["size"], C, H, W))
+                dist.recv(z, src=denoiser_of(b), tag=b)
+                images = _wire(pipe.decode(z.to(pipe.device)))  # (n, c, h, w)
+                shape = _wire(torch.tensor(images.shape, dtype=torch.long))
+                sends += [(dist.isend(shape, dst=0, tag=b), shape), (dist.isend(images, dst=0, tag=b), images)]
+    out = None
+    if rank == 0:
+        out = []
+        for b in range(len(batches)):
+            shape = _wire(torch.empty(4, dtype=torch.long))
+            dist.recv(shape, src=decoder_of(b), tag=b)
+            images = _wire(torch.empty(*shape.tolist()))
+            dist.recv(images, src=decoder_of(b), tag=b)
+            out.append(images.cpu())
+        out = torch.cat(out)
+    for work, _tensor in sends:  # the tensor stays referenced until its send is done
+        work.wait()
+    return out

@@ -1,0 +1,68 @@
+"""Decoupled generation (framework/decoupled.py): denoising and decoding ranks give plain sampling's images.
+
+Multi-process cases run under torchrun in subprocesses (gloo, CPU); the reference is each rank's own
+plain generation of the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from framework.decoupled import roles
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, *args: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("nproc,decode_ranks", [(2, 1), (3, 1), (3, 2)])
+def test_decoupled_generation_draws_the_plain_images(tmp_path, digits_shards, tiny_vae_dir, nproc, decode_ranks):
+    out = tmp_path / "result.json"
+    proc = torchrun(nproc, "-m", "tests.decoupled_worker", str(digits_shards), str(tiny_vae_dir), str(decode_ranks),
+                    str(out), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    for schedule in ("None", "uniform:2"):
+        r = result[schedule]
+        assert r["equal"] and r["shape"] == [5, 3, 16, 16] and r["max_abs"] > 0.01, r
+        assert r["returned"] == [[5, 3, 16, 16]] + [None] * (nproc - 1)  # rank 0 gets the images, the others None
+
+
+def test_decode_ranks_needs_more_processes_than_decoders():
+    assert roles(3, 1) == ([0, 1], [2])
+    assert roles(3, 2) == ([0], [1, 2])
+    for world, k in ((1, 1), (2, 2), (2, 0)):
+        with pytest.raises(ValueError, match="needs at least"):
+            roles(world, k)
+
+
+def test_eval_command_with_decode_ranks_scores_what_one_process_scores(tmp_path, digits_shards):
+    """`torchrun ... -m framework.eval decode_ranks=1` on 2 processes: the same metrics as one process (only
+    the speed differs), printed once, by rank 0."""
+    from framework.eval import EvalCommand, evaluate
+    from framework.pipeline import Pipeline
+    from framework.train import train
+    from tests.test_train import cheap, compose_cfg
+
+    ckpt = train(compose_cfg(cheap(tmp_path, digits_shards, steps=2)))["checkpoint"]
+    args = dict(seeds=1, phrasings=1, steps=3, batch_size=8)
+    proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", "decode_ranks=1", "device=cpu",
+                    *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("prompt_accuracy ") for line in lines) == 1
+    got = json.loads(lines[-1])
+    want = evaluate(Pipeline.from_checkpoint(ckpt), EvalCommand(ckpt=ckpt, **args))
+    for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "fd", "num_images"):
+        assert got[key] == want[key], key
