@@ -14,13 +14,10 @@ Launch: `torchrun --nproc_per_node=N -m framework.sample ... decode_ranks=K` (or
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from framework.pipeline import Pipeline
 
 
 def init_from_env() -> int:
@@ -50,10 +47,11 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().cuda() if backend == "nccl" else t.contiguous().cpu()
 
 
-def generate_decoupled(pipe: "Pipeline", batches: list[dict[str, Any]], decode_ranks: int,
+def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: int,
                        denoise: Callable[[dict[str, Any]], torch.Tensor],
                        on_batch: Callable[[int], None] | None = None) -> torch.Tensor | None:
-    """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks.
+    """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks (`pipe`: the
+    framework.pipeline.Pipeline that calls this; not imported here, it imports this module).
 
     Every rank calls this with the same `batches` (each a dict with at least "size"). Rank 0 gets the
     images of all batches in order; the other ranks get None.
