@@ -44,10 +44,10 @@ SCHEDULE_VERSION = 1
 def model_signature(model: Denoiser, objective: str) -> dict[str, Any]:
     """What a schedule must match: the architecture (family, depth, width, each block's branches) and the
     objective (it decides the sampler's trajectory)."""
-    cfg = model.cfg
-    return {"name": cfg.name, "family": cfg.family, "num_layers": len(block_views(model)),
+    cfg, views = model.cfg, block_views(model)
+    return {"name": cfg.name, "family": cfg.family, "num_layers": len(views),
             "hidden_size": cfg.hidden_size, "latent_hw": list(cfg.latent_hw), "objective": objective,
-            "branches": [[b.kind for b in v.branches] for v in block_views(model)]}
+            "branches": [[b.kind for b in v.branches] for v in views]}
 
 
 @dataclass

@@ -190,12 +190,9 @@ def main(cfg: EvalCommand) -> None:
     cfg = OmegaConf.to_object(cfg)
     rank0 = True
     if cfg.decode_ranks:
-        import torch.distributed as dist
+        from framework.decoupled import join
 
-        from framework.decoupled import init_from_env, roles
-
-        roles(init_from_env(), cfg.decode_ranks)  # refuses too few processes
-        rank0 = dist.get_rank() == 0
+        rank0 = join(cfg.decode_ranks) == 0
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     if dataset_kind(pipe.info) is None:
         raise SystemExit(

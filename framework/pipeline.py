@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -207,8 +207,7 @@ class Pipeline:
 
         n, out = len(prompts), []
         bar = tqdm(total=n, desc="generate", unit="img", disable=not progress, leave=False)
-        runner = BranchRunner(self.model) if schedule is not None else None
-        with runner.installed() if runner else nullcontext():
+        with self._branch_runner(schedule) as runner:
             for i in range(0, n, batch_size):
                 z = self._denoise_batch(prompts[i : i + batch_size], labels[i : i + batch_size],
                                         seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule)
@@ -231,17 +230,26 @@ class Pipeline:
                              f"torchrun --nproc_per_node={decode_ranks + 1} (or more)")
         n = len(prompts)
         batches = [{"size": min(batch_size, n - i), "slice": slice(i, i + batch_size)} for i in range(0, n, batch_size)]
-        runner = BranchRunner(self.model) if schedule is not None else None
-
-        def denoise(batch: dict) -> torch.Tensor:
-            s = batch["slice"]
-            return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, runner, schedule)
-
         bar = tqdm(total=n, desc="denoise", unit="img", disable=not (progress and dist.get_rank() == 0), leave=False)
-        with runner.installed() if runner else nullcontext():
+        with self._branch_runner(schedule) as runner:
+
+            def denoise(batch: dict) -> torch.Tensor:
+                s = batch["slice"]
+                return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, runner, schedule)
+
             images = generate_decoupled(self, batches, decode_ranks, denoise, bar.update)
         bar.close()
         return images
+
+    @contextmanager
+    def _branch_runner(self, schedule: CacheSchedule | None) -> Iterator[BranchRunner | None]:
+        """The model's branches wrapped for cached sampling while inside (None and nothing done without a schedule)."""
+        if schedule is None:
+            yield None
+            return
+        runner = BranchRunner(self.model)
+        with runner.installed():
+            yield runner
 
     def _denoise_batch(self, chunk: list[str], labels: list[int | None], seeds: list[int], steps: int,
                        guidance: float, sampler: str | None, runner: BranchRunner | None,

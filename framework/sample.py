@@ -74,9 +74,9 @@ def run(cfg: SampleCommand) -> list[Path]:
     from framework.judge import get_judge
 
     if cfg.decode_ranks:
-        from framework.decoupled import init_from_env, roles
+        from framework.decoupled import join
 
-        roles(init_from_env(), cfg.decode_ranks)  # refuses too few processes
+        join(cfg.decode_ranks)  # refuses too few processes
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
