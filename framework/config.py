@@ -40,12 +40,27 @@ class StrategyConfig:
     mixed_precision: bool = True
     """fsdp: gather parameters in the dtype of trainer.precision (bf16 for bf16-mixed, fp16 for 16-mixed,
     none for 32-true) with fp32 gradient reduction (FSDP2 MixedPrecisionPolicy); false: always fp32."""
+    sequence_parallel: int = 1
+    """ddp/fsdp: Ulysses sequence parallelism over groups of this many consecutive ranks (data parallel over
+    the groups): each rank holds 1/P of every image's tokens (framework/sequence.py). 1: off."""
+    sequence_parallel_head_groups: int = 1
+    """with sequence_parallel > 1: >1 splits each self-attention's all-to-all into this many head groups so
+    one group's communication overlaps another's attention (ScaleFusion); 1: one all-to-all (diffusers')."""
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
             raise ValueError(f"strategy.name={self.name!r} is not available; choose one of {STRATEGIES}")
         if self.sharding not in ("SHARD_GRAD_OP", "FULL_SHARD"):
             raise ValueError(f"strategy.sharding={self.sharding!r}: expected SHARD_GRAD_OP or FULL_SHARD")
+        if self.sequence_parallel < 1 or self.sequence_parallel_head_groups < 1:
+            raise ValueError(f"strategy.sequence_parallel={self.sequence_parallel} and strategy."
+                             f"sequence_parallel_head_groups={self.sequence_parallel_head_groups} must be >= 1")
+        if self.sequence_parallel > 1 and self.name == "single":
+            raise ValueError(f"strategy.sequence_parallel={self.sequence_parallel} needs several devices: use "
+                             "strategy=ddp or strategy=fsdp with trainer.devices a multiple of it")
+        if self.sequence_parallel > 1 and self.compile:
+            raise ValueError("strategy.compile with strategy.sequence_parallel > 1 is not supported (the split "
+                             "runs through forward hooks and asynchronous collectives); set strategy.compile=false")
 
 
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -263,6 +278,12 @@ def validate(cfg: TrainConfig) -> None:
         from framework.fsdp import fsdp_param_dtype
 
         fsdp_param_dtype(t.precision, cfg.strategy.mixed_precision)  # refuses a precision fsdp cannot follow
+    sp = cfg.strategy.sequence_parallel
+    if sp > 1:
+        from framework.sequence import check
+
+        world = n_devices * t.num_nodes if isinstance(n_devices, int) and n_devices > 0 else None
+        check(m, sp, cfg.strategy.sequence_parallel_head_groups, world)
     if cfg.sample.sampler is not None:
         check_sampler(cfg.objective.name, cfg.sample.sampler)
     if cfg.eval.sampler is not None:

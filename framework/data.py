@@ -261,9 +261,10 @@ def _is_complete(path: str) -> bool:
 class LatentDataModule(L.LightningDataModule):
     """StreamingDataset + StreamingDataLoader over precomputed latents, one shard partition per rank."""
 
-    def __init__(self, cfg: DataConfig, seed: int = 0) -> None:
+    def __init__(self, cfg: DataConfig, seed: int = 0, replication: int = 1) -> None:
         super().__init__()
         self.cfg, self.seed = cfg, seed
+        self.replication = replication  # consecutive ranks that read the same samples (sequence parallelism)
         # Build a missing dataset once, on global rank 0 only: on a shared filesystem two nodes'
         # local rank 0 would otherwise write the same folder at once.
         self.prepare_data_per_node = False
@@ -313,6 +314,7 @@ class LatentDataModule(L.LightningDataModule):
                 shuffle_seed=self.seed if cfg.shuffle_seed is None else cfg.shuffle_seed,
                 predownload=cfg.predownload, cache_limit=cfg.cache_limit,
                 num_canonical_nodes=cfg.num_canonical_nodes,
+                replication=self.replication if self.replication > 1 else None,
             )
         except Exception as err:
             raise RuntimeError(f"could not open the shards of {cfg.path} (local cache {local}): "

@@ -100,9 +100,10 @@ def eval_summary(metrics: dict[str, Any]) -> str:
 
 
 def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Path,
-                  decode_ranks: int = 0) -> dict[str, Any]:
+                  decode_ranks: int = 0, split_ranks: bool = False) -> dict[str, Any]:
     """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections.
-    With decode_ranks every rank calls it; rank 0 scores and writes, the others get {}."""
+    With decode_ranks every rank calls it; rank 0 scores and writes, the others get {}. split_ranks: as in
+    evaluate."""
     from framework.bestof import SELECTIONS, select
     from framework.judge import get_judge
 
@@ -111,7 +112,8 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"scaling={ns}: give candidate counts >= 1, e.g. scaling=[1,2,4,8]")
     ns = sorted(set(ns))
-    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], progress=True, decode_ranks=decode_ranks)
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], split_ranks, progress=True,
+                                                   decode_ranks=decode_ranks)
     if candidates is None:
         return {}
     judge = get_judge(settings.judge or ps.judge, settings.judge_path)
@@ -180,6 +182,11 @@ class EvalCommand(EvalSettings):
     """Best-of-N for each N, e.g. [1,2,4,8,16,32], both selections: writes scaling.json and scaling.png."""
     decode_ranks: int = 0
     """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
+    sequence_parallel: int = 1
+    """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
+    prompts (framework/sequence.py); 1: off."""
+    sequence_parallel_head_groups: int = 1
+    """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
 
 
 ConfigStore.instance().store(name="eval_command", node=EvalCommand)
@@ -194,6 +201,11 @@ def main(cfg: EvalCommand) -> None:
 
         rank0 = join(cfg.decode_ranks) == 0
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
+    split = cfg.sequence_parallel > 1
+    if split:
+        from framework.sequence import split_for_sampling
+
+        rank0 = split_for_sampling(pipe.model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups) == 0
     if dataset_kind(pipe.info) is None:
         raise SystemExit(
             f"framework.eval: the checkpoint was trained on {pipe.info.get('source')!r}; only the digits and"
@@ -202,12 +214,12 @@ def main(cfg: EvalCommand) -> None:
     out = Path(cfg.out) if cfg.out else Path(cfg.ckpt).resolve().parent.parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
     if cfg.scaling:
-        result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.decode_ranks)
+        result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.decode_ranks, split)
         if rank0:
             print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
             print(json.dumps(result))
         return
-    metrics = evaluate(pipe, cfg, out / "judged.png", progress=True, decode_ranks=cfg.decode_ranks)
+    metrics = evaluate(pipe, cfg, out / "judged.png", split_ranks=split, progress=True, decode_ranks=cfg.decode_ranks)
     if not rank0:
         return
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -95,6 +95,11 @@ class DiffusionModule(pl.LightningModule):
         if s is None or getattr(self, "_configured", False):
             return
         self._configured = True
+        if s.sequence_parallel > 1:  # hooks and processors only: before sharding, on the meta model under fsdp
+            from framework.sequence import init, install
+
+            install(self.model, init(s.sequence_parallel, s.sequence_parallel_head_groups,
+                                     self.trainer.strategy.root_device))
         prepare_blocks(self.model, s.activation_checkpointing, s.compile)
         if s.name == "fsdp":
             strategy = self.trainer.strategy
@@ -145,6 +150,9 @@ class DiffusionModule(pl.LightningModule):
     def _draw(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Noise, noise level and caption-drop flags for this rank's slice of the global batch."""
         B, W, r = x0.shape[0], self.trainer.world_size, self.global_rank
+        sp = getattr(self.model, "sequence_parallel", None)
+        if sp is not None:  # a sequence-parallel group draws as one data-parallel rank (framework/sequence.py)
+            W, r = sp.dp_size, sp.dp_rank
         g = self.step_generator()
         noise, u = self.objective.draw(x0.new_empty((W * B, *x0.shape[1:]), device="cpu"), g)
         drop = torch.rand(W * B, generator=g) < self.objective.cfg.caption_dropout

@@ -18,6 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 from framework.caching import BranchRunner, CacheSchedule, ScheduledSampling, resolve_schedule
 from framework.models import Denoiser, ModelConfig, build_denoiser
 from framework.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig, sample_latents
+from framework.sequence import group_of
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint loading
@@ -151,7 +152,8 @@ class Pipeline:
         All N * candidates images are drawn in batches of `batch_size`: the cost grows linearly.
         split_ranks: inside a multi-process job, every rank must call this (a sharded model needs all
         ranks in each forward); each rank then generates its own contiguous share of the prompts and
-        every rank gets all images back, the same ones one process would draw.
+        every rank gets all images back, the same ones one process would draw. A sequence-parallel model
+        (framework/sequence.py) is called by every rank of the job too; its groups share the prompts.
         progress: a bar over the batches (on rank 0).
         cache_schedule: a CacheSchedule, or a `cache_schedule=` value (a file, uniform:K): sampling reuses the
         branches it skips from the previous step (framework/caching.py); refused when made for another
@@ -172,25 +174,35 @@ class Pipeline:
         n = len(prompts)
         schedule = self.schedule(cache_schedule, sampler, steps)
         if decode_ranks:
+            if group_of(self.model) is not None:
+                raise ValueError("decode_ranks with sequence_parallel: choose one way to share generation between ranks")
             if split_ranks:
                 raise ValueError("decode_ranks and split_ranks: choose one way to share generation between ranks")
             return self._generate_decoupled(prompts, labels, noise, steps, guidance, sampler, batch_size, progress,
                                             schedule, decode_ranks)
-        world = _world_size() if split_ranks else 1
+        sp = group_of(self.model)
+        world = _world_size() if split_ranks or sp is not None else 1
         if world == 1:
             return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, progress, schedule)
         import torch.distributed as dist
 
         # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
-        # same number of forwards, which FSDP's collectives need.
-        per, rank = math.ceil(n / world), dist.get_rank()
-        idx = [i for i in range(rank * per, (rank + 1) * per) if i < n]
+        # same number of forwards, which FSDP's collectives need. A sequence-parallel group (P consecutive
+        # ranks, framework/sequence.py) draws one share together; its P copies are identical.
+        shares, share = (sp.dp_size, sp.dp_rank) if sp is not None else (world, dist.get_rank())
+        if not split_ranks:
+            shares, share = 1, 0
+        per = math.ceil(n / shares)
+        idx = [i for i in range(share * per, (share + 1) * per) if i < n]
         idx += [0] * (per - len(idx))
         mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
-                              steps, guidance, sampler, batch_size, progress and rank == 0, schedule).to(self.device)
+                              steps, guidance, sampler, batch_size, progress and dist.get_rank() == 0,
+                              schedule).to(self.device)
+        if shares == 1:
+            return mine.cpu()
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
-        return torch.cat(gathered)[:n].cpu()
+        return torch.cat(gathered[:: world // shares])[:n].cpu()
 
     def schedule(self, spec: str | CacheSchedule | None, sampler: str | None, steps: int) -> CacheSchedule | None:
         """The cache schedule `spec` names, checked against this model, the sampler and the step count."""

@@ -51,6 +51,11 @@ class SampleCommand:
     """Cached sampling: a cache_schedule.json from experiment=cache_router (or its run dir), or uniform:K."""
     decode_ranks: int = 0
     """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
+    sequence_parallel: int = 1
+    """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
+    prompts (framework/sequence.py); 1: off."""
+    sequence_parallel_head_groups: int = 1
+    """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -78,14 +83,18 @@ def run(cfg: SampleCommand) -> list[Path]:
 
         join(cfg.decode_ranks)  # refuses too few processes
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
+    if cfg.sequence_parallel > 1:
+        from framework.sequence import split_for_sampling
+
+        split_for_sampling(pipe.model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()
     images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=prompt_labels(pipe, prompts),
                            candidates=cfg.best_of, progress=True, cache_schedule=cfg.cache_schedule,
-                           decode_ranks=cfg.decode_ranks)
+                           decode_ranks=cfg.decode_ranks, split_ranks=cfg.sequence_parallel > 1)
     seconds = time.perf_counter() - t0
-    if images is None:  # a rank that only helped (decode_ranks): rank 0 writes
+    if images is None or not _is_rank0():  # a rank that only helped (decode_ranks, sequence_parallel): rank 0 writes
         return []
     print(f"generated {len(images)} images ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "
           f"{len(images) / seconds:.1f} images/s")
@@ -101,6 +110,12 @@ def run(cfg: SampleCommand) -> list[Path]:
         paths.append(path)
     paths.append(save_grid(chosen, prompts, out / "grid.png"))
     return paths
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @hydra.main(version_base="1.3", config_path=None, config_name="sample_command")

@@ -230,7 +230,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
     if not uses_gpu(cfg.trainer.accelerator) and isinstance(devices, int):
         share_cpu_threads(devices)
 
-    dm = LatentDataModule(cfg.data, seed=cfg.seed)
+    # Every rank of a sequence-parallel group reads the same samples (Streaming's replication).
+    dm = LatentDataModule(cfg.data, seed=cfg.seed, replication=cfg.strategy.sequence_parallel)
     module = DiffusionModule(
         cfg.model,
         cfg.objective,

@@ -47,22 +47,31 @@ def test_decode_ranks_needs_more_processes_than_decoders():
             roles(world, k)
 
 
-def test_eval_command_with_decode_ranks_scores_what_one_process_scores(tmp_path, digits_shards):
-    """`torchrun ... -m framework.eval decode_ranks=1` on 2 processes: the same metrics as one process (only
-    the speed differs), printed once, by rank 0."""
-    from framework.eval import EvalCommand, evaluate
-    from framework.pipeline import Pipeline
+@pytest.fixture(scope="module")
+def quick_ckpt(tmp_path_factory, digits_shards) -> str:
     from framework.train import train
     from tests.test_train import cheap, compose_cfg
 
-    ckpt = train(compose_cfg(cheap(tmp_path, digits_shards, steps=2)))["checkpoint"]
+    return train(compose_cfg(cheap(tmp_path_factory.mktemp("ckpt"), digits_shards, steps=2)))["checkpoint"]
+
+
+@pytest.mark.parametrize("split", ["decode_ranks=1", "sequence_parallel=2"])
+def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, quick_ckpt, split):
+    """`torchrun ... -m framework.eval decode_ranks=1` (or sequence_parallel=2) on 2 processes: the same
+    metrics as one process (only the speed differs), printed once, by rank 0."""
+    from framework.eval import EvalCommand, evaluate
+    from framework.pipeline import Pipeline
+
+    ckpt = quick_ckpt
     args = dict(seeds=1, phrasings=1, steps=3, batch_size=8)
-    proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", "decode_ranks=1", "device=cpu",
+    proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", split, "device=cpu",
                     *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("prompt_accuracy ") for line in lines) == 1
     got = json.loads(lines[-1])
     want = evaluate(Pipeline.from_checkpoint(ckpt), EvalCommand(ckpt=ckpt, **args))
-    for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "fd", "num_images"):
+    for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "num_images"):
         assert got[key] == want[key], key
+    # decoupled images are bit-identical; split attention may round differently in float32
+    assert got["fd"] == (want["fd"] if split.startswith("decode") else pytest.approx(want["fd"], rel=1e-4))

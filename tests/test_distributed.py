@@ -87,7 +87,8 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dist")
-    out = {name: root / name for name in ("ref", "sgo", "full", "split", "to1", "to2", "ddp", "ddp_split")}
+    out = {name: root / name for name in ("ref", "sgo", "full", "split", "to1", "to2", "ddp", "ddp_split",
+                                          "sp_ddp", "sp_2x2")}
     run_train(out["ref"], digits_shards, "data.batch_size=16", "trainer.checkpoint_every_n_steps=2",
               f"trainer.max_steps={STEPS}")
     run_train(out["sgo"], digits_shards, *fsdp(), f"trainer.max_steps={STEPS}")
@@ -103,6 +104,12 @@ def runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
     run_train(out["ddp"], digits_shards, *ddp, f"trainer.max_steps={STEPS}")
     run_train(out["ddp_split"], digits_shards, *ddp, "trainer.max_steps=2")
     run_train(out["ddp_split"], digits_shards, *ddp, f"trainer.max_steps={STEPS}")
+    # Sequence parallelism: one group of 2 ranks (the whole batch of 16 on both); 2 data x 2 sequence ranks
+    # under fsdp (8 per group), its all-to-all in 2 overlapped head groups.
+    run_train(out["sp_ddp"], digits_shards, *ddp[:2], "data.batch_size=16", "data.num_workers=1",
+              "strategy.sequence_parallel=2", f"trainer.max_steps={STEPS}")
+    run_train(out["sp_2x2"], digits_shards, *fsdp(devices=4), "strategy.sequence_parallel=2",
+              "strategy.sequence_parallel_head_groups=2", f"trainer.max_steps={STEPS}", timeout=400)
     return out
 
 
@@ -111,7 +118,7 @@ def runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sgo", "full", "ddp"])
+@pytest.mark.parametrize("name", ["sgo", "full", "ddp", "sp_ddp", "sp_2x2"])
 def test_two_ranks_follow_the_single_process_losses(runs, name):
     ref, got = losses(runs["ref"]), losses(runs[name])
     assert sorted(got) == list(range(STEPS))

@@ -1,0 +1,353 @@
+"""Ulysses sequence parallelism (`strategy.sequence_parallel=P`) for the pixart, sana and dit families.
+
+The W ranks form a (W/P data-parallel) x (P sequence-parallel) mesh; a sequence-parallel group is P
+consecutive ranks, which see the same samples, timesteps and caption dropout (Streaming's `replication`
+and the module's draw by data-parallel rank). Inside a group each rank holds 1/P of the image tokens,
+a contiguous band of rows:
+
+    patch embedding       every rank embeds the whole latent, then keeps its band (a forward hook)
+    softmax self-attn     all-to-all sequence -> heads, attention over all tokens for H/P heads, back
+                          (diffusers' Ulysses attention; or our per-head-group overlapped version)
+    SANA linear attn      the small per-head sums K^T.V and sum(K) are all-reduced, then applied locally
+    SANA Mix-FFN          the 3x3 depthwise conv gets its neighbours' boundary rows first (halo exchange)
+    cross-attn, MLPs,     stay local: they mix channels or attend to the caption, never across tokens
+    norms, adaLN
+    output projection     gathered back to the whole sequence, so unpatchify, loss and sampler are as on
+                          one rank (the sampler's final latent is whole on every rank before decoding)
+
+Gradients: each rank's backward gives the parameter gradient through its own tokens; the full gradient
+is their sum over the group. The gather's backward returns P x this rank's slice, so the data-parallel
+*mean* over all W ranks that DDP / FSDP2 already take (FSDP2 shards over every rank) is the mean over the
+W/P groups of full gradients: the same step as one rank training on the data-parallel batch.
+
+What is whose: diffusers' context-parallel support (ContextParallelConfig with a Ulysses degree,
+`dispatch_attention_fn` with its native backend) does the all-to-all attention, forward and backward.
+diffusers has no context-parallel plan for these three families and its attention processors for them
+do not dispatch through it, so written here: the token split / gather hooks, the processors, SANA's
+linear-attention all-reduce and Mix-FFN halo exchange, and the ScaleFusion-style overlap (the all-to-all
+of head group g+1 in flight while group g attends; torch's functional collectives are asynchronous
+until their result is used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from framework.models import Denoiser, ModelConfig
+
+SP_FAMILIES = ("pixart", "sana", "dit")
+# Where each family's tokens are made and where they leave the stack (hooks go on these modules).
+_EMBED = {"pixart": "pos_embed", "dit": "pos_embed", "sana": "patch_embed"}
+_OUT = {"pixart": "proj_out", "dit": "proj_out_2", "sana": "proj_out"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks and the process groups
+# --------------------------------------------------------------------------------------------------
+
+def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None = None) -> None:
+    """Refuse a model (or world size) that `sequence_parallel=size` cannot split evenly."""
+    if size < 1 or head_groups < 1:
+        raise ValueError(f"sequence_parallel={size} and sequence_parallel_head_groups={head_groups} must be >= 1")
+    if size == 1:
+        return
+    if cfg.family not in SP_FAMILIES:
+        raise ValueError(f"sequence_parallel={size}: model.family={cfg.family} is not supported (only "
+                         f"{', '.join(SP_FAMILIES)}: the unet's attention sits between convolutions at several "
+                         "resolutions); set sequence_parallel=1")
+    if world is not None and world % size:
+        raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
+                         f"device count that is a multiple of {size}")
+    heads = cfg.num_heads
+    if cfg.family != "sana" and heads % (size * head_groups):  # sana's linear attention keeps every head
+        raise ValueError(f"sequence_parallel={size}" + (f" x sequence_parallel_head_groups={head_groups}"
+                                                        if head_groups > 1 else "") +
+                         f" does not divide model.num_heads={heads}: each rank attends with whole heads; "
+                         f"pick a sequence_parallel that divides {heads}")
+    rows, cols = (side // cfg.patch_size for side in cfg.latent_hw)
+    if cfg.family == "sana" and rows % size:
+        raise ValueError(f"sequence_parallel={size} does not divide the {rows} token rows of model.family=sana "
+                         f"({rows}x{cols} tokens): its Mix-FFN convolution needs whole rows per rank")
+    if (rows * cols) % size:
+        raise ValueError(f"sequence_parallel={size} does not divide the {rows * cols} tokens ({rows}x{cols}) "
+                         f"of model.{cfg.name}; pick a latent size whose token count it divides")
+    if cfg.attention == "xformers":
+        raise ValueError("model.attention=xformers with sequence_parallel > 1: sequence-parallel self-attention "
+                         "runs through diffusers' native (sdpa) backend; set model.attention=sdpa")
+
+
+@dataclass
+class SequenceParallel:
+    """This rank's place in the (data parallel x sequence parallel) mesh."""
+
+    size: int
+    # P: ranks per sequence-parallel group
+    rank: int
+    # this rank's index inside its group (which band of token rows it holds)
+    group: Any
+    # the group's torch.distributed ProcessGroup
+    dp_rank: int
+    # which group this rank belongs to (the data-parallel rank)
+    dp_size: int
+    # number of groups (W / P)
+    parallel_config: Any
+    # diffusers' ParallelConfig whose Ulysses mesh is this group (for dispatch_attention_fn)
+    head_groups: int = 1
+    # >1: split the all-to-all per head group and overlap it with attention (ScaleFusion)
+
+
+def init(size: int, head_groups: int = 1, device: torch.device | str = "cpu") -> SequenceParallel:
+    """Build the mesh on every rank of the running process group (a collective: all ranks call it)."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job")
+    device = torch.device(device)
+    # Sequence ranks innermost: a group is P consecutive ranks (one node's GPUs, NVLink for the all-to-all).
+    mesh = init_device_mesh(device.type, (world // size, 1, size), mesh_dim_names=("dp", "ring", "ulysses"))
+    config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size))
+    config.setup(rank, world, device, mesh=mesh["ring", "ulysses"])
+    return SequenceParallel(size, mesh["ulysses"].get_local_rank(), mesh["ulysses"].get_group(),
+                            mesh["dp"].get_local_rank(), world // size, config, head_groups)
+
+
+def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> int:
+    """For the sample and eval commands under torchrun: join the job's process group and split `model` over
+    groups of `size` ranks. Returns this rank (the commands write and print on rank 0)."""
+    from framework.decoupled import init_from_env
+
+    world = init_from_env()
+    if world == 1:
+        raise ValueError(f"sequence_parallel={size} needs a multi-process job: launch with "
+                         f"torchrun --standalone --nproc_per_node={size} -m ...")
+    check(model.cfg, size, head_groups, world)
+    install(model, init(size, head_groups, next(model.parameters()).device))
+    return dist.get_rank()
+
+
+def group_of(module: nn.Module) -> SequenceParallel | None:
+    """The SequenceParallel a Denoiser was split with (None: whole sequences)."""
+    denoiser = module if isinstance(module, Denoiser) else getattr(module, "model", None)
+    return getattr(denoiser, "sequence_parallel", None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd pieces
+# --------------------------------------------------------------------------------------------------
+
+class _GatherTokens(torch.autograd.Function):
+    """(B, N/P, C) on each rank -> (B, N, C) on every rank. Backward: P x this rank's slice (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        ctx.sp, ctx.n = sp, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(sp.size)]
+        dist.all_gather(parts, x.contiguous(), group=sp.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        sp, n = ctx.sp, ctx.n
+        return grad[:, sp.rank * n:(sp.rank + 1) * n] * sp.size, None
+
+
+class _HaloRows(torch.autograd.Function):
+    """(B, C, h, W) -> (B, C, h + 2k, W): k rows from the neighbouring bands above and below (zeros at the
+    image's edges, as the convolution's own zero padding). Backward sends the halo's gradient home."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: int, sp: SequenceParallel) -> torch.Tensor:
+        ctx.k, ctx.sp = k, sp
+        edges = _exchange(torch.cat([x[:, :, :k], x[:, :, -k:]], dim=2).contiguous(), sp)  # P x (B, C, 2k, W)
+        above = edges[sp.rank - 1][:, :, k:] if sp.rank > 0 else torch.zeros_like(x[:, :, :k])
+        below = edges[sp.rank + 1][:, :, :k] if sp.rank < sp.size - 1 else torch.zeros_like(x[:, :, :k])
+        return torch.cat([above, x, below], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        k, sp = ctx.k, ctx.sp
+        g = grad[:, :, k:-k].clone()
+        halos = _exchange(torch.cat([grad[:, :, :k], grad[:, :, -k:]], dim=2).contiguous(), sp)
+        if sp.rank > 0:  # my first rows were the band above's "below" halo
+            g[:, :, :k] += halos[sp.rank - 1][:, :, k:]
+        if sp.rank < sp.size - 1:  # my last rows were the band below's "above" halo
+            g[:, :, -k:] += halos[sp.rank + 1][:, :, :k]
+        return g, None, None
+
+
+def _exchange(x: torch.Tensor, sp: SequenceParallel) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(sp.size)]
+    dist.all_gather(parts, x, group=sp.group)
+    return parts
+
+
+def _seq_to_heads(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """(B, N/P, h, D) -> (B, N, h/P, D), asynchronous until used (torch functional collective)."""
+    import torch.distributed._functional_collectives as funcol
+
+    B, n, h, D = x.shape
+    x = x.reshape(B, n, sp.size, h // sp.size, D).permute(2, 1, 0, 3, 4).contiguous()
+    shape = x.shape
+    x = funcol.all_to_all_single_autograd(x.flatten(), None, None, sp.group).reshape(shape)
+    return x.flatten(0, 1).permute(1, 0, 2, 3)
+
+
+def _heads_to_seq(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """(B, N, h/P, D) -> (B, N/P, h, D), the inverse of _seq_to_heads."""
+    import torch.distributed._functional_collectives as funcol
+
+    B, N, hl, D = x.shape
+    x = x.reshape(B, sp.size, N // sp.size, hl, D).permute(1, 3, 0, 2, 4).contiguous()
+    shape = x.shape
+    x = funcol.all_to_all_single_autograd(x.flatten(), None, None, sp.group).reshape(shape)
+    return x.flatten(0, 1).permute(1, 2, 0, 3)
+
+
+def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """Ulysses attention in `sp.head_groups` head groups, (B, N/P, H, D) -> (B, N/P, H, D).
+
+    Every group's all-to-all is issued up front; group g's attention waits only for its own inputs, and
+    its output's all-to-all leaves while group g+1 attends (ScaleFusion's intra-layer schedule)."""
+    G, H = sp.head_groups, q.shape[2]
+    step = H // G
+    inputs = [[_seq_to_heads(x[:, :, g * step:(g + 1) * step], sp) for x in (q, k, v)] for g in range(G)]
+    outs = []
+    for qg, kg, vg in inputs:
+        o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2))
+        outs.append(_heads_to_seq(o.transpose(1, 2), sp))
+    return torch.cat(outs, dim=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention processors (diffusers' processor interface; the parameters stay where they are)
+# --------------------------------------------------------------------------------------------------
+
+class UlyssesAttnProcessor:
+    """Softmax self-attention on this rank's tokens (replaces AttnProcessor2_0 on pixart / dit attn1)."""
+
+    def __init__(self, sp: SequenceParallel) -> None:
+        self.sp = sp
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+        B, n, _ = hidden_states.shape
+        q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q, k = attn.norm_q(q), attn.norm_k(k)
+        if self.sp.head_groups > 1:
+            out = overlapped_attention(q, k, v, self.sp)
+        else:
+            out = dispatch_attention_fn(q, k, v, attn_mask=attention_mask, backend=AttentionBackendName.NATIVE,
+                                        parallel_config=self.sp.parallel_config)
+        out = out.flatten(2).to(q.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class UlyssesLinearAttnProcessor:
+    """SANA's ReLU linear self-attention on this rank's tokens (replaces SanaLinearAttnProcessor2_0): the
+    per-head sums over tokens, V.K^T and sum(K) (one padded row of V), are all-reduced over the group."""
+
+    def __init__(self, sp: SequenceParallel) -> None:
+        self.sp = sp
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        dtype = hidden_states.dtype
+        acc = torch.promote_types(dtype, torch.float32)  # sums in fp32 at least (diffusers' processor: fp32 always)
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        if attn.norm_q is not None:
+            q, k = attn.norm_q(q), attn.norm_k(k)
+        q = F.relu(q.transpose(1, 2).unflatten(1, (attn.heads, -1))).to(acc)                 # (B, H, D, n)
+        k = F.relu(k.transpose(1, 2).unflatten(1, (attn.heads, -1)).transpose(2, 3)).to(acc)  # (B, H, n, D)
+        v = F.pad(v.transpose(1, 2).unflatten(1, (attn.heads, -1)).to(acc), (0, 0, 0, 1), value=1.0)  # (B, H, D+1, n)
+        sums = all_reduce(v @ k, group=self.sp.group)                                          # (B, H, D+1, D)
+        out = sums @ q
+        out = (out[:, :, :-1] / (out[:, :, -1:] + 1e-15)).flatten(1, 2).transpose(1, 2).to(dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+# --------------------------------------------------------------------------------------------------
+# Installing it on a Denoiser
+# --------------------------------------------------------------------------------------------------
+
+def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
+    """Split `denoiser`'s sequence over `sp` in place (hooks and processors: parameters and state-dict keys
+    unchanged, so checkpoints and FSDP2 sharding are as without it). Installed once; re-installing is refused."""
+    from diffusers.models.attention_processor import AttnProcessor2_0, SanaLinearAttnProcessor2_0
+
+    from framework.blocks import block_views
+
+    cfg = denoiser.cfg
+    check(cfg, sp.size, sp.head_groups, sp.size * sp.dp_size)
+    if getattr(denoiser, "sequence_parallel", None) is not None:
+        raise RuntimeError("this model is already split for sequence parallelism")
+    net = denoiser.net
+
+    def keep_band(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if out.shape[1] % sp.size:
+            raise ValueError(f"sequence_parallel={sp.size} does not divide this input's {out.shape[1]} tokens")
+        n = out.shape[1] // sp.size
+        return out[:, sp.rank * n:(sp.rank + 1) * n]
+
+    def gather(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return _GatherTokens.apply(out, sp)
+
+    getattr(net, _EMBED[cfg.family]).register_forward_hook(keep_band)
+    getattr(net, _OUT[cfg.family]).register_forward_hook(gather)
+    for view in block_views(denoiser):
+        attn = view.module.attn1
+        if cfg.family == "sana":
+            if not isinstance(attn.processor, SanaLinearAttnProcessor2_0):
+                raise ValueError(f"sequence_parallel: {view.name}.attn1 uses {type(attn.processor).__name__}; "
+                                 "only SANA's linear self-attention is split for model.family=sana")
+            attn.set_processor(UlyssesLinearAttnProcessor(sp))
+            _split_mix_ffn(view.module, sp)
+        else:
+            if type(attn.processor) is not AttnProcessor2_0 or attn.residual_connection or attn.group_norm is not None \
+                    or attn.spatial_norm is not None or attn.rescale_output_factor != 1.0:
+                raise ValueError(f"sequence_parallel: {view.name}.attn1 is not plain softmax self-attention "
+                                 f"({type(attn.processor).__name__}); it cannot be split")
+            attn.set_processor(UlyssesAttnProcessor(sp))
+    denoiser.sequence_parallel = sp
+
+
+def _split_mix_ffn(block: nn.Module, sp: SequenceParallel) -> None:
+    """SANA block: its ff sees this rank's band of rows, and the depthwise conv its neighbours' edge rows."""
+    conv = block.ff.conv_depth
+    k = conv.kernel_size[0] // 2
+    if conv.padding[0] != k:
+        raise ValueError(f"sequence_parallel: the Mix-FFN convolution pads {conv.padding} (expected 'same')")
+
+    def band_height(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # SanaTransformerBlock.forward(hidden_states, attention_mask, encoder_hidden_states,
+        # encoder_attention_mask, timestep, height, width): height is the whole image's rows.
+        rows = kwargs["height"] if "height" in kwargs else args[5]
+        if rows % sp.size:
+            raise ValueError(f"sequence_parallel={sp.size} does not divide this input's {rows} token rows")
+        if "height" in kwargs:
+            kwargs = {**kwargs, "height": rows // sp.size}
+        else:
+            args = (*args[:5], rows // sp.size, *args[6:])
+        return args, kwargs
+
+    def add_halo(module: nn.Module, args: tuple) -> tuple:
+        return (_HaloRows.apply(args[0], k, sp), *args[1:])
+
+    def drop_halo(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out[:, :, k:-k]
+
+    block.register_forward_pre_hook(band_height, with_kwargs=True)
+    conv.register_forward_pre_hook(add_halo)
+    conv.register_forward_hook(drop_halo)

@@ -1,0 +1,107 @@
+"""`torchrun --standalone --nproc_per_node=P -m tests.sequence_worker DATA OUT`: sequence-parallel forward and
+backward of each family's debug preset against the same model on whole sequences, in fp64; and sampling.
+
+Every rank builds the same random model and batch. The reference is the plain model on this rank alone;
+the split model runs on all ranks together. Rank 0 writes OUT: per family and overlap setting, the largest
+difference of the outputs, and of the parameter gradients after averaging over the ranks (what DDP does),
+relative to the largest reference value; and for sampling (Pipeline.generate over the digits prompts of
+DATA, fp32) the largest difference between the split model's images and the plain model's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from framework.decoupled import init_from_env
+from framework.models import build_denoiser, load_preset
+from framework.sequence import init, install
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def compare(family: str, head_groups: int) -> dict[str, float]:
+    P = dist.get_world_size()
+    torch.manual_seed(0)
+    # 4 heads (2 per rank, 2 groups of 1 per rank with head_groups=2); sana: 8 rows of tokens, 4 per rank
+    overrides = {"num_heads": 4, "width": 128, "num_layers": 2}
+    if family == "sana":
+        overrides["kwargs"] = {"num_cross_attention_heads": 4, "cross_attention_head_dim": 32}
+    ref = build_denoiser(load_preset(f"{family}_debug", **overrides)).double()
+    for p in ref.parameters():  # zero-initialised output layers would hide errors in the blocks
+        torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.02)
+    model = copy.deepcopy(ref)
+    install(model, init(P, head_groups))
+    seen = []
+    model.net.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
+    cfg = ref.cfg
+    g = torch.Generator().manual_seed(1)
+    B, (H, W) = 3, cfg.latent_hw
+    x = torch.randn(B, cfg.in_channels, H, W, generator=g, dtype=torch.float64)
+    t = torch.rand(B, generator=g, dtype=torch.float64) * 900
+    text = torch.randn(B, 5, cfg.text_dim or 1, generator=g, dtype=torch.float64) if cfg.text_dim else None
+    mask = torch.ones(B, 5, dtype=torch.bool) if text is not None else None
+    if text is not None:
+        mask[0, 3:] = False
+    labels = torch.tensor([1, 2, cfg.num_classes or 0]) if cfg.num_classes else None
+    target = torch.randn(B, cfg.in_channels, H, W, generator=g, dtype=torch.float64)
+    out = {}
+    for name, m in (("ref", ref), ("sp", model)):
+        pred = m(x, t, text, mask, labels)
+        ((pred - target) ** 2).mean().backward()
+        out[name] = pred.detach()
+    # Relative to the largest gradient of the model: some gradients are zero up to rounding (a softmax
+    # attention's key bias), so per-parameter ratios would only compare rounding noise.
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    diffs = []
+    for p, q in zip(ref.parameters(), model.parameters()):
+        if p.grad is not None and q.grad is not None:
+            dist.all_reduce(q.grad, op=dist.ReduceOp.AVG)
+            diffs.append(float((q.grad - p.grad).abs().max()) / scale)
+    return {"forward": relative(out["sp"], out["ref"]), "grad": max(diffs), "grads": len(diffs), "tokens": seen,
+            "params": sum(1 for p in ref.parameters() if p.grad is not None)}
+
+
+def sample(data: str, family: str) -> dict[str, float | list[int]]:
+    from framework.data import read_dataset_info
+    from framework.objectives import Objective, ObjectiveConfig
+    from framework.pipeline import Pipeline
+
+    info = read_dataset_info(data)
+    torch.manual_seed(0)
+    extra = {"kwargs": {"num_cross_attention_heads": 2, "cross_attention_head_dim": 32}} if family == "sana" else {}
+    model = build_denoiser(load_preset(f"{family}_debug", in_channels=1, text_dim=384, **extra)).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    prompts = ["a handwritten 3", "the digit seven", "a handwritten 0"]
+    plain = Pipeline(copy.deepcopy(model), Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
+    split = Pipeline(model, Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
+    want = plain.generate(prompts, steps=3, seed=2, batch_size=2)
+    install(model, init(dist.get_world_size()))
+    got = split.generate(prompts, steps=3, seed=2, batch_size=2, split_ranks=True)
+    diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+    return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape)}
+
+
+def main(data: str, out: str) -> None:
+    init_from_env()
+    result = {}
+    for family in ("pixart", "sana"):
+        result[f"sample/{family}"] = sample(data, family)
+    for family in ("pixart", "sana", "dit"):
+        for head_groups in ((1, 2) if family != "sana" else (1,)):
+            result[f"{family}/{head_groups}"] = compare(family, head_groups)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

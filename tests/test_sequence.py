@@ -1,0 +1,69 @@
+"""Ulysses sequence parallelism (framework/sequence.py): split models compute what whole-sequence models do.
+
+Multi-process cases run under torchrun in subprocesses (gloo, CPU). The training runs (2 ranks, and 2 data x 2
+sequence ranks under fsdp) are compared with the one-process reference in tests/test_distributed.py; the eval
+command's in tests/test_decoupled.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from framework.config import StrategyConfig
+from framework.models import load_preset
+from framework.sequence import check
+from tests.test_decoupled import torchrun
+
+
+def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, digits_shards):
+    out = tmp_path / "result.json"
+    proc = torchrun(2, "-m", "tests.sequence_worker", str(digits_shards), str(out), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    for family, tokens in (("pixart", 16), ("sana", 64), ("dit", 16)):
+        for key in [k for k in result if k.startswith(f"{family}/")]:
+            r = result[key]
+            assert r["tokens"] == [tokens // 2], key  # each rank's blocks saw half the tokens
+            assert r["grads"] == r["params"] > 0, key
+            # diffusers' own SANA linear attention (the reference) sums in fp32 even for fp64 inputs
+            tol = 1e-7 if family == "sana" else 1e-12
+            assert r["forward"] < tol and r["grad"] < tol, (key, r)
+    assert {"pixart/1", "pixart/2", "dit/1", "dit/2", "sana/1"} <= set(result)  # 2: overlapped head groups
+    for family in ("pixart", "sana"):
+        r = result[f"sample/{family}"]
+        assert r["shape"] == [3, 1, 8, 8] and r["max_abs"] > 0.1 and r["max_diff"] < 1e-5, (family, r)
+
+
+def test_sizes_a_group_cannot_split_are_refused():
+    pixart, sana = load_preset("pixart_debug"), load_preset("sana_debug")  # 4 heads, 16 tokens; 8x8 tokens
+    check(pixart, 2)
+    check(pixart, 2, head_groups=2)
+    check(sana, 4)  # linear attention keeps every head: only rows must divide
+    with pytest.raises(ValueError, match="does not divide model.num_heads=4"):
+        check(pixart, 3)
+    with pytest.raises(ValueError, match="sequence_parallel_head_groups=4 does not divide model.num_heads"):
+        check(pixart, 2, head_groups=4)
+    with pytest.raises(ValueError, match="does not divide the 9 tokens"):
+        check(load_preset("pixart_debug", sample_size=6), 2)
+    with pytest.raises(ValueError, match="token rows of model.family=sana"):
+        check(load_preset("sana_debug", sample_size=6), 4)
+    with pytest.raises(ValueError, match="does not divide the 3 ranks"):
+        check(pixart, 2, world=3)
+    with pytest.raises(ValueError, match="model.family=unet is not supported"):
+        check(load_preset("sd2_unet_debug"), 2)
+    with pytest.raises(ValueError, match="needs several devices"):
+        StrategyConfig(name="single", sequence_parallel=2)
+    with pytest.raises(ValueError, match="strategy.compile"):
+        StrategyConfig(name="ddp", sequence_parallel=2, compile=True)
+
+
+def test_training_refuses_an_indivisible_split_at_start_up(tmp_path, digits_shards):
+    from framework.train import train
+    from tests.test_train import cheap, compose_cfg
+
+    overrides = [*cheap(tmp_path, digits_shards, steps=1), "strategy=ddp", "trainer.devices=3",
+                 "strategy.sequence_parallel=2"]
+    with pytest.raises(ValueError, match="does not divide the 3 ranks"):
+        train(compose_cfg(overrides))
