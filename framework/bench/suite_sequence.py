@@ -8,6 +8,11 @@ halo outputs), while the collectives themselves move no data. So the memory colu
 P-GPU group holds, measured on one GPU; the time column is one rank's compute alone, without communication
 (what overlap can hide it behind). Parameters and gradients are the same on every rank (shard them with
 fsdp); `activations` is the peak above them.
+
+Under torchrun (`torchrun --standalone --nproc_per_node=P -m framework.bench sequence ...`) the P processes
+form one real group instead (nccl with a GPU each; gloo, through host memory, when they share fewer GPUs or
+run on CPUs) and rank 0 reports real step times, communication included: the setting in which
+`head_groups` > 1 (the overlapped all-to-all) is compared with 1.
 """
 
 from __future__ import annotations
@@ -85,17 +90,28 @@ def run(bench: SequenceBench) -> list[dict[str, Any]]:
     from framework.models import build_denoiser, load_preset
     from framework.sequence import init, install
 
+    import os
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     rows = []
     settings = [(1, 1)] + [(p, g) for p in bench.ranks if p > 1 for g in bench.head_groups]
+    real = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if real:  # one real group of all torchrun's processes
+        world = int(os.environ["WORLD_SIZE"])
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda and torch.cuda.device_count() >= world else "gloo")
+        settings = [(world, g) for g in bench.head_groups]
     for P, G in settings:
         torch.manual_seed(0)
         cfg = load_preset(bench.preset, sample_size=max(bench.latent_sizes))
         with device:  # built where it runs (a 1.6B model's CPU init would dominate the suite)
             model = build_denoiser(cfg)
         if P > 1:
-            _fake_group(P)
+            if not real:
+                _fake_group(P)
             install(model, init(P, G, device))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         for side in bench.latent_sizes:
@@ -115,16 +131,22 @@ def run(bench: SequenceBench) -> list[dict[str, Any]]:
                 "params_and_grads_GiB": round(2 * params / 2**30, 2),
                 "activations_GiB": None if peak is None else round((peak - base) / 2**30, 2),
                 "peak_GiB": None if peak is None else round(peak / 2**30, 2),
-                "compute_ms": round(1000 * sorted(times)[len(times) // 2], 1),
+                "step_ms": round(1000 * sorted(times)[len(times) // 2], 1),
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "communication": dist.get_backend() if real else "none (fake process group)",
             })
+            if real and dist.get_rank() != 0:
+                continue
             print(f"P={P} head_groups={G} tokens={tokens}: activations {rows[-1]['activations_GiB']} GiB, "
-                  f"{rows[-1]['compute_ms']} ms", flush=True)
+                  f"{rows[-1]['step_ms']} ms", flush=True)
         del model
         if cuda:
             torch.cuda.empty_cache()
+    rank0 = not real or dist.get_rank() == 0
     if dist.is_initialized():
         dist.destroy_process_group()
+    if not rank0:
+        return []
     print_table(rows, ["tokens", "sequence_parallel", "head_groups", "tokens_per_rank", "params_and_grads_GiB",
-                       "activations_GiB", "peak_GiB", "compute_ms"])
+                       "activations_GiB", "peak_GiB", "step_ms", "communication"])
     return rows
