@@ -1,16 +1,16 @@
 """The benchmark command runs and writes the JSON rows it promises (figures are not asserted)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_train_writes_one_row_per_mode(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "-m", "framework.bench", "train", "model=pixart_debug", "batch_size=2", "warmup=1", "steps=2",
          "modes=[precomputed,fp32,online]", "online_text_encoder=t5_base", f"out={out}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -25,5 +25,5 @@ def test_bench_train_writes_one_row_per_mode(tmp_path):
 
 
 def test_bench_rejects_an_unknown_suite():
-    proc = subprocess.run([sys.executable, "-m", "framework.bench", "nope"], cwd=ROOT, capture_output=True, text=True)
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "SUITE is one of" in proc.stderr

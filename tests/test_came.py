@@ -18,6 +18,8 @@ import plugins  # noqa: F401  (registers optimizer=came / came8bit)
 from plugins.came import CAME, is_8bit, state_shapes
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 from tests.came_fsdp_worker import OPT_KW, STEPS, build_model, train_steps
+from tests.zygote import enabled
+from tests.zygote import torchrun as forked_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,6 +232,11 @@ def _launch(out: Path, world: int, name: str, tasks: list[str]) -> dict:
     """Run tests/came_fsdp_worker.py on `world` gloo processes; rank 0's results."""
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "TMPDIR": str(out), "OMP_NUM_THREADS": "1"}
+    if enabled():  # the ranks forked from the test zygote (tests/zygote.py)
+        env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        proc = forked_torchrun(world, "tests.came_fsdp_worker", str(out), name, *tasks, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return torch.load(out / f"{name}_rank0.pt", weights_only=False)
     procs = [
         subprocess.Popen([sys.executable, str(ROOT / "tests" / "came_fsdp_worker.py"), str(out), name, *tasks],
                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,

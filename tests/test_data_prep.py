@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -17,6 +16,7 @@ from data_prep.encoders import load_image_codec, load_text_encoder
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import digit_captions, load_digits
 from tests.conftest import digits_config, make_image_folder
+from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -199,6 +199,6 @@ def test_cli_hydra_app(tmp_path, tiny_text_encoder_dir):
            f"text_encoder={tiny_text_encoder_dir}", "resolution=8", f"out={tmp_path / 'ds'}", "progress=false",
            f"hydra.run.dir={tmp_path / 'hydra'}"]
     for expect in ("wrote 3 samples", "nothing to do"):
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        res = zygote.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr[-2000:]
         assert expect in res.stdout

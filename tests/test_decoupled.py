@@ -15,13 +15,20 @@ from pathlib import Path
 import pytest
 
 from framework.decoupled import roles
+from tests.zygote import Result
+from tests.zygote import torchrun as forked_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(nproc: int, *args: str, tmp: Path) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, tmp: Path, fork: bool = False) -> subprocess.CompletedProcess | Result:
+    """`torchrun --standalone --nproc_per_node=N ARGS` (the command as users run it); fork=True: the same ranks
+    forked from the test zygote (tests/zygote.py), for workers whose launch is not what is tested."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+    if fork and os.environ.get("LATENTFORGE_TEST_FORK", "1") != "0":
+        assert args[0] == "-m"
+        return forked_torchrun(nproc, args[1], *args[2:], env=env)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -30,7 +37,7 @@ def torchrun(nproc: int, *args: str, tmp: Path) -> subprocess.CompletedProcess:
 def test_decoupled_generation_draws_the_plain_images(tmp_path, digits_shards, tiny_vae_dir, nproc, decode_ranks):
     out = tmp_path / "result.json"
     proc = torchrun(nproc, "-m", "tests.decoupled_worker", str(digits_shards), str(tiny_vae_dir), str(decode_ranks),
-                    str(out), tmp=tmp_path)
+                    str(out), tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     for schedule in ("None", "uniform:2"):

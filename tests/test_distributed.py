@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from tests.test_train import losses
+from tests.zygote import Result, enabled, lightning_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 FROZEN = "net.transformer_blocks.1.attn1.to_q"
@@ -64,9 +65,21 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
     full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    if not enabled() or any(k.startswith("SLURM_") for k in full_env):
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+    # Forked from the pre-imported zygote (tests/zygote.py), every rank at once as torchrun or srun would
+    # start them (Lightning's own launcher would start rank 1 only once rank 0 is up, importing twice in turn).
+    results = lightning_ranks("tests.dist_train", cmd[3:], devices_of(overrides), full_env, tmp, timeout)
+    out = "".join(f"--- rank {r} ---\n{res.stdout}" for r, res in enumerate(results))
+    assert all(res.returncode == 0 for res in results), f"{[res.returncode for res in results]}\n{out[-6000:]}"
+    return Result(0, out)
+
+
+def devices_of(overrides: tuple[str, ...] | list[str]) -> int:
+    """The trainer.devices an override list asks for (the last one wins, as in Hydra)."""
+    return next((int(o.split("=", 1)[1]) for o in reversed(overrides) if o.startswith("trainer.devices=")), 1)
 
 
 def fsdp(sharding: str = "SHARD_GRAD_OP", devices: int = 2, batch: int = 8) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from framework.models import FAMILIES, ModelConfig, build_denoiser, load_weights
 from framework.module import CKPT_KEY
 from framework.pipeline import model_weights, read_checkpoint
 from tests.test_train import cheap, compose_cfg
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def _inputs() -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("fmt", ["safetensors", "diffusers"])
 def test_export_round_trip_is_exact(tmp_path, checkpoint, fmt):
     out = tmp_path / ("m.safetensors" if fmt == "safetensors" else "m")
-    proc = subprocess.run([sys.executable, "-m", "framework.export", f"ckpt={checkpoint}", f"out={out}", f"format={fmt}",
+    proc = zygote.run([sys.executable, "-m", "framework.export", f"ckpt={checkpoint}", f"out={out}", f"format={fmt}",
                            f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ckpt = read_checkpoint(checkpoint)

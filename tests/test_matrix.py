@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.test_train import losses
 from tests.wandb_records import history, run_ids, wait_for_exit
 
@@ -63,7 +63,8 @@ def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: 
         env.pop(k)  # offline: no API key
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # rank 0 forked from the test zygote (tests/zygote.py): the command itself, Lightning starts the other ranks
+    proc = zygote.run(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 

@@ -19,7 +19,7 @@ from tests.test_decoupled import torchrun
 
 def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, digits_shards):
     out = tmp_path / "result.json"
-    proc = torchrun(2, "-m", "tests.sequence_worker", str(digits_shards), str(out), tmp=tmp_path)
+    proc = torchrun(2, "-m", "tests.sequence_worker", str(digits_shards), str(out), tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     for family, tokens in (("pixart", 16), ("sana", 64), ("dit", 16)):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from omegaconf import OmegaConf
 
 from framework import config as config_lib
 from framework.train import train
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -202,7 +202,7 @@ def test_sample_and_eval_run_end_to_end(tmp_path, digits_shards):
     tournament = run(SampleCommand(ckpt=ckpt, out=str(tmp_path / "t"), prompts=["a handwritten 3"], steps=2, best_of=4,
                                    judge="digits", selection="tournament", pick=2))
     assert len(tournament) == 2 + 1
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'e'}", "seeds=1", "phrasings=1", "steps=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -215,7 +215,7 @@ def test_sample_and_eval_run_end_to_end(tmp_path, digits_shards):
 
 def test_scaling_command_writes_json_and_png(tmp_path, digits_shards):
     out = train(compose_cfg(cheap(tmp_path, digits_shards, steps=2)))
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "-m", "framework.eval", f"ckpt={out['checkpoint']}", f"out={tmp_path / 'e'}", "seeds=1",
          "phrasings=1", "steps=2", "scaling=[1,2,4]"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -1,0 +1,258 @@
+"""A parent process that has imported the training stack once and forks the tests' training processes.
+
+Importing Lightning (and through it torchmetrics, transformers, torchvision), diffusers and Hydra costs a
+process 10-16 s of CPU on a 2-core machine, far more than the few steps a test trains; the suite starts
+dozens of such processes. `python -m tests.zygote SOCKET` imports them once, then for each request on the
+Unix socket forks a child that runs `python -m MODULE ARGS...` (runpy, as `-m` does) in the requested
+directory with the requested environment and its output in a log file, and reports the exit status.
+
+The parent stays single-threaded (it never holds a lock a child could inherit) and runs nothing heavy
+itself: no tensors, no thread pools. Children are real processes with their own pid and process group, so
+a test can kill one; several ranks of a job are several requests (tests/test_distributed.py::run_train).
+The commands users run (the matrix, Slurm, torchrun tests) still start fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# The server
+# --------------------------------------------------------------------------------------------------
+
+def _child(request: dict) -> None:
+    """In the forked child: become `python -m MODULE ARGS` and exit with its status."""
+    import runpy
+    import tempfile
+    import traceback
+
+    os.setpgid(0, 0)  # its own process group: a test's timeout kills it and whatever it started
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # TMPDIR is per test: forget the parent's
+    out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(request["log"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.argv = [request["module"], *request["args"]]
+    code = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # as the interpreter does: an int is the status, anything else is printed, status 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported in the log like an uncaught exception
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve(path: str) -> None:
+    import framework.train  # noqa: F401  the imports every training process needs
+    import tests.dist_train  # noqa: F401
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    waiting: dict[int, socket.socket] = {}  # child pid -> the connection that asked for it
+    while True:
+        ready, _, _ = select.select([server], [], [], 0.05)
+        if ready:
+            conn, _ = server.accept()
+            request = json.loads(conn.makefile().readline())
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                conn.close()
+                _child(request)
+            conn.sendall(f"{pid}\n".encode())
+            waiting[pid] = conn
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:  # the test gave up on it
+                    pass
+                conn.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# The client
+# --------------------------------------------------------------------------------------------------
+
+def _readline(s: socket.socket) -> str:
+    """One line, read unbuffered (so select() on the socket still tells whether the next line is there)."""
+    out = b""
+    while not out.endswith(b"\n"):
+        byte = s.recv(1)
+        if not byte:
+            break
+        out += byte
+    return out.decode().strip()
+
+
+@dataclass
+class Result:
+    """What subprocess.run(capture_output=True, text=True) would return."""
+
+    returncode: int
+    stdout: str
+    stderr: str = ""
+
+
+class Zygote:
+    """Start the server (imports take a while; the first request waits for them) and fork from it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = str(folder / "zygote.sock")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.log = folder / "zygote.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", self.path], cwd=ROOT, env=env,
+                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+
+    def _connect(self, timeout: float) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the zygote exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(self.path)
+                return s
+            except (FileNotFoundError, ConnectionRefusedError):
+                s.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def start(self, module: str, args: list[str], env: dict[str, str], log: Path) -> tuple[socket.socket, int]:
+        s = self._connect(timeout=300)
+        request = {"module": module, "args": list(args), "env": env, "cwd": str(ROOT), "log": str(log)}
+        s.sendall((json.dumps(request) + "\n").encode())
+        return s, int(_readline(s))
+
+    def run(self, jobs: list[tuple[str, list[str], dict[str, str], Path]], timeout: float) -> list[Result]:
+        """Start every job at once (the ranks of one run), wait for all; a timeout kills them all."""
+        started = [self.start(*job) for job in jobs]
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = [None] * len(started)
+        while any(c is None for c in codes):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for (_, pid), c in zip(started, codes):
+                    if c is None:
+                        try:
+                            os.killpg(pid, 9)
+                        except ProcessLookupError:
+                            pass
+                raise subprocess.TimeoutExpired([j[0] for j in jobs], timeout)
+            ready, _, _ = select.select([s for (s, _), c in zip(started, codes) if c is None], [], [], left)
+            for i, (s, _) in enumerate(started):
+                if s in ready and codes[i] is None:
+                    codes[i] = int(_readline(s) or -1)
+        for s, _ in started:
+            s.close()
+        return [Result(c, Path(job[3]).read_text(), Path(f"{job[3]}.err").read_text()) for c, job in zip(codes, jobs)]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_module(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600,
+               log: Path | None = None) -> Result:
+    """`subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True)`, forked."""
+    import tempfile
+
+    log = log or Path(tempfile.mkdtemp(prefix="run", dir=(env or os.environ).get("TMPDIR"))) / "out.log"
+    return shared().run([(module, list(args), dict(env if env is not None else os.environ), log)], timeout)[0]
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 600, **_: object) -> Result:
+    """Drop-in for `subprocess.run([sys.executable, "-m", MODULE, ...], cwd=ROOT, capture_output=True, text=True)`:
+    forked from the zygote unless LATENTFORGE_TEST_FORK=0 (then that very call)."""
+    if not enabled() or cmd[:2] != [sys.executable, "-m"]:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_module(cmd[2], *cmd[3:], env=env, timeout=timeout)
+
+
+def torchrun(nproc: int, module: str, *args: str, env: dict[str, str], timeout: float = 600) -> Result:
+    """`torchrun --standalone --nproc_per_node=N -m MODULE ARGS`, forked: every rank at once with torchrun's
+    variables. Returns rank 0's output, with the other ranks' after it."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="ranks", dir=env.get("TMPDIR")))
+    port = str(_free_port())
+    jobs = [(module, list(args), {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
+                                  "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc),
+                                  "GROUP_RANK": "0", "ROLE_RANK": str(r), "TORCHELASTIC_RUN_ID": "test"},
+             folder / f"rank{r}.log") for r in range(nproc)]
+    results = shared().run(jobs, timeout)
+    code = next((r.returncode for r in results if r.returncode != 0), 0)
+    return Result(code, "".join(r.stdout for r in results), "".join(r.stderr for r in results))
+
+
+def lightning_ranks(module: str, args: list[str], devices: int, env: dict[str, str], folder: Path,
+                    timeout: float = 600) -> list[Result]:
+    """A Lightning training command on `devices` CPU ranks, forked: all ranks at once with the variables a
+    launcher sets (Lightning then starts no processes itself), as srun or torchrun would start them."""
+    ranks = [{}]
+    if devices > 1:
+        port = str(_free_port())
+        ranks = [dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(devices), NODE_RANK="0",
+                      LOCAL_RANK=str(r), RANK=str(r)) for r in range(devices)]
+    return shared().run([(module, list(args), {**env, **rank_env}, folder / f"rank{r}.log")
+                         for r, rank_env in enumerate(ranks)], timeout)
+
+
+def enabled() -> bool:
+    """LATENTFORGE_TEST_FORK=0 starts every test process as a fresh interpreter instead."""
+    return os.environ.get("LATENTFORGE_TEST_FORK", "1") != "0"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_SHARED: Zygote | None = None
+
+
+def shared() -> Zygote:
+    """The test session's zygote, started on first use (in a short /tmp folder: Unix socket paths are short)."""
+    global _SHARED
+    if _SHARED is None:
+        import atexit
+        import tempfile
+
+        _SHARED = Zygote(Path(tempfile.mkdtemp(prefix="zyg", dir="/tmp")))
+        atexit.register(_SHARED.close)
+    return _SHARED
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
