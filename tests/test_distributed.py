@@ -72,7 +72,7 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
     # Forked from the pre-imported zygote (tests/zygote.py), every rank at once as torchrun or srun would
     # start them (Lightning's own launcher would start rank 1 only once rank 0 is up, importing twice in turn).
     results = lightning_ranks("tests.dist_train", cmd[3:], devices_of(overrides), full_env, tmp, timeout)
-    out = "".join(f"--- rank {r} ---\n{res.stdout}" for r, res in enumerate(results))
+    out = "".join(f"--- rank {r} ---\n{res.stdout}{res.stderr}" for r, res in enumerate(results))
     assert all(res.returncode == 0 for res in results), f"{[res.returncode for res in results]}\n{out[-6000:]}"
     return Result(0, out)
 

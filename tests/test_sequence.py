@@ -67,3 +67,23 @@ def test_training_refuses_an_indivisible_split_at_start_up(tmp_path, digits_shar
                  "strategy.sequence_parallel=2"]
     with pytest.raises(ValueError, match="does not divide the 3 ranks"):
         train(compose_cfg(overrides))
+
+
+@pytest.mark.parametrize("family", ["sana", "dit"])
+def test_two_rank_sequence_parallel_training_follows_one_process(tmp_path, digits_shards, family):
+    """sana (linear attention, halo exchange) and dit (class labels) on 2 sequence-parallel ranks against one
+    process with the same batch; pixart, and 2 data x 2 sequence ranks, are in tests/test_distributed.py."""
+    import torch
+
+    from tests.test_distributed import STEPS, TOL, run_train
+    from tests.test_train import losses
+
+    model = [f"model={family}_debug", "model.in_channels=1", "model.sample_size=8", "data.batch_size=16",
+             "data.num_workers=1", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every_n_steps=2"]
+    model += ["model.text_dim=384"] if family == "sana" else ["model.text_dim=null"]
+    run_train(tmp_path / "ref", digits_shards, *model)
+    run_train(tmp_path / "sp", digits_shards, *model, "strategy=ddp", "trainer.devices=2", "strategy.sequence_parallel=2")
+    ref, got = losses(tmp_path / "ref"), losses(tmp_path / "sp")
+    assert sorted(got) == list(range(STEPS))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]), torch.tensor([ref[s] for s in range(STEPS)]),
+                               **TOL)

@@ -166,9 +166,14 @@ class Zygote:
                         except ProcessLookupError:
                             pass
                 raise subprocess.TimeoutExpired([j[0] for j in jobs], timeout)
-            ready, _, _ = select.select([s for (s, _), c in zip(started, codes) if c is None], [], [], left)
+            # poll, not select: the test process may hold more than FD_SETSIZE (1024) descriptors
+            poller = select.poll()
+            for (s, _), c in zip(started, codes):
+                if c is None:
+                    poller.register(s, select.POLLIN)
+            ready = {fd for fd, _ in poller.poll(left * 1000)}
             for i, (s, _) in enumerate(started):
-                if s in ready and codes[i] is None:
+                if s.fileno() in ready and codes[i] is None:
                     codes[i] = int(_readline(s) or -1)
         for s, _ in started:
             s.close()
