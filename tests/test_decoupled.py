@@ -71,8 +71,9 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
 
     ckpt = quick_ckpt
     args = dict(seeds=1, phrasings=1, steps=3, batch_size=8)
+    # decode_ranks: through the real torchrun; sequence_parallel: the same ranks forked (tests/zygote.py)
     proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", split, "device=cpu",
-                    *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path)
+                    *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path, fork=split.startswith("sequence"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("prompt_accuracy ") for line in lines) == 1

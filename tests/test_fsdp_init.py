@@ -25,6 +25,7 @@ from framework.models import build_denoiser, load_preset
 from framework.module import DiffusionModule
 from framework.objectives import ObjectiveConfig
 from framework.optim import OptimizerConfig
+from tests.zygote import enabled, lightning_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 EXACT = dict(rtol=0, atol=0)
@@ -116,7 +117,12 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], Path]:
     env = {**os.environ, "TMPDIR": str(root)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "tests.fsdp_init_worker", str(root / "cases.json"), str(root)],
+    args = [str(root / "cases.json"), str(root)]
+    if enabled():  # both ranks forked from the test zygote at once (tests/zygote.py)
+        results = lightning_ranks("tests.fsdp_init_worker", args, 2, env, root, timeout=600)
+        assert all(r.returncode == 0 for r in results), "".join(r.stdout[-2000:] + r.stderr[-3000:] for r in results)
+        return cases, root
+    proc = subprocess.run([sys.executable, "-m", "tests.fsdp_init_worker", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cases, root

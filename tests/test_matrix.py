@@ -47,7 +47,10 @@ MATRIX = [
 ]
 
 
-def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: str, extra: list[str]) -> str:
+def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: str, extra: list[str],
+                launcher: bool = True) -> str:
+    """`python -m framework.train ...` for one row. launcher: Lightning starts the other ranks (as for a user
+    on one machine); else all ranks start at once as under srun or torchrun."""
     tmp = run_dir.parent / f"{run_dir.name}_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -63,8 +66,14 @@ def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: 
         env.pop(k)  # offline: no API key
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
-    # rank 0 forked from the test zygote (tests/zygote.py): the command itself, Lightning starts the other ranks
-    proc = zygote.run(cmd, env=env, timeout=600)
+    if devices == 1 or launcher or not zygote.enabled():
+        # rank 0 forked from the test zygote (tests/zygote.py): the command itself, Lightning starts the other ranks
+        proc = zygote.run(cmd, env=env, timeout=600)
+    else:  # every rank at once, with the variables srun / torchrun set (Lightning then starts none)
+        results = zygote.lightning_ranks("framework.train", cmd[3:], devices, env, tmp, timeout=600)
+        ordered = results[1:] + results[:1]  # rank 0's output last, where the summary is read
+        proc = zygote.Result(max(r.returncode for r in results), "".join(r.stdout for r in ordered),
+                             "".join(r.stderr for r in ordered))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -78,15 +87,22 @@ def growth_source(tmp_path_factory, digits_shards) -> Path:
     return Path(train(compose_cfg(cheap(tmp_path_factory.mktemp("source"), digits_shards, steps=2)))["checkpoint"])
 
 
-@pytest.mark.parametrize("strategy,devices,logger,extra", [m[1:] for m in MATRIX], ids=[m[0] for m in MATRIX])
-def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, request, strategy, devices, logger, extra):
+# 2-rank rows whose other rank Lightning's launcher starts, as on a user's machine; the other 2-rank rows start
+# both ranks at once (as srun / torchrun do), which spares one interpreter start in turn.
+LIGHTNING_LAUNCHER = {"ddp-2-none-sequence_parallel", "fsdp-2-wandb"}
+
+
+@pytest.mark.parametrize("strategy,devices,logger,extra,launcher", [(*m[1:], m[0] in LIGHTNING_LAUNCHER) for m in MATRIX],
+                         ids=[m[0] for m in MATRIX])
+def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, request, strategy, devices, logger, extra,
+                                                                launcher):
     pairs = "experiment=pairs" in extra
     run_dir = tmp_path / "run"
     if any("{growth_source}" in e for e in extra):
         source = request.getfixturevalue("growth_source")
         extra = [e.replace("{growth_source}", str(source)) for e in extra]
     stdout = run_command(run_dir, request.getfixturevalue("pairs_shards" if pairs else "digits_shards"), strategy,
-                         devices, logger, extra)
+                         devices, logger, extra, launcher)
 
     # One summary, from rank 0, ending with the metrics line.
     last = stdout.strip().splitlines()[-1]
