@@ -23,6 +23,7 @@ from framework.bench.suite_data import measure_loader_throughput
 from framework.data import DataConfig, LatentDataModule, check_compatible, drop_captions, read_dataset_info
 from framework.shards import check_shards
 from tests.conftest import make_image_folder
+from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -256,7 +257,8 @@ def test_two_ranks_read_disjoint_cover(digits_shards, tmp_path):
                "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         cmd = [sys.executable, "-c", RANK_SCRIPT, str(digits_shards), str(tmp_path / "cache"),
                str(tmp_path / f"keys{rank}.json")]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
+        procs.append(zygote.popen(cmd, env=env) if zygote.enabled()
+                     else subprocess.Popen(cmd, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]

@@ -35,6 +35,7 @@ import pytest
 import torch
 
 from tests.test_train import losses
+from tests import zygote
 from tests.zygote import Result, enabled, lightning_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +64,14 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
     inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
     full_env = {k: v for k, v in os.environ.items() if k not in inherited}
     full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
-    if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if not enabled() or any(k.startswith("SLURM_") for k in full_env):
+    if not wait:  # one process (the caller starts the ranks, with their Slurm variables)
+        return zygote.popen(cmd, env=full_env)
+    if not enabled():
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+    if any(k.startswith("SLURM_") for k in full_env):  # one task of a Slurm job: its variables say which
+        proc = zygote.run(cmd, env=full_env, timeout=timeout)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc
     # Forked from the pre-imported zygote (tests/zygote.py), every rank at once as torchrun or srun would

@@ -47,10 +47,13 @@ def _child(request: dict) -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(out, 1)
     os.dup2(err, 2)
-    sys.argv = [request["module"], *request["args"]]
+    sys.argv = [request["module"] or "-c", *request["args"]]
     code = 0
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if request["module"]:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:  # python -c CODE
+            exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
     except SystemExit as e:  # as the interpreter does: an int is the status, anything else is printed, status 1
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
@@ -100,6 +103,60 @@ def serve(path: str) -> None:
 # The client
 # --------------------------------------------------------------------------------------------------
 
+class Forked:
+    """The part of subprocess.Popen the tests use, for a forked child: poll, wait, communicate, signals, and
+    `stdout` (its output so far; stderr is in the same file's `.err` companion, appended by communicate)."""
+
+    def __init__(self, sock: socket.socket, pid: int, log: Path) -> None:
+        self.sock, self.pid, self.log, self.returncode = sock, pid, Path(log), None
+
+    @property
+    def stdout(self):  # noqa: ANN201 - a fresh reader of the output so far
+        import io
+
+        return io.StringIO(self._output())
+
+    def _output(self) -> str:
+        err = Path(f"{self.log}.err")
+        return self.log.read_text() + (err.read_text() if err.exists() else "")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            if poller.poll(0):
+                self.returncode = int(_readline(self.sock) or -1)
+                self.sock.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout and stderr together, stderr)."""
+        self.wait(timeout)
+        err = Path(f"{self.log}.err")
+        return self._output(), err.read_text() if err.exists() else ""
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, 9)
+            except ProcessLookupError:
+                pass
+
+    terminate = kill
+
+
 def _readline(s: socket.socket) -> str:
     """One line, read unbuffered (so select() on the socket still tells whether the next line is there)."""
     out = b""
@@ -145,9 +202,10 @@ class Zygote:
                     raise
                 time.sleep(0.2)
 
-    def start(self, module: str, args: list[str], env: dict[str, str], log: Path) -> tuple[socket.socket, int]:
+    def start(self, module: str, args: list[str], env: dict[str, str], log: Path,
+              code: str | None = None) -> tuple[socket.socket, int]:
         s = self._connect(timeout=300)
-        request = {"module": module, "args": list(args), "env": env, "cwd": str(ROOT), "log": str(log)}
+        request = {"module": module, "args": list(args), "env": env, "cwd": str(ROOT), "log": str(log), "code": code}
         s.sendall((json.dumps(request) + "\n").encode())
         return s, int(_readline(s))
 
@@ -179,6 +237,11 @@ class Zygote:
             s.close()
         return [Result(c, Path(job[3]).read_text(), Path(f"{job[3]}.err").read_text()) for c, job in zip(codes, jobs)]
 
+    def popen(self, module: str, args: list[str], env: dict[str, str], log: Path, code: str | None = None) -> "Forked":
+        """Start one process and return at once, with a subprocess.Popen-like handle."""
+        s, pid = self.start(module, args, env, log, code)
+        return Forked(s, pid, log)
+
     def close(self) -> None:
         self.proc.terminate()
         try:
@@ -193,15 +256,35 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None, timeo
     import tempfile
 
     log = log or Path(tempfile.mkdtemp(prefix="run", dir=(env or os.environ).get("TMPDIR"))) / "out.log"
-    return shared().run([(module, list(args), dict(env if env is not None else os.environ), log)], timeout)[0]
+    env = dict(env if env is not None else os.environ)
+    if module == "-c":  # run_module("-c", CODE, *args): python -c CODE
+        proc = shared().popen("", list(args[1:]), env, log, args[0])
+        try:
+            proc.wait(timeout)
+        finally:
+            proc.kill()
+        return Result(proc.returncode, log.read_text(), Path(f"{log}.err").read_text())
+    return shared().run([(module, list(args), env, log)], timeout)[0]
 
 
 def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 600, **_: object) -> Result:
     """Drop-in for `subprocess.run([sys.executable, "-m", MODULE, ...], cwd=ROOT, capture_output=True, text=True)`:
     forked from the zygote unless LATENTFORGE_TEST_FORK=0 (then that very call)."""
-    if not enabled() or cmd[:2] != [sys.executable, "-m"]:
+    if not enabled() or cmd[0] != sys.executable or cmd[1] not in ("-m", "-c"):
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return run_module(cmd[2], *cmd[3:], env=env, timeout=timeout)
+
+
+def popen(cmd: list[str], *, env: dict[str, str] | None = None, **_: object) -> "Forked | subprocess.Popen":
+    """Drop-in for `subprocess.Popen([sys.executable, "-m" | "-c", ...], cwd=ROOT, env=env)`, forked."""
+    import tempfile
+
+    if not enabled() or cmd[0] != sys.executable or cmd[1] not in ("-m", "-c"):
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(env if env is not None else os.environ)
+    log = Path(tempfile.mkdtemp(prefix="run", dir=env.get("TMPDIR"))) / "out.log"
+    module, code = (cmd[2], None) if cmd[1] == "-m" else ("", cmd[2])
+    return shared().popen(module, cmd[3:], env, log, code)
 
 
 def torchrun(nproc: int, module: str, *args: str, env: dict[str, str], timeout: float = 600) -> Result:
