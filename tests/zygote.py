@@ -243,11 +243,14 @@ class Zygote:
         return Forked(s, pid, log)
 
     def close(self) -> None:
+        import shutil
+
         self.proc.terminate()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        shutil.rmtree(Path(self.path).parent, ignore_errors=True)
 
 
 def run_module(module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600,
