@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,3 +40,32 @@ def share_cpu_threads(ranks_per_machine: int) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // ranks_per_machine))
     return torch.get_num_threads()
+
+
+@dataclass
+class RankSharing:
+    """How the sample and eval commands share generation between torchrun's ranks."""
+
+    decode_ranks: int = 0
+    """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
+    sequence_parallel: int = 1
+    """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
+    prompts (framework/sequence.py); 1: off."""
+    sequence_parallel_head_groups: int = 1
+    """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
+
+
+def share_ranks(model: Any, cfg: RankSharing) -> bool:
+    """Join torchrun's process group for `cfg`'s decode_ranks / sequence_parallel (splitting `model` for the
+    latter); returns whether this rank writes and prints (rank 0, or the only process)."""
+    import torch.distributed as dist
+
+    if cfg.decode_ranks:
+        from framework.decoupled import join
+
+        join(cfg.decode_ranks)  # refuses too few processes
+    if cfg.sequence_parallel > 1:
+        from framework.sequence import split_for_sampling
+
+        split_for_sampling(model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
+    return not dist.is_initialized() or dist.get_rank() == 0

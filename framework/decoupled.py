@@ -32,10 +32,9 @@ def init_from_env() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def join(decode_ranks: int) -> int:
-    """For a command with decode_ranks=K: join torchrun's process group, refuse too few processes; this rank."""
+def join(decode_ranks: int) -> None:
+    """For a command with decode_ranks=K: join torchrun's process group, refuse too few processes."""
     roles(init_from_env(), decode_ranks)
-    return dist.get_rank()
 
 
 def roles(world: int, decode_ranks: int) -> tuple[list[int], list[int]]:

@@ -17,7 +17,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import quiet_hydra, resolve_device
+from framework.cli import RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.config import EvalSettings
 from framework.pipeline import Pipeline, save_grid
 from framework.prompts import PromptSet, dataset_kind, prompt_set
@@ -167,7 +167,7 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
 
 
 @dataclass
-class EvalCommand(EvalSettings):
+class EvalCommand(EvalSettings, RankSharing):
     """Arguments of `python -m framework.eval`."""
 
     ckpt: str = "???"
@@ -180,13 +180,6 @@ class EvalCommand(EvalSettings):
     """auto: a GPU when present."""
     scaling: list[int] | None = None
     """Best-of-N for each N, e.g. [1,2,4,8,16,32], both selections: writes scaling.json and scaling.png."""
-    decode_ranks: int = 0
-    """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
-    sequence_parallel: int = 1
-    """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
-    prompts (framework/sequence.py); 1: off."""
-    sequence_parallel_head_groups: int = 1
-    """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
 
 
 ConfigStore.instance().store(name="eval_command", node=EvalCommand)
@@ -195,17 +188,9 @@ ConfigStore.instance().store(name="eval_command", node=EvalCommand)
 @hydra.main(version_base="1.3", config_path=None, config_name="eval_command")
 def main(cfg: EvalCommand) -> None:
     cfg = OmegaConf.to_object(cfg)
-    rank0 = True
-    if cfg.decode_ranks:
-        from framework.decoupled import join
-
-        rank0 = join(cfg.decode_ranks) == 0
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
-    split = cfg.sequence_parallel > 1
-    if split:
-        from framework.sequence import split_for_sampling
-
-        rank0 = split_for_sampling(pipe.model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups) == 0
+    rank0 = share_ranks(pipe.model, cfg)
+    split = cfg.sequence_parallel > 1  # the sequence-parallel groups share the prompts
     if dataset_kind(pipe.info) is None:
         raise SystemExit(
             f"framework.eval: the checkpoint was trained on {pipe.info.get('source')!r}; only the digits and"

@@ -20,6 +20,7 @@ from framework.models import Denoiser, ModelConfig, build_denoiser, load_weights
 from framework.objectives import Objective, ObjectiveConfig
 from framework.optim import OptimizerConfig, build_optimizer, lr_lambda
 from framework.registry import training_loss_hook
+from framework.sequence import group_of
 
 CKPT_KEY = "latentforge"  # our own entry in the Lightning checkpoint dict
 MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
@@ -150,7 +151,7 @@ class DiffusionModule(pl.LightningModule):
     def _draw(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Noise, noise level and caption-drop flags for this rank's slice of the global batch."""
         B, W, r = x0.shape[0], self.trainer.world_size, self.global_rank
-        sp = getattr(self.model, "sequence_parallel", None)
+        sp = group_of(self.model)
         if sp is not None:  # a sequence-parallel group draws as one data-parallel rank (framework/sequence.py)
             W, r = sp.dp_size, sp.dp_rank
         g = self.step_generator()

@@ -173,14 +173,14 @@ class Pipeline:
         labels = [lbl for lbl in labels for _ in range(candidates)]
         n = len(prompts)
         schedule = self.schedule(cache_schedule, sampler, steps)
+        sp = group_of(self.model)
         if decode_ranks:
-            if group_of(self.model) is not None:
+            if sp is not None:
                 raise ValueError("decode_ranks with sequence_parallel: choose one way to share generation between ranks")
             if split_ranks:
                 raise ValueError("decode_ranks and split_ranks: choose one way to share generation between ranks")
             return self._generate_decoupled(prompts, labels, noise, steps, guidance, sampler, batch_size, progress,
                                             schedule, decode_ranks)
-        sp = group_of(self.model)
         world = _world_size() if split_ranks or sp is not None else 1
         if world == 1:
             return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, progress, schedule)
@@ -189,9 +189,10 @@ class Pipeline:
         # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
         # same number of forwards, which FSDP's collectives need. A sequence-parallel group (P consecutive
         # ranks, framework/sequence.py) draws one share together; its P copies are identical.
-        shares, share = (sp.dp_size, sp.dp_rank) if sp is not None else (world, dist.get_rank())
-        if not split_ranks:
+        if not split_ranks:  # a sequence-parallel model: every group draws every image
             shares, share = 1, 0
+        else:
+            shares, share = (sp.dp_size, sp.dp_rank) if sp is not None else (world, dist.get_rank())
         per = math.ceil(n / shares)
         idx = [i for i in range(share * per, (share + 1) * per) if i < n]
         idx += [0] * (per - len(idx))

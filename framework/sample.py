@@ -15,13 +15,13 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import quiet_hydra, resolve_device
+from framework.cli import RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.pipeline import Pipeline, save_grid, to_pil
 from framework.prompts import prompt_labels
 
 
 @dataclass
-class SampleCommand:
+class SampleCommand(RankSharing):
     """Arguments of `python -m framework.sample`."""
 
     ckpt: str = "???"
@@ -49,13 +49,6 @@ class SampleCommand:
     """ema (when the checkpoint has EMA weights) or train."""
     cache_schedule: str | None = None
     """Cached sampling: a cache_schedule.json from experiment=cache_router (or its run dir), or uniform:K."""
-    decode_ranks: int = 0
-    """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
-    sequence_parallel: int = 1
-    """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
-    prompts (framework/sequence.py); 1: off."""
-    sequence_parallel_head_groups: int = 1
-    """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -78,15 +71,8 @@ def run(cfg: SampleCommand) -> list[Path]:
     from framework.bestof import select
     from framework.judge import get_judge
 
-    if cfg.decode_ranks:
-        from framework.decoupled import join
-
-        join(cfg.decode_ranks)  # refuses too few processes
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
-    if cfg.sequence_parallel > 1:
-        from framework.sequence import split_for_sampling
-
-        split_for_sampling(pipe.model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
+    rank0 = share_ranks(pipe.model, cfg)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()
@@ -94,7 +80,7 @@ def run(cfg: SampleCommand) -> list[Path]:
                            candidates=cfg.best_of, progress=True, cache_schedule=cfg.cache_schedule,
                            decode_ranks=cfg.decode_ranks, split_ranks=cfg.sequence_parallel > 1)
     seconds = time.perf_counter() - t0
-    if images is None or not _is_rank0():  # a rank that only helped (decode_ranks, sequence_parallel): rank 0 writes
+    if images is None or not rank0:  # a rank that only helped (decode_ranks, sequence_parallel): rank 0 writes
         return []
     print(f"generated {len(images)} images ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "
           f"{len(images) / seconds:.1f} images/s")
@@ -110,12 +96,6 @@ def run(cfg: SampleCommand) -> list[Path]:
         paths.append(path)
     paths.append(save_grid(chosen, prompts, out / "grid.png"))
     return paths
-
-
-def _is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @hydra.main(version_base="1.3", config_path=None, config_name="sample_command")

@@ -119,9 +119,9 @@ def init(size: int, head_groups: int = 1, device: torch.device | str = "cpu") ->
                             mesh["dp"].get_local_rank(), world // size, config, head_groups)
 
 
-def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> int:
+def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> None:
     """For the sample and eval commands under torchrun: join the job's process group and split `model` over
-    groups of `size` ranks. Returns this rank (the commands write and print on rank 0)."""
+    groups of `size` ranks."""
     from framework.decoupled import init_from_env
 
     world = init_from_env()
@@ -130,7 +130,6 @@ def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> int:
                          f"torchrun --standalone --nproc_per_node={size} -m ...")
     check(model.cfg, size, head_groups, world)
     install(model, init(size, head_groups, next(model.parameters()).device))
-    return dist.get_rank()
 
 
 def group_of(module: nn.Module) -> SequenceParallel | None:

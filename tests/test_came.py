@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,7 @@ import plugins  # noqa: F401  (registers optimizer=came / came8bit)
 from plugins.came import CAME, is_8bit, state_shapes
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 from tests.came_fsdp_worker import OPT_KW, STEPS, build_model, train_steps
-from tests.zygote import enabled
-from tests.zygote import torchrun as forked_torchrun
+from tests.zygote import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,30 +218,11 @@ def test_per_group_settings():
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, world: int, name: str, tasks: list[str]) -> dict:
-    """Run tests/came_fsdp_worker.py on `world` gloo processes; rank 0's results."""
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "TMPDIR": str(out), "OMP_NUM_THREADS": "1"}
-    if enabled():  # the ranks forked from the test zygote (tests/zygote.py)
-        env = {k: v for k, v in env.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-        proc = forked_torchrun(world, "tests.came_fsdp_worker", str(out), name, *tasks, env=env, timeout=120)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return torch.load(out / f"{name}_rank0.pt", weights_only=False)
-    procs = [
-        subprocess.Popen([sys.executable, str(ROOT / "tests" / "came_fsdp_worker.py"), str(out), name, *tasks],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    logs = [p.communicate(timeout=120)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    """Run tests/came_fsdp_worker.py on `world` gloo processes (torchrun's ranks, tests/zygote.py); rank 0's results."""
+    env = {**os.environ, "TMPDIR": str(out), "OMP_NUM_THREADS": "1"}
+    proc = torchrun(world, "tests.came_fsdp_worker", str(out), name, *tasks, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out / f"{name}_rank0.pt", weights_only=False)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -240,28 +239,19 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_read_disjoint_cover(digits_shards, tmp_path):
     # Streaming itself opens a short-lived gloo group when WORLD_SIZE > 1 and none exists (under
     # Lightning DDP one already does), so the two processes need a rendezvous address.
-    procs, port = [], str(_free_port())
+    procs, port = [], str(zygote.free_port())
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         cmd = [sys.executable, "-c", RANK_SCRIPT, str(digits_shards), str(tmp_path / "cache"),
                str(tmp_path / f"keys{rank}.json")]
-        procs.append(zygote.popen(cmd, env=env) if zygote.enabled()
-                     else subprocess.Popen(cmd, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
+        procs.append(zygote.popen(cmd, env=env))
     for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out[-2000:]
     k0, k1 = (set(json.loads((tmp_path / f"keys{r}.json").read_text())) for r in range(2))
     assert not k0 & k1 and len(k0 | k1) == 1438 * 3 and abs(len(k0) - len(k1)) <= 50
 

@@ -26,7 +26,7 @@ def torchrun(nproc: int, *args: str, tmp: Path, fork: bool = False) -> subproces
     forked from the test zygote (tests/zygote.py), for workers whose launch is not what is tested."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1")
-    if fork and os.environ.get("LATENTFORGE_TEST_FORK", "1") != "0":
+    if fork:
         assert args[0] == "-m"
         return forked_torchrun(nproc, args[1], *args[2:], env=env)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]

@@ -36,7 +36,7 @@ import torch
 
 from tests.test_train import losses
 from tests import zygote
-from tests.zygote import Result, enabled, lightning_ranks
+from tests.zygote import Result, free_port, lightning_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 FROZEN = "net.transformer_blocks.1.attn1.to_q"
@@ -66,10 +66,6 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
     full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
     if not wait:  # one process (the caller starts the ranks, with their Slurm variables)
         return zygote.popen(cmd, env=full_env)
-    if not enabled():
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc
     if any(k.startswith("SLURM_") for k in full_env):  # one task of a Slurm job: its variables say which
         proc = zygote.run(cmd, env=full_env, timeout=timeout)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -265,14 +261,6 @@ def srun_ranks(run_dir: Path, data: Path, *overrides: str, env: dict[str, str], 
     port = {"MASTER_PORT": str(free_port())}
     return [run_train(run_dir, data, *overrides, env={**env, **port, **slurm_task_env("4243", r, ntasks)}, wait=False)
             for r in range(ntasks)]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def finish(procs: list[subprocess.Popen], timeout: int = 300) -> str:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from framework import train as train_lib
 from framework.registry import WeightAverager, averaged_weights
 from plugins.ema import EMA, EMAConfig
 from tests.test_train import ROOT, cheap, compose_cfg, losses
-from tests.zygote import enabled, lightning_ranks
+from tests.zygote import lightning_ranks
 
 # ema.lerp_(w, 1 - d**k) against d**k * ema + (1 - d**k) * w: a few float32 roundings apart.
 REF_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -179,13 +177,8 @@ def _two_ranks(tmp_path: Path, data: Path, run: str, *extra: str, steps: int) ->
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    if enabled():  # both ranks forked from the test zygote at once (tests/zygote.py)
-        results = lightning_ranks("tests.ema_dist_train", args, 2, env, tmp_path, timeout=300)
-        assert all(r.returncode == 0 for r in results), "".join(r.stderr[-3000:] for r in results)
-        return tmp_path / run
-    proc = subprocess.run([sys.executable, "-m", "tests.ema_dist_train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = lightning_ranks("tests.ema_dist_train", args, 2, env, tmp_path, timeout=300)  # tests/zygote.py
+    assert all(r.returncode == 0 for r in results), "".join(r.stderr[-3000:] for r in results)
     return tmp_path / run
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,9 +23,8 @@ from framework.models import build_denoiser, load_preset
 from framework.module import DiffusionModule
 from framework.objectives import ObjectiveConfig
 from framework.optim import OptimizerConfig
-from tests.zygote import enabled, lightning_ranks
+from tests.zygote import lightning_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 EXACT = dict(rtol=0, atol=0)
 
 
@@ -118,13 +115,8 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], Path]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
     args = [str(root / "cases.json"), str(root)]
-    if enabled():  # both ranks forked from the test zygote at once (tests/zygote.py)
-        results = lightning_ranks("tests.fsdp_init_worker", args, 2, env, root, timeout=600)
-        assert all(r.returncode == 0 for r in results), "".join(r.stdout[-2000:] + r.stderr[-3000:] for r in results)
-        return cases, root
-    proc = subprocess.run([sys.executable, "-m", "tests.fsdp_init_worker", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = lightning_ranks("tests.fsdp_init_worker", args, 2, env, root, timeout=600)  # tests/zygote.py
+    assert all(r.returncode == 0 for r in results), "".join(r.stdout[-2000:] + r.stderr[-3000:] for r in results)
     return cases, root
 
 

@@ -66,7 +66,7 @@ def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: 
         env.pop(k)  # offline: no API key
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
-    if devices == 1 or launcher or not zygote.enabled():
+    if devices == 1 or launcher:
         # rank 0 forked from the test zygote (tests/zygote.py): the command itself, Lightning starts the other ranks
         proc = zygote.run(cmd, env=env, timeout=600)
     else:  # every rank at once, with the variables srun / torchrun set (Lightning then starts none)

@@ -209,8 +209,9 @@ class Zygote:
         s.sendall((json.dumps(request) + "\n").encode())
         return s, int(_readline(s))
 
-    def run(self, jobs: list[tuple[str, list[str], dict[str, str], Path]], timeout: float) -> list[Result]:
-        """Start every job at once (the ranks of one run), wait for all; a timeout kills them all."""
+    def run(self, jobs: list[tuple], timeout: float) -> list[Result]:
+        """Start every job (module, args, env, log[, code]) at once (the ranks of one run), wait for all; a
+        timeout kills them all."""
         started = [self.start(*job) for job in jobs]
         deadline = time.monotonic() + timeout
         codes: list[int | None] = [None] * len(started)
@@ -261,12 +262,7 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None, timeo
     log = log or Path(tempfile.mkdtemp(prefix="run", dir=(env or os.environ).get("TMPDIR"))) / "out.log"
     env = dict(env if env is not None else os.environ)
     if module == "-c":  # run_module("-c", CODE, *args): python -c CODE
-        proc = shared().popen("", list(args[1:]), env, log, args[0])
-        try:
-            proc.wait(timeout)
-        finally:
-            proc.kill()
-        return Result(proc.returncode, log.read_text(), Path(f"{log}.err").read_text())
+        return shared().run([("", list(args[1:]), env, log, args[0])], timeout)[0]
     return shared().run([(module, list(args), env, log)], timeout)[0]
 
 
@@ -292,11 +288,16 @@ def popen(cmd: list[str], *, env: dict[str, str] | None = None, **_: object) -> 
 
 def torchrun(nproc: int, module: str, *args: str, env: dict[str, str], timeout: float = 600) -> Result:
     """`torchrun --standalone --nproc_per_node=N -m MODULE ARGS`, forked: every rank at once with torchrun's
-    variables. Returns rank 0's output, with the other ranks' after it."""
+    variables. Returns rank 0's output, with the other ranks' after it. LATENTFORGE_TEST_FORK=0: the real torchrun."""
     import tempfile
 
+    if not enabled():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
+               *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return Result(proc.returncode, proc.stdout, proc.stderr)
     folder = Path(tempfile.mkdtemp(prefix="ranks", dir=env.get("TMPDIR")))
-    port = str(_free_port())
+    port = str(free_port())
     jobs = [(module, list(args), {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
                                   "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc),
                                   "GROUP_RANK": "0", "ROLE_RANK": str(r), "TORCHELASTIC_RUN_ID": "test"},
@@ -309,10 +310,15 @@ def torchrun(nproc: int, module: str, *args: str, env: dict[str, str], timeout: 
 def lightning_ranks(module: str, args: list[str], devices: int, env: dict[str, str], folder: Path,
                     timeout: float = 600) -> list[Result]:
     """A Lightning training command on `devices` CPU ranks, forked: all ranks at once with the variables a
-    launcher sets (Lightning then starts no processes itself), as srun or torchrun would start them."""
+    launcher sets (Lightning then starts no processes itself), as srun or torchrun would start them.
+    LATENTFORGE_TEST_FORK=0: `python -m MODULE ARGS`, Lightning's launcher starting the other ranks."""
+    if not enabled():
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        return [Result(proc.returncode, proc.stdout, proc.stderr)]
     ranks = [{}]
     if devices > 1:
-        port = str(_free_port())
+        port = str(free_port())
         ranks = [dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(devices), NODE_RANK="0",
                       LOCAL_RANK=str(r), RANK=str(r)) for r in range(devices)]
     return shared().run([(module, list(args), {**env, **rank_env}, folder / f"rank{r}.log")
@@ -324,7 +330,7 @@ def enabled() -> bool:
     return os.environ.get("LATENTFORGE_TEST_FORK", "1") != "0"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
