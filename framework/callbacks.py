@@ -6,18 +6,22 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 
-from framework.pipeline import Pipeline, save_grid
+from framework.pipeline import Pipeline, save_grid, with_encoders
+from framework.prompts import prompt_labels
 from framework.registry import averaged_weights
 from framework.fsdp import reshard
 
 
-def module_pipeline(pl_module: pl.LightningModule) -> Pipeline:
-    """A Pipeline over the live module's denoiser (its current weights, whatever they are swapped to).
+def module_pipeline(pl_module: pl.LightningModule, vae: str | None = None, text_encoder: str | None = None) -> Pipeline:
+    """A Pipeline over the live module's denoiser (its current weights, whatever they are swapped to), with
+    the dataset's encoders or the given folders (sample.vae / sample.text_encoder).
 
     Build it once per callback and keep it: it loads the image codec now and the text encoder on first use.
     """
-    return Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, pl_module.dataset_info, pl_module.device)
+    info = with_encoders(pl_module.dataset_info, vae, text_encoder, ("sample.vae", "sample.text_encoder"))
+    return Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, info, pl_module.device)
 
 
 class SampleGrid(pl.Callback):
@@ -30,12 +34,13 @@ class SampleGrid(pl.Callback):
     def __init__(self, cfg: Any, out_dir: str | Path) -> None:
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.paths: list[Path] = []
+        self.failed: str | None = None  # why the final grid failed, if it did
         self._pipe: Pipeline | None = None
         self._last_step = -1
 
     def _pipeline(self, pl_module: pl.LightningModule) -> Pipeline:
         if self._pipe is None:
-            self._pipe = module_pipeline(pl_module)
+            self._pipe = module_pipeline(pl_module, self.cfg.vae, self.cfg.text_encoder)
         return self._pipe
 
     def draw(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path | None:
@@ -45,11 +50,7 @@ class SampleGrid(pl.Callback):
         self._last_step = step
         c = self.cfg
         prompts = [p for p in c.prompts for _ in range(c.per_prompt)]
-        labels = None
-        if pl_module.model_cfg.num_classes is not None:
-            from framework.judge import prompt_digit
-
-            labels = [prompt_digit(p) for p in prompts]
+        labels = prompt_labels(self._pipeline(pl_module), prompts)
         was_training = pl_module.training
         pl_module.eval()
         try:
@@ -77,4 +78,10 @@ class SampleGrid(pl.Callback):
             self.draw(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.draw(trainer, pl_module)
+        # The final checkpoint is already written (FinalCheckpoint runs first): a grid that fails now is
+        # reported, and the run it would otherwise end keeps its weights, logs and exit status.
+        try:
+            self.draw(trainer, pl_module)
+        except Exception as err:  # noqa: BLE001 - any failure of the optional last picture
+            self.failed = f"{type(err).__name__}: {err}"
+            rank_zero_warn(f"the final sample grid failed, the run is saved: {self.failed}")

@@ -55,6 +55,16 @@ class RankSharing:
     """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
 
 
+@dataclass
+class EncoderPaths:
+    """Encoders for the sample and eval commands when the ones dataset.json records are not on this machine."""
+
+    vae: str | None = None
+    """Image decoder: pixel or a local VAE folder; null: the one the checkpoint's dataset recorded."""
+    text_encoder: str | None = None
+    """Prompt encoder: minilm or a local text-encoder folder; null: the one the checkpoint's dataset recorded."""
+
+
 def share_ranks(model: Any, cfg: RankSharing) -> bool:
     """Join torchrun's process group for `cfg`'s decode_ranks / sequence_parallel (splitting `model` for the
     latter); returns whether this rank writes and prints (rank 0, or the only process)."""

@@ -13,7 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from framework.data import DataConfig, latent_size_keys
+from framework.data import DataConfig
 from framework.models import ModelConfig
 from framework.objectives import SAMPLERS, ObjectiveConfig, check_sampler
 from framework.optim import OptimizerConfig
@@ -154,6 +154,11 @@ class SampleConfig:
     """ddim, dpm++ or flow_euler; null: the objective's default."""
     seed: int = 0
     """Seed of the grid's noise, fixed so grids are comparable across steps."""
+    vae: str | None = None
+    """Image decoder for grids and evaluations: pixel or a local VAE folder; null: the one dataset.json records
+    (the precompute machine's path). Checked when training starts."""
+    text_encoder: str | None = None
+    """Text encoder for grid and evaluation prompts: minilm or a local folder; null: the one dataset.json records."""
 
     def __post_init__(self) -> None:
         if self.sampler is not None and self.sampler not in SAMPLERS:
@@ -290,17 +295,3 @@ def validate(cfg: TrainConfig) -> None:
         check_sampler(cfg.objective.name, cfg.eval.sampler)
     if m.family == "dit" and cfg.objective.caption_dropout > 0 and not m.num_classes:
         raise ValueError("model.num_classes must be set for the class-conditional dit family")
-    if cfg.data.prepare:
-        prep = cfg.data.prepare
-        channels = {"L": 1, "RGB": 3}.get(prep.get("image_mode") or "", None)
-        if prep.get("vae", "pixel") == "pixel" and channels is not None and channels != m.in_channels:
-            raise ValueError(
-                f"model.in_channels={m.in_channels} but data.prepare writes {channels}-channel pixel latents"
-                f" (image_mode={prep.get('image_mode')}); set model.in_channels={channels}"
-            )
-        res = prep.get("resolution")
-        if prep.get("vae", "pixel") == "pixel" and res is not None:
-            hw = (res, prep.get("width") or res)
-            if hw != m.latent_hw:
-                raise ValueError(f"{latent_size_keys(*m.latent_hw)} but data.prepare writes {hw[0]}x{hw[1]} pixel "
-                                 f"latents; set {latent_size_keys(*hw)}")

@@ -171,6 +171,45 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
     )
 
 
+def ensure_dataset(cfg: DataConfig, rank: int = 0, timeout_s: float = 3600.0) -> DatasetInfo:
+    """The dataset's info, building it first when `data.prepare` names a recipe for this path.
+
+    Runs before the model is built (its channels, latent size and text width come from here), so it
+    cannot wait for Lightning's prepare_data: global rank 0 builds, the other ranks wait for dataset.json.
+    A recipe builds only the folder it names (`prepare.out`): a mistyped data.path fails here instead of
+    silently training on the built-in digits.
+    """
+    import time
+
+    prep = cfg.prepare
+    target = (prep or {}).get("out")
+    builds_here = bool(prep) and (target is None or Path(target).expanduser().resolve() == Path(cfg.path).expanduser().resolve())
+    if builds_here and not _is_complete(cfg.path):
+        if rank == 0:
+            from data_prep.precompute import precompute
+
+            # One process builds it, even inside a DDP job whose RANK/WORLD_SIZE say otherwise.
+            precompute({**dict(prep), "out": cfg.path}, rank=0, world_size=1)
+        else:
+            deadline = time.monotonic() + timeout_s
+            while not _is_complete(cfg.path):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank} waited {timeout_s:.0f} s for rank 0 to build {cfg.path}")
+                time.sleep(1.0)
+    return read_dataset_info(cfg.path, cfg.local)
+
+
+# The model keys a dataset fixes, and how each is read off dataset.json.
+def data_model_fields(info: DatasetInfo, family: str) -> dict[str, Any]:
+    """model.* values that dataset.json decides: latent channels, latent height (and width when it differs),
+    and the caption width (not for the class-conditional dit, which reads no captions)."""
+    h, w = info.latent_size
+    fields: dict[str, Any] = {"in_channels": info.latent_channels, "sample_size": h, "sample_width": None if w == h else w}
+    if family != "dit":
+        fields["text_dim"] = info.text_dim
+    return fields
+
+
 def latent_size_keys(height: int, width: int) -> str:
     """The model keys for latents of height x width, as a user writes them in an override."""
     return f"model.sample_size={height}" + ("" if width == height else f" model.sample_width={width}")
@@ -272,11 +311,7 @@ class LatentDataModule(L.LightningDataModule):
         self.dataset = None
 
     def prepare_data(self) -> None:
-        if self.cfg.prepare and not _is_complete(self.cfg.path):
-            from data_prep.precompute import precompute
-
-            # One process builds it, even inside a DDP job whose RANK/WORLD_SIZE say otherwise.
-            precompute({**dict(self.cfg.prepare), "out": self.cfg.path}, rank=0, world_size=1)
+        ensure_dataset(self.cfg)  # a no-op when framework.train built it before the model
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.dataset is not None:
@@ -288,6 +323,13 @@ class LatentDataModule(L.LightningDataModule):
             os.environ.update(RANK=str(t.global_rank), WORLD_SIZE=str(t.world_size),
                               LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.num_devices))
         self.info = read_dataset_info(self.cfg.path, self.cfg.local)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        global_batch = self.cfg.batch_size * max(world // self.replication, 1)
+        if self.cfg.drop_last and self.info.num_samples < global_batch:
+            # Streaming would deal every rank less than one batch and the run would end at step 0, silently.
+            raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, fewer than "
+                             f"one global batch ({self.cfg.batch_size} per rank x {global_batch // self.cfg.batch_size}"
+                             f" data-parallel ranks = {global_batch}); lower data.batch_size")
         self.dataset = self._build_dataset()
 
     def _build_dataset(self):

@@ -17,7 +17,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import RankSharing, quiet_hydra, resolve_device, share_ranks
+from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.config import EvalSettings
 from framework.pipeline import Pipeline, save_grid
 from framework.prompts import PromptSet, dataset_kind, prompt_set
@@ -167,7 +167,7 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
 
 
 @dataclass
-class EvalCommand(EvalSettings, RankSharing):
+class EvalCommand(EvalSettings, RankSharing, EncoderPaths):
     """Arguments of `python -m framework.eval`."""
 
     ckpt: str = "???"
@@ -188,7 +188,8 @@ ConfigStore.instance().store(name="eval_command", node=EvalCommand)
 @hydra.main(version_base="1.3", config_path=None, config_name="eval_command")
 def main(cfg: EvalCommand) -> None:
     cfg = OmegaConf.to_object(cfg)
-    pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
+    pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
+                                    vae=cfg.vae, text_encoder=cfg.text_encoder)
     rank0 = share_ranks(pipe.model, cfg)
     split = cfg.sequence_parallel > 1  # the sequence-parallel groups share the prompts
     if dataset_kind(pipe.info) is None:

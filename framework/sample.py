@@ -15,13 +15,13 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import RankSharing, quiet_hydra, resolve_device, share_ranks
+from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.pipeline import Pipeline, save_grid, to_pil
 from framework.prompts import prompt_labels
 
 
 @dataclass
-class SampleCommand(RankSharing):
+class SampleCommand(RankSharing, EncoderPaths):
     """Arguments of `python -m framework.sample`."""
 
     ckpt: str = "???"
@@ -71,7 +71,8 @@ def run(cfg: SampleCommand) -> list[Path]:
     from framework.bestof import select
     from framework.judge import get_judge
 
-    pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
+    pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
+                                    vae=cfg.vae, text_encoder=cfg.text_encoder)
     rank0 = share_ranks(pipe.model, cfg)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None

@@ -24,7 +24,7 @@ from framework.config import TrainConfig
 from framework.data import LatentDataModule
 from framework.loggers import RunCSVLogger, wandb_logger
 from framework.module import DiffusionModule
-from framework.pipeline import Pipeline
+from framework.pipeline import Pipeline, with_encoders
 from framework.registry import averaged_weights, build_plugin_callbacks
 
 config_lib.register()
@@ -62,7 +62,7 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
         *build_plugin_callbacks(cfg.plugins, cfg),
     ]
     if cfg.eval.every_n_steps:
-        cbs.append(PeriodicEval(cfg.eval, run_dir))
+        cbs.append(PeriodicEval(cfg.eval, run_dir, cfg.sample.vae, cfg.sample.text_encoder))
     if cfg.logger.name != "none":
         cbs.append(LearningRateMonitor(logging_interval="step"))
         # Rates (samples/s, TFLOP/s, MFU) over the last 20 batches: Lightning's default of 100 would
@@ -98,8 +98,9 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
     from framework.strategy import build_strategy
 
     t = cfg.trainer
-    # PruneHpcCheckpoints after FinalCheckpoint: at the end it compares with the final last.ckpt.
-    callbacks = [*callbacks, FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"), PruneHpcCheckpoints(run_dir),
+    # FinalCheckpoint first: the final state is on disk before any grid or plugin runs at the end, so a
+    # failure there cannot lose the run. PruneHpcCheckpoints after it: it compares with the final last.ckpt.
+    callbacks = [FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"), PruneHpcCheckpoints(run_dir), *callbacks,
                  *preemption_callbacks()]
     return pl.Trainer(
         strategy=build_strategy(cfg.strategy, default_precision(cfg)),
@@ -137,6 +138,53 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
         raise ValueError(f"resume: {path} is a sharded (fsdp) checkpoint folder; resume it with strategy=fsdp "
                          "(any number of devices, 1 included), or convert the weights with framework.export")
     return path
+
+
+def chosen_model_keys(dcfg: DictConfig) -> set[str]:
+    """model.* keys set by the user (command line or experiment file) rather than by the preset in conf/model/."""
+    from framework.models import PRESET_DIR
+
+    preset = PRESET_DIR / f"{dcfg.model.name}.yaml"
+    values = OmegaConf.load(preset) if preset.is_file() else {}
+    chosen = {k for k in dcfg.model if k in values and dcfg.model[k] != values[k]}
+    if HydraConfig.initialized():  # a command-line value equal to the preset's is a choice too
+        chosen |= {o.split("=", 1)[0].lstrip("+~").removeprefix("model.") for o in HydraConfig.get().overrides.task
+                   if o.lstrip("+~").startswith("model.")}
+    return chosen
+
+
+def fit_model_to_data(dcfg: DictConfig) -> Any:
+    """Set the model keys the dataset decides (channels, latent size, text width) from its dataset.json, and
+    return the dataset's info (None when the data config itself is invalid: to_object reports that).
+
+    A model preset names an architecture; the data it trains on fixes its input and caption widths, so the
+    user chooses `model=` and `data.path=` and nothing has to be undone (the quickstart's digits included).
+    A value the user set (not the preset's) that contradicts the dataset is refused, naming the key.
+    """
+    import os
+
+    from framework.data import DataConfig, data_model_fields, ensure_dataset
+
+    try:
+        data: DataConfig = OmegaConf.to_object(dcfg.data)  # type: ignore[assignment]
+    except Exception:
+        return None  # config_lib.to_object reports what is wrong with the data config
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    info = ensure_dataset(data, rank)
+    chosen, changed = chosen_model_keys(dcfg), []
+    for key, value in data_model_fields(info, dcfg.model.family).items():
+        current = dcfg.model.get(key)
+        if current == value:
+            continue
+        if key in chosen:
+            raise ValueError(f"model.{key}={current} does not fit the dataset at data.path={data.path}: {info.path} "
+                             f"has {key}={value}. Drop model.{key} (the dataset sets it) or point data.path at a "
+                             "dataset built for that model")
+        changed.append(f"model.{key}: {current} -> {value}")
+        dcfg.model[key] = value
+    if changed and rank == 0:
+        print(f"model={dcfg.model.name} fitted to {info.path}: " + ", ".join(changed))
+    return info
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,8 +232,9 @@ class PeriodicEval(pl.Callback):
     """`eval.every_n_steps=N`: the evaluation at step 0 (or the resumed step) and every N steps, written to
     run.dir/eval/stepNNNNNNN/ and logged as `eval/*` (metrics.csv, W&B): quality curves against steps."""
 
-    def __init__(self, settings: Any, run_dir: str | Path) -> None:
+    def __init__(self, settings: Any, run_dir: str | Path, vae: str | None = None, text_encoder: str | None = None) -> None:
         self.settings, self.out_dir = settings, Path(run_dir) / "eval"
+        self.encoders = (vae, text_encoder)  # sample.vae / sample.text_encoder
         self._last_step = -1
         self._pipe: Pipeline | None = None  # one for the whole run: the text encoder loads once
 
@@ -195,7 +244,7 @@ class PeriodicEval(pl.Callback):
             return
         self._last_step = step
         if self._pipe is None:
-            self._pipe = module_pipeline(pl_module)
+            self._pipe = module_pipeline(pl_module, *self.encoders)
         evaluate_module(self.settings, trainer, pl_module, self._pipe, self.out_dir / f"step{step:07d}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -213,7 +262,10 @@ class PeriodicEval(pl.Callback):
 
 def train(dcfg: DictConfig) -> dict[str, Any]:
     """Run training (and the final evaluation when eval.at_end); returns what was written."""
+    info = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
+    if info is not None:  # grids and evaluations decode and encode: their encoders must be here, checked now
+        with_encoders(info.summary(), cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"))
     run_dir = Path(cfg.run.dir).resolve()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         # A sweep (-m) gives each job its own folder, run.dir/<job number> (hydra.sweep in
@@ -251,9 +303,11 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
     last = run_dir / "checkpoints" / "last.ckpt"
 
     written: dict[str, Any] = {"run_dir": str(run_dir), "config": str(run_dir / "config.yaml"), "checkpoint": str(last)}
-    grids = next(cb for cb in callbacks if isinstance(cb, SampleGrid)).paths
-    if grids:
-        written["samples"] = [str(p) for p in grids]
+    grid = next(cb for cb in callbacks if isinstance(cb, SampleGrid))
+    if grid.paths:
+        written["samples"] = [str(p) for p in grid.paths]
+    if grid.failed:
+        written["grid failed"] = grid.failed
     if (run_dir / "metrics.csv").exists():
         written["metrics"] = str(run_dir / "metrics.csv")
     if cfg.eval.at_end:
@@ -267,7 +321,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
 
 def final_eval(cfg: TrainConfig, module: DiffusionModule, run_dir: Path, trainer: pl.Trainer) -> dict[str, Any]:
     """Evaluate the final weights on every rank; rank 0 writes run.dir/eval/ and logs the metrics."""
-    return evaluate_module(cfg.eval, trainer, module, module_pipeline(module), run_dir / "eval")
+    pipe = module_pipeline(module, cfg.sample.vae, cfg.sample.text_encoder)
+    return evaluate_module(cfg.eval, trainer, module, pipe, run_dir / "eval")
 
 
 def finish_loggers(trainer: pl.Trainer) -> None:

@@ -60,8 +60,40 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
 def test_every_experiment_composes(experiment):
-    cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}"]))
+    # The real-size experiments read data=shards, whose path the user gives.
+    given = ["data.path=DIR"] if "override /data: shards" in (CONF / "experiment" / f"{experiment}.yaml").read_text() else []
+    cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}", *given]))
     assert cfg.trainer.max_steps > 0
+
+
+# Parameters of the published models (diffusers' DiT keeps a timestep/label embedder per block: ~750M stored).
+REAL_SIZES = {"pixart_xl_2_256": (0.60e9, 0.62e9), "sana_1600m_1024": (1.55e9, 1.65e9), "dit_xl_2_256": (0.67e9, 0.76e9)}
+
+
+@pytest.mark.parametrize("experiment", sorted(REAL_SIZES))
+def test_real_size_experiments_build_their_published_model(experiment):
+    from framework.fsdp import build_meta
+    from framework.models import to_model_config
+
+    cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}", "data.path=DIR"]))
+    assert cfg.model.name == experiment and cfg.data.path == "DIR" and cfg.plugins.get("ema")
+    model = build_meta(to_model_config(cfg.model))
+    n = sum(p.numel() for p in model.parameters())
+    low, high = REAL_SIZES[experiment]
+    assert low <= n <= high, f"{experiment}: {n / 1e9:.3f}B parameters"
+
+
+def test_a_preset_takes_its_input_and_caption_widths_from_the_dataset(digits_shards):
+    """model=PRESET data.path=DIR under the default (quickstart) experiment: the architecture is the preset's,
+    the channels / latent size / text width are the dataset's."""
+    from framework.train import fit_model_to_data
+
+    cfg = compose_cfg(["model=pixart_xl_2_256", f"data.path={digits_shards}", "data.prepare=null"])
+    assert (cfg.model.in_channels, cfg.model.sample_size, cfg.model.text_dim) == (4, 32, 4096)  # the preset's
+    fit_model_to_data(cfg)
+    m = config_lib.to_object(cfg).model
+    assert (m.in_channels, m.sample_size, m.sample_width, m.text_dim) == (1, 8, None, 384)
+    assert (m.num_layers, m.width, m.learned_sigma) == (28, 1152, False)  # the preset's, the quickstart's sigma
 
 
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
@@ -77,7 +109,6 @@ def test_every_model_preset_composes(model):
         (["model.num_layrs=3"], "num_layrs"),
         (["trainer.max_steps=many"], "max_steps"),
         (["objective=flow", "sample.sampler=ddim"], "sampler='ddim' cannot sample a model trained with objective='flow'"),
-        (["model.sample_size=16"], "model.sample_size=16"),
         (["optimizer.lr=-1"], "optimizer.lr=-1"),
         (["strategy=single", "trainer.devices=2"], "use strategy=ddp or strategy=fsdp"),
         (["strategy=fsdp", "trainer.precision=transformer-engine"], "trainer.precision='transformer-engine'"),
@@ -92,7 +123,8 @@ def test_bad_config_fails_at_start_with_the_key(override, message):
     assert message in text
 
 
-@pytest.mark.parametrize("override,key", [("model.in_channels=3", "model.in_channels"), ("model.text_dim=512", "model.text_dim")])
+@pytest.mark.parametrize("override,key", [("model.in_channels=3", "model.in_channels"), ("model.text_dim=512", "model.text_dim"),
+                                          ("model.sample_size=16", "model.sample_size")])
 def test_model_that_does_not_fit_the_data_fails_naming_the_key(tmp_path, digits_shards, override, key):
     with pytest.raises(ValueError, match=key) as err:
         train(compose_cfg(cheap(tmp_path, digits_shards, override, "data.prepare=null")))
@@ -105,11 +137,9 @@ def test_model_that_does_not_fit_the_data_fails_naming_the_key(tmp_path, digits_
 
 
 def _fit_digits(preset: str) -> list[str]:
-    """Overrides that fit a debug preset to the 1-channel 8x8 MiniLM digits latents."""
-    extra = [f"model={preset}", "model.in_channels=1", "model.sample_size=8"]
-    if preset != "dit_debug":
-        extra.append("model.text_dim=384")
-    return extra
+    """A debug preset on the 1-channel 8x8 MiniLM digits latents: the preset's own channels and text width
+    (4 and 4096 / 2304 / 1024) are replaced by the dataset's, nothing else is needed."""
+    return [f"model={preset}"]
 
 
 @pytest.mark.parametrize("preset", DEBUG_PRESETS)

@@ -1,0 +1,109 @@
+"""A user's own images, end to end: precompute with a local VAE and text encoder, then train a model preset
+on the latents (its channels, latent size and caption width read from dataset.json) on a machine where the
+encoder folders dataset.json recorded are gone, so sample.vae / sample.text_encoder point at copies."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from framework.train import train
+from tests.conftest import make_image_folder, make_tiny_text_encoder, make_tiny_vae
+from tests.test_train import compose_cfg
+
+
+@pytest.fixture(scope="module")
+def own_data(tmp_path_factory) -> dict[str, Path]:
+    """RGB 20x24 images with captions, one unreadable file and one uncaptioned image, encoded at 16 px; then
+    the encoder folders move away (another machine), copies stay elsewhere."""
+    from data_prep.precompute import precompute
+
+    tmp = tmp_path_factory.mktemp("own")
+    src = make_image_folder(tmp / "images", n=12, size=20)
+    (src / "broken.png").write_bytes(b"not an image")
+    (src / "broken.txt").write_text("a picture that cannot be read")
+    Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(src / "uncaptioned.png")
+    vae, text = make_tiny_vae(tmp / "vae"), make_tiny_text_encoder(tmp / "text")
+    data = precompute({"source": {"name": "folder", "path": str(src)}, "vae": str(vae), "text_encoder": str(text),
+                       "resolution": 16, "out": str(tmp / "latents"), "max_bad_fraction": 0.2, "progress": False})
+    moved = {"vae": tmp / "elsewhere" / "vae", "text": tmp / "elsewhere" / "text"}
+    for key, folder in (("vae", vae), ("text", text)):
+        shutil.move(str(folder), moved[key])
+    return {"data": data, "tmp": tmp, **moved}
+
+
+def _run(own: dict[str, Path], name: str, *extra: str, every: int = 3) -> list[str]:
+    return ["model=pixart_debug", f"data.path={own['data']}", "data.batch_size=4", f"run.dir={own['tmp'] / name}",
+            "trainer.max_steps=3", f"trainer.checkpoint_every_n_steps={every}", "trainer.enable_progress_bar=false",
+            "logger=none", "eval.at_end=false", "sample.per_prompt=1", "sample.steps=2",
+            "sample.prompts=[a random picture number 1]", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(own_data) -> dict:
+    return train(compose_cfg(_run(own_data, "ok", f"sample.vae={own_data['vae']}",
+                                  f"sample.text_encoder={own_data['text']}")))
+
+
+def test_a_preset_trains_on_own_latents_and_grids_decode_with_local_encoders(trained):
+    out = trained
+    ckpt = torch.load(out["checkpoint"], map_location="cpu", weights_only=True)
+    model = ckpt["latentforge"]["config"]["model"]
+    # The preset's 4096-wide T5 captions and 8x8 size became the dataset's 32-wide captions and 8x8 latents
+    # (16 px through the 2x VAE), 4 channels.
+    assert (model["in_channels"], model["sample_size"], model["text_dim"]) == (4, 8, 32)
+    assert ckpt["global_step"] == 3
+    grid = Image.open(out["samples"][-1])
+    assert grid.mode == "RGB" and "grid failed" not in out
+
+
+def test_encoders_missing_on_this_machine_fail_before_training(own_data):
+    with pytest.raises(FileNotFoundError, match=r"sample\.vae=PATH") as err:
+        train(compose_cfg(_run(own_data, "missing")))
+    assert "dataset.json" in str(err.value)
+    assert not (own_data["tmp"] / "missing" / "checkpoints").exists()  # refused before any step
+
+
+def test_a_failing_final_grid_keeps_the_final_checkpoint(own_data, tmp_path, monkeypatch):
+    from framework.callbacks import SampleGrid
+
+    seen = []  # the checkpoint on disk when the final grid starts: it must already hold the last step
+    draw = SampleGrid.draw
+
+    def spy(self, trainer, pl_module):
+        last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+        seen.append(torch.load(last, map_location="cpu", weights_only=True)["global_step"] if last.exists() else None)
+        return draw(self, trainer, pl_module)
+
+    monkeypatch.setattr(SampleGrid, "draw", spy)
+    broken = tmp_path / "not_a_text_encoder"
+    broken.mkdir()  # a folder, so the start-up check passes; loading it at the final grid fails
+    # No periodic checkpoint at step 3: only the final one can be there when the final grid starts.
+    out = train(compose_cfg(_run(own_data, "grid_fails", f"sample.vae={own_data['vae']}",
+                                 f"sample.text_encoder={broken}", every=100)))
+    assert seen == [3] and "grid failed" in out
+    ckpt = torch.load(out["checkpoint"], map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 3
+
+
+def test_a_dataset_smaller_than_one_batch_is_refused(own_data):
+    with pytest.raises(ValueError, match=r"fewer than one global batch.*lower data\.batch_size"):
+        train(compose_cfg(_run(own_data, "big_batch", "data.batch_size=64", f"sample.vae={own_data['vae']}",
+                               f"sample.text_encoder={own_data['text']}")))
+
+
+def test_sample_command_takes_the_encoders_of_this_machine(own_data, trained, tmp_path):
+    from framework.sample import SampleCommand, run
+
+    common = dict(ckpt=trained["checkpoint"], prompts=["a random picture number 2"], steps=2, device="cpu")
+    with pytest.raises(FileNotFoundError, match=r"set vae=PATH"):
+        run(SampleCommand(out=str(tmp_path / "refused"), **common))
+    paths = run(SampleCommand(out=str(tmp_path / "ok"), vae=str(own_data["vae"]), text_encoder=str(own_data["text"]),
+                              **common))
+    image = Image.open(paths[0])
+    assert image.mode == "RGB" and image.size == (256, 256)  # 16 px decoded (8x8 latents, 2x VAE), shown at 256
