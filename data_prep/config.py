@@ -43,6 +43,8 @@ class PrecomputeConfig:
     image_mode: Optional[str] = None  # pixel codec: "L" or "RGB"; null = the source's own (digits: L)
     posterior: str = "mean"  # KL VAEs: store the posterior "mean" or a "sample" (recorded in dataset.json)
     max_tokens: int = 128  # caption token limit (also capped by the tokenizer's model_max_length)
+    prompts: Optional[list[str]] = None  # grid prompts encoded with the data (training never loads the text
+    # encoder for them); null: the source's own (digits: the ten digits), else the first 8 distinct captions
     batch_size: int = 64  # images per encoder call
     device: Optional[str] = None  # null = cuda:<LOCAL_RANK> when a GPU is present, else cpu
     dtype: Optional[str] = None  # null = bf16/fp16 on GPU, fp32 on CPU

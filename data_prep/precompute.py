@@ -31,6 +31,8 @@ from data_prep.sources import Record, get_source
 FINGERPRINT_FILE = "precompute.json"
 DATASET_FILE = "dataset.json"
 EMPTY_CAPTION_FILE = "empty_caption.safetensors"
+PROMPTS_FILE = "prompts.safetensors"  # the grid prompts' embeddings, one tensor per prompt (keys "0", "1", ...)
+GRID_PROMPTS = 8  # captions kept as grid prompts when neither the config nor the source names any
 RANK_DONE_FILE = "done.json"
 FORMAT_VERSION = 1
 
@@ -73,6 +75,8 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
     }
     if cfg.width is not None:
         content["width"] = cfg.width
+    if cfg.prompts:  # only when given: datasets built without them keep their fingerprints
+        content["prompts"] = list(cfg.prompts)
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "config": content}
 
@@ -157,7 +161,7 @@ def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEnco
     if source.num_classes is not None:
         columns["label"] = "int"
     captions = CaptionCache(text, cfg.batch_size)
-    stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": []}
+    stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": []}
     total = source.size()
     bar = tqdm(total=None if total is None else -(-total // world) if world > 1 else total,
                disable=not cfg.progress, desc=f"encode rank {rank}", unit="img")
@@ -183,6 +187,8 @@ def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEnco
                 continue
             latents = codec.encode(torch.stack(pixels)).cpu().numpy().astype(np.float16)  # (B, c, h, w)
             for r, lat in zip(good, latents):
+                if len(stats["first_captions"]) < GRID_PROMPTS and r.captions[0] not in stats["first_captions"]:
+                    stats["first_captions"].append(r.captions[0])
                 for j, (caption, emb) in enumerate(zip(r.captions, captions(r.captions))):
                     row = {"latents": lat, "text_embeds": emb, "caption": caption, "key": f"{r.key}#{j}"}
                     if "label" in columns:
@@ -238,6 +244,9 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
     merge_index([str(out / f"rank_{r:05d}" / "index.json") for r in range(world)], str(out))
     empty = text.encode([""])[0].to(torch.float16).contiguous()  # (L0, D)
     save_file({"text_embeds": empty}, str(out / EMPTY_CAPTION_FILE))
+    prompts = list(cfg.prompts or source.grid_prompts() or stats[0]["first_captions"])
+    save_file({str(i): e.to(torch.float16).contiguous() for i, e in enumerate(text.encode(prompts))},
+              str(out / PROMPTS_FILE))
     latent_shape = stats[0]["latent_shape"]
     info = {
         "format_version": FORMAT_VERSION,
@@ -260,6 +269,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
                     "missing_captions": sum(s["missing_captions"] for s in stats)},
         "num_classes": source.num_classes,
         "empty_caption": EMPTY_CAPTION_FILE,
+        "prompts": {"file": PROMPTS_FILE, "texts": prompts},
         "columns": ["latents", "text_embeds", "caption", "key"] + (["label"] if source.num_classes else []),
         "latents_scaled": False,  # trainer applies (x - shift_factor) * scaling_factor exactly once
         "source": {"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},

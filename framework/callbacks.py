@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from framework.pipeline import Pipeline, save_grid, with_encoders
-from framework.prompts import prompt_labels
+from framework.prompts import grid_prompts, prompt_labels
 from framework.registry import averaged_weights
 from framework.fsdp import reshard
 
@@ -20,7 +20,8 @@ def module_pipeline(pl_module: pl.LightningModule, vae: str | None = None, text_
 
     Build it once per callback and keep it: it loads the image codec now and the text encoder on first use.
     """
-    info = with_encoders(pl_module.dataset_info, vae, text_encoder, ("sample.vae", "sample.text_encoder"))
+    # The text encoder is checked at start-up, only where a prompt needs it (framework.train.check_encoders).
+    info = with_encoders(pl_module.dataset_info, vae, text_encoder, ("sample.vae", "sample.text_encoder"), text=False)
     return Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, info, pl_module.device)
 
 
@@ -49,7 +50,8 @@ class SampleGrid(pl.Callback):
             return None
         self._last_step = step
         c = self.cfg
-        prompts = [p for p in c.prompts for _ in range(c.per_prompt)]
+        columns = c.prompts or grid_prompts(pl_module.dataset_info)
+        prompts = [p for p in columns for _ in range(c.per_prompt)]
         labels = prompt_labels(self._pipeline(pl_module), prompts)
         was_training = pl_module.training
         pl_module.eval()
@@ -61,11 +63,12 @@ class SampleGrid(pl.Callback):
         finally:
             reshard(pl_module.model)
             pl_module.train(was_training)
+            self._pipeline(pl_module).free_text_encoder()  # not held between grids
         if trainer.global_rank != 0:
             return None
         # Column = prompt, row = seed.
-        order = [i * c.per_prompt + r for r in range(c.per_prompt) for i in range(len(c.prompts))]
-        path = save_grid(images[order], [prompts[i] for i in order], self.out_dir / f"step{step:07d}.png", ncol=len(c.prompts))
+        order = [i * c.per_prompt + r for r in range(c.per_prompt) for i in range(len(columns))]
+        path = save_grid(images[order], [prompts[i] for i in order], self.out_dir / f"step{step:07d}.png", ncol=len(columns))
         self.paths.append(path)
         for logger in trainer.loggers:
             if hasattr(logger, "log_image"):

@@ -30,6 +30,12 @@ def uses_gpu(accelerator: str) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def launch_rank() -> int:
+    """This process's global rank as the launcher set it (torchrun's RANK, srun's SLURM_PROCID), before Lightning
+    or torch.distributed know it; 0 for a plain process (Lightning's own launcher starts ranks > 0 inside fit)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
 def share_cpu_threads(ranks_per_machine: int) -> int:
     """Several CPU ranks on one machine: give each its share of the cores, as torchrun does.
 

@@ -114,18 +114,29 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    """Where metrics go."""
+    """Where metrics go (chosen with logger=csv|wandb|none), and the W&B run's identity."""
 
-    name: str = "csv"
-    """csv (run.dir/metrics.csv), wandb (offline when no API key is configured) or none."""
+    kind: str = "csv"
+    """csv (run.dir/metrics.csv), wandb or none; set by the group choice logger=..."""
+    mode: str = "offline"
+    """wandb: online (needs an API key: `wandb login` or WANDB_API_KEY) or offline (`wandb sync run.dir/wandb/
+    offline-run-*` later). Chosen here, never guessed from the environment."""
+    name: str | None = None
+    """wandb: the run's display name; null: the run's `name` (the experiment's)."""
+    group: str | None = None
+    """wandb: run group (e.g. one sweep or one ablation)."""
+    tags: list[str] = field(default_factory=list)
+    """wandb: run tags."""
     project: str = "latentforge"
     """W&B project."""
     entity: str | None = None
     """W&B entity (team or user)."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("csv", "wandb", "none"):
-            raise ValueError(f"logger={self.name!r}: expected csv, wandb or none")
+        if self.kind not in ("csv", "wandb", "none"):
+            raise ValueError(f"logger={self.kind!r}: expected csv, wandb or none")
+        if self.mode not in ("online", "offline"):
+            raise ValueError(f"logger.mode={self.mode!r}: expected online or offline")
 
 
 @dataclass
@@ -142,8 +153,9 @@ class SampleConfig:
 
     every_n_steps: int = 0
     """Draw a grid every this many steps (0: only at the end)."""
-    prompts: list[str] = field(default_factory=lambda: ["a photo of a cat", "a red car", "a mountain lake"])
-    """Prompts of the grid, one column each."""
+    prompts: list[str] | None = None
+    """Prompts of the grid, one column each; null: the ones the dataset encoded at precompute (dataset.json), so
+    grids need no text encoder."""
     per_prompt: int = 2
     """Images per prompt (rows)."""
     steps: int = 20

@@ -95,6 +95,7 @@ class DatasetInfo:
     downsample: int = 1
     posterior: str = "none"
     raw: dict = field(default_factory=dict)  # the whole dataset.json
+    prompt_embeds: dict[str, torch.Tensor] = field(default_factory=dict)  # grid prompt -> (L, D) fp16, precomputed
 
     def summary(self) -> dict:
         """What generation needs to know (the Pipeline's `info`); plain values, so checkpoints load with weights_only."""
@@ -103,6 +104,7 @@ class DatasetInfo:
             "text_encoder": self.text_encoder, "image_mode": self.image_mode, "scaling_factor": self.scaling_factor,
             "shift_factor": self.shift_factor, "num_classes": self.num_classes,
             "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
+            "prompts": list(self.prompt_embeds), "prompt_embeds": dict(self.prompt_embeds),
         }
 
 
@@ -160,6 +162,11 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
     if empty.ndim != 2 or empty.shape[1] != raw["text_dim"]:
         raise ValueError(f"{empty_file}: shape {tuple(empty.shape)} does not match text_dim={raw['text_dim']} "
                          f"in {file}.")
+    prompt_embeds: dict[str, torch.Tensor] = {}
+    if raw.get("prompts"):  # datasets written before grid prompts were encoded have none
+        spec = raw["prompts"]
+        tensors = load_file(str(_fetch(path, spec["file"], local)))
+        prompt_embeds = {text: tensors[str(i)] for i, text in enumerate(spec["texts"])}
     return DatasetInfo(
         latent_channels=int(raw["latent_channels"]), latent_size=tuple(raw["latent_size"]),
         text_dim=int(raw["text_dim"]), scaling_factor=float(raw["scaling_factor"]),
@@ -167,7 +174,7 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         image_codec=raw["image_codec"]["name"], text_encoder=raw["text_encoder"]["name"],
         image_mode=raw.get("image_mode", "RGB"), resolution=int(raw["resolution"]), path=str(file),
         num_samples=int(raw["num_samples"]), empty_text_embeds=empty, downsample=int(raw.get("downsample", 1)),
-        posterior=raw.get("posterior", "none"), raw=raw,
+        posterior=raw.get("posterior", "none"), raw=raw, prompt_embeds=prompt_embeds,
     )
 
 
@@ -333,7 +340,7 @@ class LatentDataModule(L.LightningDataModule):
         self.dataset = self._build_dataset()
 
     def _build_dataset(self):
-        from streaming import StreamingDataset
+        from framework.shards import ShardDataset  # a StreamingDataset whose failures are raised
 
         cfg = self.cfg
         if _is_remote(cfg.path) or cfg.local:
@@ -350,7 +357,7 @@ class LatentDataModule(L.LightningDataModule):
             logging.getLogger(__name__).warning("removed %d shared-memory segments left by a dead Streaming dataset: %s",
                                                 len(removed), ", ".join(removed[:6]))
         try:
-            return StreamingDataset(
+            return ShardDataset(
                 remote=remote, local=str(Path(local).expanduser()) if local else local,
                 batch_size=cfg.batch_size, shuffle=cfg.shuffle,
                 shuffle_seed=self.seed if cfg.shuffle_seed is None else cfg.shuffle_seed,

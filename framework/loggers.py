@@ -35,16 +35,21 @@ class RunCSVLogger(CSVLogger):
         return self._experiment
 
 
-def wandb_logger(run_dir: Path, project: str, entity: str | None) -> Any:
-    """W&B, offline when no API key is configured; a resumed run continues the same W&B run id."""
+def wandb_logger(run_dir: Path, cfg: Any, run_name: str, rank: int) -> Any:
+    """W&B in `cfg.mode` (online / offline) with the run's name, group and tags; a resumed or requeued run
+    continues the same W&B run: its id lives in run.dir/wandb_id.txt, written by global rank 0 only (the
+    other ranks log nothing and must not race it with ids of their own)."""
     from lightning.pytorch.loggers import WandbLogger
 
-    offline = not (os.environ.get("WANDB_API_KEY") or Path("~/.netrc").expanduser().exists())
-    id_file = run_dir / "wandb_id.txt"
-    if not id_file.exists():
-        # W&B run ids are short lowercase alphanumerics. wandb.util.generate_id moved between wandb
-        # releases (gone in 0.31), so the id is drawn here rather than from a private helper.
-        id_file.write_text(uuid.uuid4().hex[:8])
+    run_id = None
+    if rank == 0:
+        id_file = run_dir / "wandb_id.txt"
+        if not id_file.exists():
+            # W&B run ids are short lowercase alphanumerics. wandb.util.generate_id moved between wandb
+            # releases (gone in 0.31), so the id is drawn here rather than from a private helper.
+            id_file.write_text(uuid.uuid4().hex[:8])
+        run_id = id_file.read_text().strip()
     return WandbLogger(
-        project=project, entity=entity, save_dir=str(run_dir), offline=offline, id=id_file.read_text().strip(), resume="allow"
+        name=cfg.name or run_name, group=cfg.group, tags=list(cfg.tags) or None, project=cfg.project,
+        entity=cfg.entity, save_dir=str(run_dir), offline=cfg.mode == "offline", id=run_id, resume="allow",
     )

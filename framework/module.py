@@ -24,6 +24,7 @@ from framework.sequence import group_of
 
 CKPT_KEY = "latentforge"  # our own entry in the Lightning checkpoint dict
 MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
+LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -69,6 +70,8 @@ class DiffusionModule(pl.LightningModule):
         self.empty_text: torch.Tensor | None = None
         self.dataset_info: dict[str, Any] = {}
         self.consecutive_skips = 0  # non-finite steps skipped in a row (trainer.skip_nonfinite)
+        self._drop_gradients = False  # a non-finite micro-batch on some rank: no parameter changes this step
+        self._batch_end: float | None = None  # when the last step ended: the next one's data wait starts there
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -126,7 +129,50 @@ class DiffusionModule(pl.LightningModule):
         else:
             self.model.load_state_dict(state)
 
+    # ---- what a logged step records --------------------------------------------------------
+
+    def _logging_step(self) -> bool:
+        """Whether this step's values reach the loggers (Lightning's rule: every trainer.log_every_n_steps).
+        The extra per-step figures are computed on those steps only: each costs a host synchronisation."""
+        return bool(self.trainer.loggers) and self.trainer._logger_connector.should_update_logs
+
+    def on_train_start(self) -> None:
+        for logger in self.trainer.loggers:  # the resolved run config as the run's config (W&B) / hparams.yaml
+            logger.log_hyperparams(self.config)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        import time
+
+        self._batch_end = time.perf_counter()
+
+    def _log_step_figures(self) -> None:
+        """train/data_wait_ms: time from the end of the last step to the start of this one (the loader's fetch
+        and Lightning's transfer); train/peak_mem_gib: the device's peak allocation so far (GPUs only)."""
+        import time
+
+        if self._batch_end is not None:
+            self.log("train/data_wait_ms", (time.perf_counter() - self._batch_end) * 1e3, on_step=True, on_epoch=False)
+        if self.device.type == "cuda":
+            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated(self.device) / 2**30, on_step=True,
+                     on_epoch=False)
+
+    def _log_loss_by_level(self, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor) -> None:
+        """train/loss_t{k}: the mean loss of the global batch's samples whose noise level t / T falls in bucket k
+        of LEVEL_BUCKETS (where a model is weak shows here, not in the mean)."""
+        per = (pred.detach().float() - target.float()).pow(2).flatten(1).mean(1)  # (B,)
+        k = (t.float() / self.objective.cfg.num_train_timesteps * LEVEL_BUCKETS).long().clamp(0, LEVEL_BUCKETS - 1)
+        sums = per.new_zeros(LEVEL_BUCKETS).index_add_(0, k, per)
+        counts = per.new_zeros(LEVEL_BUCKETS).index_add_(0, k, torch.ones_like(per))
+        if self.trainer.world_size > 1:
+            both = self.trainer.strategy.reduce(torch.cat([sums, counts]), reduce_op="sum")
+            sums, counts = both[:LEVEL_BUCKETS], both[LEVEL_BUCKETS:]
+        for i, (total, n) in enumerate(zip(sums.tolist(), counts.tolist())):
+            if n > 0:
+                self.log(f"train/loss_t{i}", total / n, on_step=True, on_epoch=False)
+
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if self._logging_step():
+            self._log_step_figures()
         # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
         if not hasattr(self, "flops_per_batch"):
             from framework.flops import count_train_flops_per_sample
@@ -180,6 +226,8 @@ class DiffusionModule(pl.LightningModule):
             xt, t, target = self.objective.corrupt(x0, noise, u)
             pred = self.model(xt, t, text, mask, labels)  # (B, C, h, w)
             loss = F.mse_loss(pred.float(), target.float())
+            if self._logging_step():
+                self._log_loss_by_level(pred, target, t)
 
         if not self._all_finite(loss):
             if not self.skip_nonfinite:
@@ -216,9 +264,22 @@ class DiffusionModule(pl.LightningModule):
         Gradients set to None make AdamW and CAME leave those parameters, and their state, untouched;
         the whole accumulation window is dropped. (Under 16-mixed the GradScaler also sees the inf/NaN.)
         """
-        if getattr(self, "_drop_gradients", False):
+        if self._drop_gradients:
             optimizer.zero_grad(set_to_none=True)
             self._drop_gradients = False
+        elif self._logging_step():
+            self._log_grad_norm()
+
+    def _log_grad_norm(self) -> None:
+        """train/grad_norm: the global gradient norm before clipping (whole-model under fsdp: the shards' norms
+        are combined by DTensor)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # a DTensor under fsdp: every rank takes part
+            norm = norm.full_tensor()
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         """Whether the loss is finite on every rank: ranks must agree to skip a step, or the ones that

@@ -76,15 +76,16 @@ def weights_used(ckpt: dict[str, Any], weights: str = "ema") -> str:
 
 
 def with_encoders(info: dict[str, Any], vae: str | None = None, text_encoder: str | None = None,
-                  keys: tuple[str, str] = ("vae", "text_encoder")) -> dict[str, Any]:
+                  keys: tuple[str, str] = ("vae", "text_encoder"), text: bool = True) -> dict[str, Any]:
     """`info` (a dataset summary) with its image codec and text encoder replaced where given, after checking
-    that both exist on this machine: dataset.json records the folders of the machine that ran precompute,
-    which a training node or a laptop may not have. `keys` name the settings in the error (training:
-    sample.vae / sample.text_encoder)."""
+    that they exist on this machine (the text encoder only when `text`: prompts may all be precomputed):
+    dataset.json records the folders of the machine that ran precompute, which a training node or a laptop
+    may not have. `keys` name the settings in the error (training: sample.vae / sample.text_encoder)."""
     from data_prep.encoders import minilm_path
 
     info = {**info, **({"image_codec": vae} if vae else {}), **({"text_encoder": text_encoder} if text_encoder else {})}
-    for spec, key, what in ((info["image_codec"], keys[0], "VAE"), (info["text_encoder"], keys[1], "text encoder")):
+    checks = [(info["image_codec"], keys[0], "VAE")] + ([(info["text_encoder"], keys[1], "text encoder")] if text else [])
+    for spec, key, what in checks:
         if spec in ("pixel", "minilm"):
             path = minilm_path() if spec == "minilm" else None
             if path is not None and not path.is_dir():
@@ -123,7 +124,8 @@ class Pipeline:
             dataset_info["image_codec"], device=self.device, image_mode=dataset_info.get("image_mode", "RGB")
         )
         self._text_encoder = None
-        self._cache: dict[str, torch.Tensor] = {}
+        # The dataset's precomputed grid prompts: generating them loads no text encoder.
+        self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", weights: str = "ema",
@@ -160,6 +162,12 @@ class Pipeline:
             for p, e in zip(todo, self._text_encoder.encode(list(todo))):
                 self._cache[p] = e.float().cpu()
         return [self._cache[p] for p in prompts]
+
+    def free_text_encoder(self) -> None:
+        """Drop the text encoder (a T5-XXL is ~9.5 GB) until the next prompt that needs it; embeddings stay cached."""
+        self._text_encoder = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def generate(

@@ -75,6 +75,23 @@ def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
                      [label(r[1]) for r in rows])
 
 
+GENERIC_GRID_PROMPTS = ["a photo of a cat", "a red car", "a mountain lake"]
+
+
+def grid_prompts(info: dict[str, Any]) -> list[str]:
+    """The training grid's prompts when sample.prompts is null: the ones the dataset encoded at precompute;
+    for datasets written before that, the digits' or pairs' own; else three generic prompts."""
+    if info.get("prompts"):
+        return list(info["prompts"])
+    kind = dataset_kind(info)
+    if kind is not None:
+        from data_prep.sources.digit_pairs import PAIR_GRID_PROMPTS
+        from data_prep.sources.digits import DIGIT_GRID_PROMPTS
+
+        return list(DIGIT_GRID_PROMPTS if kind == "digits" else PAIR_GRID_PROMPTS)
+    return list(GENERIC_GRID_PROMPTS)
+
+
 def prompt_labels(pipe: Any, prompts: list[str]) -> list[int | None] | None:
     """Class labels for class-conditional models: "class N" is label N (any dataset, e.g. ImageNet's 1,000);
     otherwise the digit, or 10 * left + right for digit pairs."""

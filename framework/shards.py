@@ -221,3 +221,110 @@ def remove_orphan_shared_memory(shm_dir: Path = SHM_DIR) -> list[str]:
             except (FileNotFoundError, PermissionError):  # another rank was first, or not ours to remove
                 pass
     return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming's background threads: stopped with their epoch, their failures raised
+# ---------------------------------------------------------------------------------------------
+
+DATASET_CLASS = "ShardDataset"
+
+
+def __getattr__(name: str):
+    """framework.shards.ShardDataset, built on first use: importing Streaming here would make this module
+    as slow to import as Streaming is. (Pickle finds the class by the same name, so spawned DataLoader
+    workers get it too.)"""
+    if name != DATASET_CLASS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = _shard_dataset_class()
+    globals()[name] = cls
+    return cls
+
+
+def _shard_dataset_class() -> type:
+    import threading
+    import time
+
+    from streaming import StreamingDataset
+    from streaming.base.constant import TICK
+    from streaming.base.dataset import _ShardState
+
+    class ShardDataset(StreamingDataset):
+        """A StreamingDataset whose epoch never ends early in silence, and whose threads end with their epoch.
+
+        Each epoch (each __iter__) Streaming starts two threads in the reading process: one prepares the
+        shards ahead of the batches (copies them into the cache, decompresses .mds.zstd into .mds), the
+        other waits for them. Streaming has three gaps here, closed below:
+        - A loader dropped mid-epoch (`next(iter(loader))`, a run stopped at max_steps) closes the epoch's
+          generator, but Streaming stops its threads only when the next epoch of the same dataset starts
+          or the epoch ends, so they ran for the rest of the process and kept preparing shards: a .mds
+          deleted meanwhile was decompressed again, into the same `.tmp` name as by the next dataset over
+          that folder, and one of the two failed. Now they are stopped when the epoch is dropped.
+        - When a thread fails, Streaming logs the error ("exception calling callback") and ends the epoch
+          as if it had no more samples: a short or empty epoch, no error. Now the epoch raises it.
+        - A failed preparation leaves its shard PREPARING, so a reader that waits for that shard (the
+          main thread, in get_item) waited forever. Now the shard goes back to REMOTE (to be prepared again).
+        """
+
+        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+            try:
+                super().prepare_shard(shard_id, blocking)
+            except BaseException:
+                # Only a preparation that set PREPARING itself raises after doing so (the waiting branch
+                # does not raise), so the shard is ours to release.
+                if self._shard_states[shard_id] == _ShardState.PREPARING:
+                    self._shard_states[shard_id] = _ShardState.REMOTE
+                raise
+
+        def on_exception(self, future) -> None:
+            if future.exception() is not None and getattr(self, "_thread_error", None) is None:
+                self._thread_error = future.exception()  # before Streaming sets the event: readers see both
+            super().on_exception(future)
+
+        def __iter__(self):
+            before = getattr(self, "_iterator", None)
+            inner = super().__iter__()
+            mine = None  # this epoch's _Iterator (Streaming's handle on its two threads)
+            try:
+                for sample in inner:
+                    if mine is None:
+                        mine = self._iterator  # set by this epoch before its first sample
+                    yield sample
+            except GeneratorExit:  # the loader was dropped mid-epoch
+                inner.close()
+                if mine is not None:
+                    self._stop_threads(mine)
+                raise
+            except Exception as err:
+                mine = mine or getattr(self, "_iterator", None)
+                if mine is not None and mine is not before:
+                    mine.non_blocking_exit()  # the epoch is over: its threads need not prepare more shards
+                if getattr(self, "_thread_error", None) is not None:
+                    raise self._failure() from err
+                raise
+            if self._event.is_set():  # Streaming's way of ending an epoch whose thread failed
+                raise self._failure()
+
+        def _stop_threads(self, it) -> None:
+            """Signal the epoch's threads to stop and wait until they have (as Streaming does before a new
+            epoch), unless a thread failed (it never reports its exit) or this is one of them."""
+            it.non_blocking_exit()
+            if threading.current_thread() in getattr(getattr(self, "_executor", None), "_threads", ()):
+                return  # the generator was collected inside one of the threads: it cannot wait for itself
+            while it._num_exited < it._num_threads_to_exit and not self._event.is_set():
+                time.sleep(TICK)
+
+        def _failure(self) -> RuntimeError:
+            err = self._thread_error
+            stream = self.streams[0]
+            source = stream.remote or stream.local
+            return RuntimeError(
+                f"Streaming failed to prepare a shard of {source} (local folder {stream.local}) in its "
+                f"background thread: {type(err).__name__}: {err}. Streaming would have ended the epoch here "
+                f"without an error, short or empty. Make sure the shard files that index.json lists are in "
+                f"{source} and readable and that {stream.local} is writable, and that no other data module or "
+                f"job is writing the same folder at the same time; then start again.")
+
+    ShardDataset.__module__ = __name__
+    ShardDataset.__qualname__ = DATASET_CLASS
+    return ShardDataset

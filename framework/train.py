@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.callbacks import SampleGrid, module_pipeline
-from framework.cli import share_cpu_threads, uses_gpu
+from framework.cli import launch_rank, share_cpu_threads, uses_gpu
 from framework.config import TrainConfig
 from framework.data import LatentDataModule
 from framework.loggers import RunCSVLogger, wandb_logger
@@ -36,11 +36,11 @@ config_lib.register()
 
 
 def build_logger(cfg: TrainConfig, run_dir: Path) -> Any:
-    if cfg.logger.name == "none":
+    if cfg.logger.kind == "none":
         return False
-    if cfg.logger.name == "csv":
+    if cfg.logger.kind == "csv":
         return RunCSVLogger(run_dir)
-    return wandb_logger(run_dir, cfg.logger.project, cfg.logger.entity)
+    return wandb_logger(run_dir, cfg.logger, cfg.name, launch_rank())
 
 
 def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
@@ -63,7 +63,7 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
     ]
     if cfg.eval.every_n_steps:
         cbs.append(PeriodicEval(cfg.eval, run_dir, cfg.sample.vae, cfg.sample.text_encoder))
-    if cfg.logger.name != "none":
+    if cfg.logger.kind != "none":
         cbs.append(LearningRateMonitor(logging_interval="step"))
         # Rates (samples/s, TFLOP/s, MFU) over the last 20 batches: Lightning's default of 100 would
         # log none in a short run.
@@ -161,15 +161,13 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     user chooses `model=` and `data.path=` and nothing has to be undone (the quickstart's digits included).
     A value the user set (not the preset's) that contradicts the dataset is refused, naming the key.
     """
-    import os
-
     from framework.data import DataConfig, data_model_fields, ensure_dataset
 
     try:
         data: DataConfig = OmegaConf.to_object(dcfg.data)  # type: ignore[assignment]
     except Exception:
         return None  # config_lib.to_object reports what is wrong with the data config
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    rank = launch_rank()
     info = ensure_dataset(data, rank)
     chosen, changed = chosen_model_keys(dcfg), []
     for key, value in data_model_fields(info, dcfg.model.family).items():
@@ -185,6 +183,17 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     if changed and rank == 0:
         print(f"model={dcfg.model.name} fitted to {info.path}: " + ", ".join(changed))
     return info
+
+
+def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
+    """Grids decode with the VAE, and prompts the dataset did not encode need the text encoder (so do the
+    built-in evaluations): check now, naming sample.vae / sample.text_encoder, rather than at the first grid."""
+    from framework.prompts import dataset_kind, grid_prompts
+
+    prompts = cfg.sample.prompts or grid_prompts(info)
+    evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and dataset_kind(info))
+    text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
+    with_encoders(info, cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"), text)
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,8 +273,8 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
     """Run training (and the final evaluation when eval.at_end); returns what was written."""
     info = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
-    if info is not None:  # grids and evaluations decode and encode: their encoders must be here, checked now
-        with_encoders(info.summary(), cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"))
+    if info is not None:
+        check_encoders(cfg, info.summary())
     run_dir = Path(cfg.run.dir).resolve()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         # A sweep (-m) gives each job its own folder, run.dir/<job number> (hydra.sweep in

@@ -8,7 +8,7 @@ import pytest
 
 from framework.train import train
 from tests.test_train import cheap, compose_cfg
-from tests.wandb_records import history, run_ids, wait_for_exit
+from tests.wandb_records import config, history, run_ids, run_record, wait_for_exit
 
 pytest.importorskip("wandb")
 
@@ -33,17 +33,34 @@ def _log_file(run_dir: Path, run_no: int) -> Path:
 
 
 def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_run(tmp_path, digits_shards, offline_wandb):
-    args = ["logger=wandb", "sample.every_n_steps=3", "trainer.checkpoint_every_n_steps=3"]
+    args = ["logger=wandb", "sample.every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "logger.name=fox-256",
+            "logger.group=ablation", "logger.tags=[baseline,cpu]", "optimizer.lr=3e-4"]
     first = train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=24)))
     run_dir = Path(first["run_dir"])
     run_id = (run_dir / "wandb_id.txt").read_text().strip()
     log = _log_file(run_dir, 0)
     assert run_ids(log) == [run_id]
+    run = run_record(log)
+    assert (run.display_name, run.run_group, list(run.tags)) == ("fox-256", "ablation", ["baseline", "cpu"])
+    assert config(log)["optimizer"]["lr"] == 3e-4 and config(log)["model"]["in_channels"] == 1  # the resolved config
     rows = history(log)
     keys = set().union(*rows)
-    assert {"train/loss", "lr-AdamW", "train/device/samples_per_sec"} <= keys, sorted(keys)
+    per_step = {"train/loss", "lr-AdamW", "train/device/samples_per_sec", "train/grad_norm", "train/data_wait_ms"}
+    assert per_step <= keys, sorted(keys)
     loss_steps = sorted(r["trainer/global_step"] for r in rows if "train/loss" in r)
     assert loss_steps == list(range(24))
+    # Every step logged its gradient norm (> 0: the optimizer had gradients), its data wait from step 1 on, and
+    # the loss of each noise-level quarter its samples fell in; the step's loss, their count-weighted mean, lies
+    # between the lowest and the highest of them.
+    norms = [r["train/grad_norm"] for r in rows if "train/grad_norm" in r]
+    assert len(norms) == 24 and min(norms) > 0
+    assert len([r for r in rows if "train/data_wait_ms" in r]) == 23
+    levels = [r for r in rows if any(k.startswith("train/loss_t") for k in r)]
+    assert len(levels) == 24 and {k for r in levels for k in r if k.startswith("train/loss_t")} == {
+        f"train/loss_t{i}" for i in range(4)}
+    for r in levels:
+        quarters = [v for k, v in r.items() if k.startswith("train/loss_t")]
+        assert min(quarters) - 1e-5 <= r["train/loss"] <= max(quarters) + 1e-5, r
     grids = [r for r in rows if r.get("samples/_type") == "images/separated"]
     assert len(grids) == 8  # steps 3, 6, ..., 24
     media = list(log.parent.glob("files/media/images/samples_*.png"))

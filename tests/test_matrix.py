@@ -140,6 +140,8 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert run_ids(log) == [(run_dir / "wandb_id.txt").read_text().strip()]
         rows = history(log)
         assert sorted(r["trainer/global_step"] for r in rows if "train/loss" in r) == list(range(STEPS))
+        # the gradient norm (DTensor shards under fsdp, a frozen backbone's router alone, ...) at every logged step
+        assert sorted(r["trainer/global_step"] for r in rows if r.get("train/grad_norm", 0) > 0) == list(range(STEPS))
         assert any("eval/prompt_accuracy" in r for r in rows)
         assert sum(r.get("samples/_type") == "images/separated" for r in rows) == 2
     else:

@@ -107,3 +107,30 @@ def test_sample_command_takes_the_encoders_of_this_machine(own_data, trained, tm
                               **common))
     image = Image.open(paths[0])
     assert image.mode == "RGB" and image.size == (256, 256)  # 16 px decoded (8x8 latents, 2x VAE), shown at 256
+
+
+def test_grids_of_the_prompts_encoded_with_the_data_load_no_text_encoder(own_data, monkeypatch):
+    """sample.prompts=null: the grid shows the first captions, which precompute encoded (prompts.safetensors),
+    equal to what the text encoder gives them; training never loads the (moved) text encoder."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from data_prep import encoders
+
+    spec = json.loads((own_data["data"] / "dataset.json").read_text())["prompts"]
+    assert len(spec["texts"]) == 8 and spec["texts"][0].startswith("a random picture number")
+    reference = encoders.load_text_encoder(str(own_data["text"])).encode(spec["texts"])
+    stored = load_file(str(own_data["data"] / spec["file"]))
+    for i, emb in enumerate(reference):
+        torch.testing.assert_close(stored[str(i)].float(), emb.to(torch.float16).float(), rtol=0, atol=0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the text encoder was loaded")
+
+    monkeypatch.setattr(encoders, "load_text_encoder", refuse)
+    out = train(compose_cfg([a for a in _run(own_data, "dataset_prompts", f"sample.vae={own_data['vae']}")
+                             if not a.startswith("sample.prompts=")]))
+    assert "grid failed" not in out
+    grid = Image.open(out["samples"][-1])
+    assert grid.width >= 8 * 96  # eight columns of 96 px cells

@@ -63,3 +63,19 @@ def history(path: str | Path) -> list[dict[str, Any]]:
 
 def run_ids(path: str | Path) -> list[str]:
     return [rec.run.run_id for rec in records(path) if rec.WhichOneof("record_type") == "run"]
+
+
+def run_record(path: str | Path) -> Any:
+    """The first run record: the run's id, display name, group and tags as W&B received them."""
+    return next(rec.run for rec in records(path) if rec.WhichOneof("record_type") == "run")
+
+
+def config(path: str | Path) -> dict[str, Any]:
+    """The run's config: the run record's and every later config update, merged (top-level keys)."""
+    out: dict[str, Any] = {}
+    for rec in records(path):
+        kind = rec.WhichOneof("record_type")
+        items = rec.run.config.update if kind == "run" else rec.config.update if kind == "config" else []
+        for i in items:
+            out[i.key or "/".join(i.nested_key)] = json.loads(i.value_json)
+    return out

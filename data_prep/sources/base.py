@@ -49,6 +49,10 @@ class ImageCaptionSource:
         """Extra facts for dataset.json (e.g. class names)."""
         return {}
 
+    def grid_prompts(self) -> list[str] | None:
+        """Prompts for training's sample grids, encoded with the dataset; None: the first captions seen."""
+        return None
+
 
 def require_path(cfg: Any, source: str) -> Path:
     """`source.path` as an existing Path, or one clear message."""

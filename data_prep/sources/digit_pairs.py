@@ -30,6 +30,11 @@ _PHRASINGS = [
 ]
 
 
+# The pairs experiment's grid: seen and held-out pairs in several phrasings.
+PAIR_GRID_PROMPTS = ["a 3 on the left and a 7 on the right", "a 7 to the right of a 3", "a 0 on the left and a 3 on the right",
+                     "one and nine, from left to right", "a 5 to the left of an 8"]
+
+
 def _article(d: int) -> str:
     return f"{'an' if d == 8 else 'a'} {d}"
 
@@ -89,6 +94,9 @@ class DigitPairsSource(ImageCaptionSource):
 
     def size(self) -> int | None:
         return len(self.images)
+
+    def grid_prompts(self) -> list[str]:
+        return PAIR_GRID_PROMPTS
 
     def metadata(self) -> dict:
         return {"heldout_pairs": [list(p) for p in HELDOUT_PAIRS], "split": "train",

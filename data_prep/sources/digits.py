@@ -36,6 +36,10 @@ _HELDOUT_PHRASINGS = [
 ]
 
 
+# The quickstart's grid: one column per digit.
+DIGIT_GRID_PROMPTS = [f"a handwritten {d}" for d in range(10)]
+
+
 def heldout_digit_captions(d: int) -> list[str]:
     """The evaluation-only phrasings for digit `d` (never written into a training dataset)."""
     if not 0 <= d <= 9:
@@ -96,6 +100,9 @@ class DigitsSource(ImageCaptionSource):
 
     def metadata(self) -> dict:
         return {"class_names": DIGIT_WORDS, "split": self.cfg.split, "rows_per_image": self.cfg.rows_per_image}
+
+    def grid_prompts(self) -> list[str]:
+        return DIGIT_GRID_PROMPTS
 
 
 SOURCE = DigitsSource
