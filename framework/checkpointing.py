@@ -59,6 +59,10 @@ class FinalCheckpoint(pl.Callback):
         mc = trainer.checkpoint_callback
         if mc is not None and getattr(mc, "_last_global_step_saved", -1) == trainer.global_step and _complete(self.path):
             return
+        if self.path.is_symlink():  # last.ckpt links an older numbered checkpoint: write beside it, not into it
+            if trainer.is_global_zero:
+                self.path.unlink()
+            trainer.strategy.barrier()
         trainer.save_checkpoint(self.path)
 
 
@@ -222,6 +226,9 @@ def slurm_job_id() -> str:
 class SlurmPreemption(pl.Callback):
     """On Slurm's warning signal, save run.dir/hpc_ckpt_N.ckpt at one step on every rank, requeue, exit.
 
+    The signals: sbatch's --signal (USR1) and SIGTERM, which Slurm sends when it preempts a job under
+    PreemptMode=REQUEUE and on `scancel` without a signal; KillWait (or GraceTime) later comes SIGKILL.
+
     Lightning's own handler (SLURMEnvironment(auto_requeue=True)) saves inside the signal handler,
     wherever each rank happens to be; a sharded (DCP) or DDP save is collective, so the ranks could
     deadlock or save different steps. Here the handler only sets a flag. At every optimizer-step
@@ -231,20 +238,34 @@ class SlurmPreemption(pl.Callback):
     on_exception, teardown, loggers finalized, exit status 0).
     """
 
-    def __init__(self, signum: int = signal.SIGUSR1) -> None:
-        self.signum, self.flag, self.saved = signum, False, False
-        self._previous: Any = None
+    def __init__(self, signums: tuple[int, ...] = (signal.SIGUSR1,)) -> None:
+        self.signums, self.flag, self.saved = tuple(signums), False, False
+        self.signum = self.signums[0]
+        self._previous: dict[int, Any] = {}
         self._step = -1
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Installed before the data-loader workers start: they inherit it and so are not killed by
-        # the signal (Slurm's --signal reaches every process of the job step).
-        self._previous = signal.getsignal(self.signum)
-        signal.signal(self.signum, self._on_signal)
+        # the signal (Slurm's --signal reaches every process of the job step). Lightning's own SIGTERM
+        # handler (installed earlier in fit) would stop the run at the next step without a checkpoint:
+        # this one replaces it while training runs.
+        for signum in self.signums:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._on_signal)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning installs its SIGTERM handler after setup() (it would end the run at the next step with no
+        # checkpoint, and it calls the handler it found, ours, too late): take the signals back for training.
+        for signum in self.signums:
+            current = signal.getsignal(signum)
+            if current != self._on_signal:
+                self._previous[signum] = current
+                signal.signal(signum, self._on_signal)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._previous is not None:
-            signal.signal(self.signum, self._previous)
+        for signum, handler in self._previous.items():
+            if handler is not None and not (signum == signal.SIGTERM and self.saved):  # saved: SIGTERM stays ignored
+                signal.signal(signum, handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.flag = True
@@ -305,18 +326,19 @@ class SubmititPreemption(SlurmPreemption):
     """
 
     def __init__(self) -> None:
-        super().__init__(getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")))
+        # SIGTERM stays submitit's: it ignores it on purpose ("bypassing SIGTERM") and requeues on its own signal.
+        super().__init__((getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")),))
 
     def requeue(self, trainer: pl.Trainer) -> None:
-        if callable(self._previous):
-            self._previous(self.signum, None)
+        if callable(self._previous.get(self.signum)):
+            self._previous[self.signum](self.signum, None)
 
 
 def preemption_callbacks() -> list[pl.Callback]:
     """What handles Slurm's warning signal in this process: none outside Slurm; under
-    hydra/launcher=slurm (submitit sets SUBMITIT_EXECUTOR) submitit's USR2; else sbatch's SIGUSR1."""
+    hydra/launcher=slurm (submitit sets SUBMITIT_EXECUTOR) submitit's USR2; else sbatch's SIGUSR1 and SIGTERM."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         return [SubmititPreemption()]
-    return [SlurmPreemption(signal.SIGUSR1)] if SLURMEnvironment.detect() else []
+    return [SlurmPreemption((signal.SIGUSR1, signal.SIGTERM))] if SLURMEnvironment.detect() else []

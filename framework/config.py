@@ -208,9 +208,23 @@ class EvalSettings:
     cache_schedule: str | None = None
     """Cached sampling (framework/caching.py): a cache_schedule.json from experiment=cache_router (or its run
     dir), or uniform:K (a full step every K steps); null: every branch at every step."""
+    real: str | None = None
+    """One's own data (framework/realdata.py): a folder of held-out real images (same-named .txt captions are the
+    prompts unless `prompts` is given); fid and clip_score are measured against it."""
+    prompts: str | None = None
+    """With `real`: a text file of prompts, one per line; null: the real images' captions."""
+    inception: str | None = None
+    """With `real`: the feature network of fid, a local TorchScript file (e.g. inception-2015-12-05.pt)."""
+    clip: str | None = None
+    """With `real`: a local CLIP folder (transformers) for clip_score."""
+    bootstrap: int = 200
+    """With `real`: bootstrap resamples of the 95% intervals."""
 
     def __post_init__(self) -> None:
         from framework.bestof import SELECTIONS
+
+        if self.real is not None and self.bootstrap < 2:
+            raise ValueError(f"bootstrap={self.bootstrap} must be >= 2 (resamples of the intervals)")
 
         if self.best_of < 1:
             raise ValueError(f"best_of={self.best_of} must be >= 1")

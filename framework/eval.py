@@ -41,6 +41,10 @@ def evaluate(
     from framework.judge import get_judge
 
     kind = dataset_kind(pipe.info)
+    if settings.real:  # one's own data: fid / clip_score against held-out real images
+        from framework.realdata import evaluate_real
+
+        return evaluate_real(pipe, settings, grid_path, split_ranks, progress)
     if kind is None:
         raise ValueError(f"no classifier scores this dataset (source {pipe.info.get('source')!r}); evaluation "
                          "knows the digits and digit_pairs data. Use framework.sample to look at the images.")
@@ -88,7 +92,11 @@ def save_judged_grid(ps: PromptSet, images: torch.Tensor, path: str | Path) -> P
 
 
 def eval_summary(metrics: dict[str, Any]) -> str:
-    """One line for people: the headline accuracy, held-out accuracy and fd."""
+    """One line for people: the headline accuracy, held-out accuracy and fd (or fid / clip_score on own data)."""
+    if "num_real" in metrics:
+        from framework.realdata import real_summary
+
+        return real_summary(metrics)
     if "pair_accuracy" in metrics:
         head = (f"pair_accuracy {metrics['pair_accuracy']:.3f}  heldout_pair_accuracy "
                 f"{metrics['heldout_pair_accuracy']:.3f}")
@@ -192,10 +200,11 @@ def main(cfg: EvalCommand) -> None:
                                     vae=cfg.vae, text_encoder=cfg.text_encoder)
     rank0 = share_ranks(pipe.model, cfg)
     split = cfg.sequence_parallel > 1  # the sequence-parallel groups share the prompts
-    if dataset_kind(pipe.info) is None:
+    if dataset_kind(pipe.info) is None and not cfg.real:
         raise SystemExit(
             f"framework.eval: the checkpoint was trained on {pipe.info.get('source')!r}; only the digits and"
-            " digit_pairs prompt sets have a classifier. Use framework.sample to look at the images."
+            " digit_pairs prompt sets have a classifier. For one's own data give real=DIR_OF_HELD_OUT_IMAGES with"
+            " inception=FILE and/or clip=DIR (fid, clip_score); framework.sample shows the images."
         )
     out = Path(cfg.out) if cfg.out else Path(cfg.ckpt).resolve().parent.parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -205,11 +214,12 @@ def main(cfg: EvalCommand) -> None:
             print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
             print(json.dumps(result))
         return
-    metrics = evaluate(pipe, cfg, out / "judged.png", split_ranks=split, progress=True, decode_ranks=cfg.decode_ranks)
+    grid = out / ("samples.png" if cfg.real else "judged.png")
+    metrics = evaluate(pipe, cfg, grid, split_ranks=split, progress=True, decode_ranks=cfg.decode_ranks)
     if not rank0:
         return
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    print(f"judged grid: {out / 'judged.png'}")
+    print(f"{'grid' if cfg.real else 'judged grid'}: {grid}")
     print(eval_summary(metrics))
     print(json.dumps(metrics))
 

@@ -2,8 +2,11 @@
 
 Any checkpoint of ours, one file or a sharded (fsdp) folder, becomes either one .safetensors file
 with the backbone's diffusers state dict (the model config in its metadata; `init_from=` loads it)
-or a diffusers folder that the family's `from_pretrained` loads (PixArtTransformer2DModel, ...).
-EMA weights when the checkpoint has them, unless weights=train.
+or a whole diffusers pipeline folder that `DiffusionPipeline.from_pretrained` loads and samples with:
+the backbone, a scheduler configured for the training objective, and the VAE and text encoder of the
+dataset (or `vae=` / `text_encoder=` folders on this machine). The backbone alone is in its subfolder
+(`transformer/`, `unet/`), which the family's class loads. EMA weights when the checkpoint has them,
+unless weights=train.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -31,6 +35,13 @@ class ExportCommand:
     """safetensors (one file) or diffusers (a save_pretrained folder)."""
     weights: str = "ema"
     """ema (when the checkpoint has EMA weights) or train."""
+    vae: str | None = None
+    """format=diffusers: the VAE folder to include; null: the one the checkpoint's dataset recorded."""
+    text_encoder: str | None = None
+    """format=diffusers: the text-encoder folder to include; null: the one the checkpoint's dataset recorded."""
+    sampler: str | None = None
+    """format=diffusers: the scheduler written for the objective (ddim, dpm++, flow_euler); null: dpm++ where the
+    family's pipeline can run it, else the objective's default."""
 
     def __post_init__(self) -> None:
         if self.format not in ("safetensors", "diffusers"):
@@ -57,11 +68,55 @@ def export(cmd: ExportCommand) -> Path:
     denoiser.load_state_dict(model_weights(ckpt, cmd.weights))
     out = Path(cmd.out)
     if cmd.format == "diffusers":
-        denoiser.net.save_pretrained(out, safe_serialization=True)
-        return out
+        return save_pipeline(denoiser, ckpt, cmd, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in denoiser.net.state_dict().items()}  # bare diffusers keys
     save_file(state, str(out), metadata={"latentforge_model": json.dumps(asdict(model_cfg)), "weights": cmd.weights})
+    return out
+
+
+# The stock diffusers pipeline of each family, and its backbone's component name.
+PIPELINES = {"pixart": ("PixArtAlphaPipeline", "transformer"), "dit": ("DiTPipeline", "transformer"),
+             "sana": ("SanaPipeline", "transformer"), "unet": ("StableDiffusionPipeline", "unet")}
+
+
+def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
+    """A DiffusionPipeline folder: backbone, objective's scheduler, the dataset's VAE and text encoder.
+
+    Parts diffusers cannot hold are left out with a message: the quickstart's pixel codec is no diffusers
+    VAE (the pipeline then returns latents: output_type="latent"); the dit family reads no captions.
+    """
+    import diffusers
+    from diffusers import AutoencoderDC, AutoencoderKL
+
+    from data_prep.encoders import load_text_encoder
+    from framework.module import CKPT_KEY
+    from framework.objectives import Objective, ObjectiveConfig
+    from framework.pipeline import with_encoders
+
+    extra = ckpt[CKPT_KEY]
+    family = denoiser.cfg.family
+    pipeline_name, backbone = PIPELINES[family]
+    info = with_encoders(extra["dataset"], cmd.vae, cmd.text_encoder, text=family != "dit")
+    objective = Objective(ObjectiveConfig(**extra["config"]["objective"]))
+    parts: dict[str, Any] = {backbone: denoiser.net, "scheduler": objective.sampler(cmd.sampler or "dpm++")}
+    if info["image_codec"] == "pixel":
+        print("export: the dataset's pixel codec is not a diffusers VAE; the pipeline has none (output_type='latent')")
+        parts["vae"] = None
+    else:
+        vae_dir = Path(info["image_codec"]).expanduser()
+        vae_dir = vae_dir / "vae" if not (vae_dir / "config.json").is_file() else vae_dir
+        vae_cls = AutoencoderDC if json.loads((vae_dir / "config.json").read_text())["_class_name"] == "AutoencoderDC" else AutoencoderKL
+        parts["vae"] = vae_cls.from_pretrained(vae_dir)
+        if abs(float(info.get("shift_factor", 0.0))) > 0:
+            print(f"export: the VAE has shift_factor={info['shift_factor']}; stock {pipeline_name} decodes without it")
+    if family != "dit":
+        text = load_text_encoder(info["text_encoder"])
+        parts.update(text_encoder=text.model, tokenizer=text.tokenizer)
+    if family == "unet":
+        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = getattr(diffusers, pipeline_name)(**parts)
+    pipe.save_pretrained(out, safe_serialization=True)
     return out
 
 

@@ -86,14 +86,20 @@ class FSDPStrategy(ModelParallelStrategy):
 
 
 def swap_in(tmp: Path, path: Path, old: Path) -> None:
-    """Replace `path` (a file or folder) by `tmp`, keeping the previous one as `old` until done."""
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    if path.exists():
+    """Replace `path` (a file, folder or link) by `tmp`, keeping the previous one as `old` until done."""
+    _remove_entry(old)
+    if path.exists() or path.is_symlink():
         path.rename(old)
     tmp.rename(path)
-    if old.exists():
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    _remove_entry(old)
+
+
+def _remove_entry(path: Path) -> None:
+    """Delete a file, a folder, or a link (never what a link points to: last.ckpt links a numbered checkpoint)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def build_strategy(cfg: Any, precision: str) -> Strategy | str:

@@ -54,7 +54,9 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
             monitor="step",
             mode="max",
             save_top_k=cfg.trainer.keep_checkpoints,
-            save_last=True,
+            # last.ckpt is a relative symbolic link to the numbered checkpoint saved at the same step (a file or a
+            # sharded folder), so one save writes the model once; with keep_checkpoints=0 it is a real file.
+            save_last="link",
             # A resumed run overwrites last.ckpt (written by FinalCheckpoint) instead of adding last-v1.ckpt.
             enable_version_counter=False,
         ),
@@ -191,7 +193,11 @@ def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
     from framework.prompts import dataset_kind, grid_prompts
 
     prompts = cfg.sample.prompts or grid_prompts(info)
-    evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and dataset_kind(info))
+    evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and (dataset_kind(info) or cfg.eval.real))
+    if evaluates and cfg.eval.real:  # one's own data: the real images and the metric networks, checked now
+        from framework.realdata import check_real_eval
+
+        check_real_eval(cfg.eval)
     text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
     with_encoders(info, cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"), text)
 
@@ -214,7 +220,7 @@ def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningM
     from framework.fsdp import reshard
     from framework.prompts import dataset_kind
 
-    if dataset_kind(pl_module.dataset_info) is None:
+    if dataset_kind(pl_module.dataset_info) is None and not settings.real:
         return {}
     rank0 = trainer.global_rank == 0
     if rank0:

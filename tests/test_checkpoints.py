@@ -47,3 +47,30 @@ def test_keep_checkpoints_removes_whole_sharded_folders(tmp_path, digits_shards)
     assert names(ckpts) == ["last.ckpt", "step0000003.ckpt"]
     assert all((ckpts / n / "meta.pt").is_file() for n in names(ckpts)), "fsdp writes folders"
     assert checkpoint_step(ckpts / "step0000003.ckpt") == 3
+
+
+def test_last_checkpoint_links_the_numbered_one_it_equals(tmp_path, digits_shards):
+    """One save writes the model once: last.ckpt is a link to the step's numbered file. A final step between
+    saves gets a file of its own and leaves the numbered one as it was; resume=auto reads through the link."""
+    common = ["trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=2", "resume=auto", "logger=none"]
+    train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=4)))
+    ckpts = tmp_path / "run" / "checkpoints"
+    last = ckpts / "last.ckpt"
+    assert last.is_symlink() and last.resolve() == (ckpts / "step0000004.ckpt").resolve()
+    assert checkpoint_step(last) == 4
+    numbered = (ckpts / "step0000004.ckpt").read_bytes()
+    train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=5)))  # resumes at 4 through the link, ends at 5
+    assert not last.is_symlink() and checkpoint_step(last) == 5
+    assert (ckpts / "step0000004.ckpt").read_bytes() == numbered  # the final save did not write through the link
+    assert names(ckpts) == ["last.ckpt", "step0000002.ckpt", "step0000004.ckpt"]
+
+
+def test_sharded_last_checkpoint_is_a_link_to_the_numbered_folder(tmp_path, digits_shards):
+    run_dir = tmp_path / "run"
+    run_train(run_dir, digits_shards, *fsdp(devices=1, batch=16), "trainer.checkpoint_every_n_steps=2",
+              "trainer.keep_checkpoints=1", "trainer.max_steps=3", "logger=none")
+    ckpts = run_dir / "checkpoints"
+    # step 2 saved with its link; the final step 3 (between saves) is a folder of its own, step 2 untouched
+    assert names(ckpts) == ["last.ckpt", "step0000002.ckpt"]
+    assert not (ckpts / "last.ckpt").is_symlink() and checkpoint_step(ckpts / "last.ckpt") == 3
+    assert checkpoint_step(ckpts / "step0000002.ckpt") == 2

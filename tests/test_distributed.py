@@ -228,7 +228,9 @@ def slurm_task_env(job: str, rank: int = 0, ntasks: int = 1) -> dict[str, str]:
             "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
 
 
-def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path, digits_shards):
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
+def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path, digits_shards, signum):
+    """sbatch's --signal (USR1), or SIGTERM as Slurm sends it on preemption (PreemptMode=REQUEUE) and scancel."""
     run_dir = tmp_path / "run"
     common = ["data.batch_size=16", "trainer.checkpoint_every_n_steps=1000"]
     env = {**fake_scontrol(tmp_path), **slurm_task_env("4242")}
@@ -238,7 +240,7 @@ def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path,
         while time.time() < deadline and len(losses(run_dir) if (run_dir / "metrics.csv").exists() else {}) < 2:
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.5)
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signum)
         # The run saves at the next step, requeues and leaves fit by itself, exit status 0.
         assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
         assert (tmp_path / "scontrol_calls.txt").read_text().split() == ["requeue", "4242"]

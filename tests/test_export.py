@@ -47,7 +47,7 @@ def test_export_round_trip_is_exact(tmp_path, checkpoint, fmt):
     ref.load_state_dict(model_weights(ckpt))
     got = build_denoiser(cfg).eval()
     if fmt == "diffusers":
-        got.net = FAMILIES[cfg.family].from_pretrained(out).eval()  # the family's own loader
+        got.net = FAMILIES[cfg.family].from_pretrained(out / "transformer").eval()  # the family's own loader
     else:
         load_weights(got, out)  # what init_from=FILE does
     with torch.no_grad():

@@ -28,7 +28,8 @@ def own_data(tmp_path_factory) -> dict[str, Path]:
     (src / "broken.png").write_bytes(b"not an image")
     (src / "broken.txt").write_text("a picture that cannot be read")
     Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(src / "uncaptioned.png")
-    vae, text = make_tiny_vae(tmp / "vae"), make_tiny_text_encoder(tmp / "text")
+    # shift_factor 0: stock diffusers pipelines decode without a shift (the export test compares with them)
+    vae, text = make_tiny_vae(tmp / "vae", shift_factor=0.0), make_tiny_text_encoder(tmp / "text")
     data = precompute({"source": {"name": "folder", "path": str(src)}, "vae": str(vae), "text_encoder": str(text),
                        "resolution": 16, "out": str(tmp / "latents"), "max_bad_fraction": 0.2, "progress": False})
     moved = {"vae": tmp / "elsewhere" / "vae", "text": tmp / "elsewhere" / "text"}
@@ -134,3 +135,111 @@ def test_grids_of_the_prompts_encoded_with_the_data_load_no_text_encoder(own_dat
     assert "grid failed" not in out
     grid = Image.open(out["samples"][-1])
     assert grid.width >= 8 * 96  # eight columns of 96 px cells
+
+
+def test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample(own_data, trained, tmp_path):
+    """format=diffusers writes a whole pipeline (backbone, the objective's scheduler, VAE, text encoder) that stock
+    diffusers loads; from the same initial noise it draws the image framework.sample draws."""
+    from diffusers import DiffusionPipeline
+
+    from framework.export import ExportCommand, export
+    from framework.pipeline import Pipeline, noise_seeds
+
+    encoders = dict(vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
+    folder = export(ExportCommand(ckpt=trained["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers", **encoders))
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    assert type(pipe).__name__ == "PixArtAlphaPipeline" and type(pipe.scheduler).__name__ == "DPMSolverMultistepScheduler"
+    assert pipe.scheduler.config.prediction_type == "flow_prediction"  # the quickstart objective: rectified flow
+
+    prompt, seed, steps, guidance = "a random picture number 2", 7, 4, 3.0
+    ours = Pipeline.from_checkpoint(trained["checkpoint"], **encoders)
+    expected = ours.generate([prompt], steps, guidance, "dpm++", seed)  # (1, 3, 16, 16) in [-1, 1]
+    (s,) = noise_seeds(seed, 1)
+    latents = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(s))[None]  # framework.sample's noise
+    got = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents, height=16, width=16,
+               use_resolution_binning=False, output_type="pt").images  # (1, 3, 16, 16) in [0, 1]
+    torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation on one's own data: fid and clip_score against held-out real images
+# --------------------------------------------------------------------------------------------
+
+
+class TinyFeatures(torch.nn.Module):
+    """A random feature network in the FID Inception's calling convention: uint8 (N, 3, H, W) -> (N, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.float() / 127.5 - 1).relu().mean((2, 3))
+
+
+@pytest.fixture(scope="module")
+def metric_nets(tmp_path_factory) -> dict[str, Path]:
+    from tests.test_evaluation import make_tiny_clip
+
+    tmp = tmp_path_factory.mktemp("metric_nets")
+    torch.manual_seed(0)
+    torch.jit.script(TinyFeatures()).save(str(tmp / "features.pt"))
+    return {"inception": tmp / "features.pt", "clip": make_tiny_clip(tmp / "clip"),
+            "real": make_image_folder(tmp / "heldout", n=10, size=20, seed=1)}
+
+
+def test_fid_is_the_frechet_formula_and_its_interval_holds_it():
+    from framework.realdata import fid_from_features, fid_with_interval
+    from tests.test_evaluation import reference_frechet
+
+    g = torch.Generator().manual_seed(0)
+    real, fake = torch.randn(300, 6, generator=g).double(), (torch.randn(200, 6, generator=g) * 1.3 + 0.4).double()
+    assert fid_from_features(real, fake) == pytest.approx(reference_frechet(real.numpy(), fake.numpy()), rel=1e-6)
+    assert fid_from_features(real, real) == pytest.approx(0.0, abs=1e-6)
+    fid, (lo, hi) = fid_with_interval(real, fake, resamples=50)
+    assert lo < fid < hi and hi - lo < fid
+
+
+def test_eval_command_scores_own_data_against_held_out_images(own_data, trained, metric_nets, tmp_path):
+    """framework.eval real=DIR inception=FILE clip=DIR: fid equals the formula on the features of the images the
+    pipeline draws for the held-out captions; clip_score is torchmetrics' CLIPScore of those images."""
+    import json
+    import sys
+
+    from framework.realdata import clip_scores, features, fid_from_features, real_images, ScriptedFeatures
+    from framework.pipeline import Pipeline
+    from tests import zygote
+
+    encoders = [f"vae={own_data['vae']}", f"text_encoder={own_data['text']}"]
+    nets = [f"real={metric_nets['real']}", f"inception={metric_nets['inception']}", f"clip={metric_nets['clip']}"]
+    cmd = [sys.executable, "-m", "framework.eval", f"ckpt={trained['checkpoint']}", f"out={tmp_path / 'eval'}",
+           "seeds=2", "steps=2", "bootstrap=30", "device=cpu", *encoders, *nets]
+    proc = zygote.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (metrics["num_images"], metrics["num_real"], metrics["num_prompts"]) == (20, 10, 10)
+    for key in ("fid", "clip_score"):
+        lo, hi = metrics[f"{key}_interval"]
+        assert lo <= metrics[key] <= hi, (key, metrics)
+
+    pipe = Pipeline.from_checkpoint(trained["checkpoint"], vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
+    real, captions = real_images(metric_nets["real"], 16, 16)
+    drawn = [c for c in captions for _ in range(2)]
+    images = pipe.generate(drawn, 2, 4.0, None, seed=0)
+    net = ScriptedFeatures(metric_nets["inception"])
+    assert metrics["fid"] == pytest.approx(fid_from_features(features(net, real), features(net, images)), rel=1e-6)
+    assert metrics["clip_score"] == pytest.approx(float(clip_scores(images, drawn, metric_nets["clip"]).mean()), rel=1e-5)
+    assert (tmp_path / "eval" / "samples.png").is_file()
+
+
+def test_training_ends_with_the_own_data_evaluation(own_data, metric_nets):
+    out = train(compose_cfg([a for a in _run(own_data, "own_eval", f"sample.vae={own_data['vae']}",
+                                             f"sample.text_encoder={own_data['text']}")
+                             if a != "eval.at_end=false"]
+                            + ["eval.at_end=true", "eval.seeds=1", "eval.steps=2", "eval.bootstrap=10",
+                               f"eval.real={metric_nets['real']}", f"eval.inception={metric_nets['inception']}"]))
+    assert out["eval"]["num_real"] == 10 and out["eval"]["fid"] >= 0 and "clip_score" not in out["eval"]
+    with pytest.raises(FileNotFoundError, match=r"eval\.inception="):  # checked before training, not at its end
+        train(compose_cfg(_run(own_data, "own_eval_missing", f"sample.vae={own_data['vae']}",
+                               f"sample.text_encoder={own_data['text']}", "eval.every_n_steps=2",
+                               f"eval.real={metric_nets['real']}", "eval.inception=/nonexistent/features.pt")))
