@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -350,3 +353,102 @@ def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_p
         assert next(iter(dm.train_dataloader()))["latents"].shape == (16, 1, 8, 8)
     finally:
         (shm_dir / dead[0]).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming's background threads (framework.shards.ShardDataset)
+# ---------------------------------------------------------------------------------------------
+
+
+def epoch_threads(dataset) -> list[str]:
+    """The threads now inside one of the dataset's epoch loops (Streaming's prepare and ready threads)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    found = []
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            if frame.f_code.co_name in ("_prepare_thread", "_ready_thread") and frame.f_locals.get("self") is dataset:
+                found.append(names.get(ident, str(ident)))
+                break
+            frame = frame.f_back
+    return found
+
+
+def wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_dropped_loader_stops_its_threads(digits_shards, tmp_path):
+    """Streaming prepares shards (copies them into the cache, decompresses them) in a thread that runs ahead
+    of the batches, and stopped it only at the end of the epoch or when the same dataset started another. A
+    loader dropped mid-epoch (`next(iter(loader))`, a run stopped at max_steps) left it running for the rest
+    of the process: a .mds deleted meanwhile was decompressed again, into the same .tmp file as by the next
+    data module over that folder, whose thread then failed and whose epoch ended empty
+    (test_corrupt_decompressed_shard_fails_at_setup, one run in three)."""
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    dm = LatentDataModule(DataConfig(path=str(copy), batch_size=16, shuffle=False), seed=0)
+    dm.setup("fit")
+    assert len(next(iter(dm.train_dataloader()))["key"]) == 16  # the loader's iterator is dropped here
+    # (they may take a moment to return after they stopped; Streaming's own threads never returned)
+    assert wait_for(lambda: not epoch_threads(dm.dataset), 5.0), \
+        f"the dropped epoch's threads still run: {epoch_threads(dm.dataset)}"
+
+
+def test_failed_shard_preparation_raises_instead_of_ending_the_epoch(digits_shards, tmp_path):
+    """When its background thread fails to prepare a shard, Streaming logs the error and ends the epoch as if
+    it had no more samples: the loader yielded nothing and nothing was raised. The data module raises it."""
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    dm = module(copy, tmp_path, batch_size=16, shuffle=False)  # with a cache: the thread copies the shard into it
+    shard = next(copy.glob("rank_*/shard.*.mds.zstd"))
+    shard.unlink()  # after the start-up check: the copy fails
+    message = (f"Streaming failed to prepare a shard of {re.escape(str(copy))} .*: FileNotFoundError: .*"
+               f"{re.escape(str(shard))}.*would have ended the epoch here without an error")
+    with pytest.raises(RuntimeError, match=message):
+        next(iter(dm.train_dataloader()))
+    with pytest.raises(RuntimeError, match=message):  # and again at the next epoch
+        next(iter(dm.train_dataloader()))
+
+
+def test_failed_shard_preparation_releases_the_shard(digits_shards, tmp_path, monkeypatch):
+    """A reader that needs a shard another thread is preparing waits until it is ready. When that preparation
+    failed (say it lost the race for the .tmp file above), Streaming left the shard marked as being prepared
+    and the reader (the main thread, in get_item) waited forever. Now the shard can be prepared again."""
+    from streaming.base.dataset import _ShardState
+
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    dm = LatentDataModule(DataConfig(path=str(copy), batch_size=16, shuffle=False), seed=0)
+    dm.setup("fit")
+    dataset, stream = dm.dataset, dm.dataset.streams[0]
+    release = threading.Event()
+
+    def failing_prepare(shard):  # a decompression that fails half-way, once released
+        release.wait(10)
+        raise FileNotFoundError("shard.00000.mds.tmp")
+
+    monkeypatch.setattr(stream, "prepare_shard", failing_prepare)
+    failures = []
+
+    def prepare(blocking: bool) -> None:
+        try:
+            dataset.prepare_shard(0, blocking)
+        except FileNotFoundError as err:
+            failures.append(err)
+
+    preparer = threading.Thread(target=prepare, args=(False,), daemon=True)
+    preparer.start()
+    assert wait_for(lambda: dataset._shard_states[0] == _ShardState.PREPARING, 10.0)
+    reader = threading.Thread(target=prepare, args=(True,), daemon=True)  # waits for the shard being prepared
+    reader.start()
+    release.set()
+    preparer.join(10)
+    reader.join(10)
+    assert not reader.is_alive(), "the reader still waits for a shard whose preparation failed"
+    assert failures
+    monkeypatch.undo()
+    dataset.prepare_shard(0)  # prepared again: decompressed from the intact .zstd
+    assert next(copy.glob("rank_*/shard.*.mds")).is_file()
+    assert len(next(iter(dm.train_dataloader()))["key"]) == 16
