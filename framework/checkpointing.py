@@ -56,14 +56,25 @@ class FinalCheckpoint(pl.Callback):
         self.path = Path(path)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        finish_saves(trainer)  # strategy.async_save: this step's save may still be in flight
         mc = trainer.checkpoint_callback
         if mc is not None and getattr(mc, "_last_global_step_saved", -1) == trainer.global_step and _complete(self.path):
             return
-        if self.path.is_symlink():  # last.ckpt links an older numbered checkpoint: write beside it, not into it
+        # last.ckpt links an older numbered checkpoint: write beside it, not into it. Rank 0 decides for all (a rank
+        # that looked after rank 0 unlinked it would skip the barrier the others wait in).
+        if trainer.strategy.broadcast(self.path.is_symlink()):
             if trainer.is_global_zero:
                 self.path.unlink()
             trainer.strategy.barrier()
         trainer.save_checkpoint(self.path)
+        finish_saves(trainer)  # strategy.async_save: the final state is on disk before anything else runs
+
+
+def finish_saves(trainer: pl.Trainer) -> None:
+    """Wait for checkpoints still being written in the background (strategy.async_save)."""
+    finish = getattr(trainer.strategy, "finish_saves", None)
+    if finish is not None:
+        finish()
 
 
 def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], source: dict[str, Any],
@@ -130,6 +141,9 @@ def find_resumable(run_dir: Path) -> Path | None:
     """
     candidates = [run_dir / "checkpoints" / "last.ckpt", run_dir / "checkpoints" / "last.ckpt.old"]
     candidates += sorted(run_dir.glob("hpc_ckpt_*.ckpt"))
+    # The numbered ones too: last.ckpt links one of them, and points at nothing while an asynchronous save of
+    # that step is still being written when a job dies.
+    candidates += sorted((run_dir / "checkpoints").glob("step*.ckpt"))
     found = [p for p in candidates if _complete(p)]
     return max(found, key=_stamp) if found else None
 
@@ -283,6 +297,7 @@ class SlurmPreemption(pl.Callback):
         path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
         rank_zero_info(f"Slurm preemption signal: saving step {trainer.global_step} to {path}")
         trainer.save_checkpoint(path)
+        finish_saves(trainer)
         trainer.strategy.barrier()  # every rank's part is on disk before the job is requeued
         self.saved = True
 

@@ -46,8 +46,14 @@ class StrategyConfig:
     sequence_parallel_head_groups: int = 1
     """with sequence_parallel > 1: >1 splits each self-attention's all-to-all into this many head groups so
     one group's communication overlaps another's attention (ScaleFusion); 1: one all-to-all (diffusers')."""
+    async_save: bool = False
+    """fsdp with sharded_checkpoint: write checkpoints in the background (torch.distributed.checkpoint's
+    async_save); training waits only for the copy to host memory, and each save waits for the previous one."""
 
     def __post_init__(self) -> None:
+        if self.async_save and not (self.name == "fsdp" and self.sharded_checkpoint):
+            raise ValueError("strategy.async_save=true writes sharded checkpoints in the background: it needs "
+                             "strategy=fsdp with strategy.sharded_checkpoint=true")
         if self.name not in STRATEGIES:
             raise ValueError(f"strategy.name={self.name!r} is not available; choose one of {STRATEGIES}")
         if self.sharding not in ("SHARD_GRAD_OP", "FULL_SHARD"):

@@ -33,15 +33,83 @@ from framework.fsdp import fsdp_param_dtype
 # --------------------------------------------------------------------------------------------
 
 
+class ShardedSaver:
+    """Writes a sharded checkpoint (a torch.distributed.checkpoint folder + meta.pt) under `<name>.tmp` and
+    swaps it in, so a job killed mid-save keeps its last good checkpoint.
+
+    async_save: `dcp.async_save` copies this rank's shards to host memory, returns, and writes them in a
+    background thread over its own gloo group (the training collectives keep theirs); the swap happens when
+    the write is done, at the next save (each save waits for the previous one) or at `finish()`. Removals of
+    older checkpoints asked for meanwhile wait for that swap too: until then the previous one is the newest
+    complete checkpoint on disk. Torch's async checkpointing fills the gap; the swap and the ordering are ours.
+    """
+
+    def __init__(self, rank: int, barrier: Any, async_save: bool = False) -> None:
+        self.rank, self.barrier, self.async_save = rank, barrier, async_save
+        self._pending: tuple[Any, Path, Path, Path] | None = None  # (future or None, tmp, path, old)
+        self._removals: list[Path] = []
+        self._group: Any = None
+
+    def save(self, state: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+        """`state`: {"state_dict": ..., "optimizer_0": ...} of (D)Tensors; `meta`: the rest (meta.pt, rank 0)."""
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        self.finish()
+        tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+        if self.rank == 0:
+            _remove_entry(tmp)
+            tmp.mkdir(parents=True)
+            torch.save(meta, tmp / _METADATA_FILENAME)
+        self.barrier()
+        if not self.async_save:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._pending = (None, tmp, path, old)
+            self.finish()
+            return
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # the background write's collectives, apart from training's
+        self._pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group), tmp, path, old)
+
+    def remove(self, path: Path) -> bool:
+        """Delete an older checkpoint after the save in flight is swapped in; False: none is, the caller deletes."""
+        if self._pending is None:
+            return False
+        self._removals.append(Path(path))
+        return True
+
+    def finish(self) -> None:
+        """Wait for the save in flight (if any), swap it in on rank 0, then do the removals it held back."""
+        if self._pending is None:
+            return
+        future, tmp, path, old = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()
+        self.barrier()
+        if self.rank == 0:
+            swap_in(tmp, path, old)
+            for stale in self._removals:
+                _remove_entry(stale)
+        self._removals = []
+        self.barrier()
+
+
 class FSDPStrategy(ModelParallelStrategy):
     """ModelParallelStrategy on a pure data-parallel mesh, with swap-in-place sharded checkpoints.
 
     `param_dtype`: what FSDP2 casts parameters to in forward/backward (fsdp_param_dtype).
+    `async_save`: sharded checkpoints written in the background (ShardedSaver).
     """
 
-    def __init__(self, sharding: str, param_dtype: torch.dtype | None, sharded_checkpoint: bool = True) -> None:
+    def __init__(self, sharding: str, param_dtype: torch.dtype | None, sharded_checkpoint: bool = True,
+                 async_save: bool = False) -> None:
         super().__init__(save_distributed_checkpoint=sharded_checkpoint)
         self.sharding, self.param_dtype = sharding, param_dtype
+        self.async_save = async_save
+        self._saver: ShardedSaver | None = None
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -68,21 +136,34 @@ class FSDPStrategy(ModelParallelStrategy):
         self._tensor_parallel_size = 1
         super().setup_environment()
 
+    @property
+    def saver(self) -> ShardedSaver:
+        if self._saver is None:
+            self._saver = ShardedSaver(self.global_rank, self.barrier, self.async_save)
+        return self._saver
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         # Write <name>.tmp, then swap: the last good folder survives a kill at any moment
         # (during the swap it is <name>.old, which find_resumable also accepts).
         path = Path(self.broadcast(str(filepath)))
-        tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-        if self.global_rank == 0 and tmp.exists():
-            shutil.rmtree(tmp)
-        self.barrier()
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        self.barrier()
-        if self.global_rank == 0:
-            swap_in(tmp, path, old)
-        self.barrier()
+        state = {"state_dict": checkpoint.pop("state_dict")}  # Lightning's layout of a sharded checkpoint
+        state.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
+        self.saver.save(state, checkpoint, path)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not self.saver.remove(Path(filepath)):
+            super().remove_checkpoint(filepath)
+
+    def finish_saves(self) -> None:
+        """Block until every checkpoint asked for is complete on disk (the end of training, a preemption)."""
+        if self._saver is not None:
+            self._saver.finish()
+
+    def teardown(self) -> None:
+        self.finish_saves()
+        super().teardown()
 
 
 def swap_in(tmp: Path, path: Path, old: Path) -> None:
@@ -110,4 +191,4 @@ def build_strategy(cfg: Any, precision: str) -> Strategy | str:
         # Frozen parameters (requires_grad=False) are skipped by DDP's reducer, so no unused-parameter search.
         return DDPStrategy(find_unused_parameters=False)
     return FSDPStrategy(cfg.sharding, fsdp_param_dtype(precision, cfg.mixed_precision),
-                        sharded_checkpoint=cfg.sharded_checkpoint)
+                        sharded_checkpoint=cfg.sharded_checkpoint, async_save=cfg.async_save)

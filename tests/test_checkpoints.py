@@ -9,7 +9,7 @@ import torch
 
 from framework.checkpointing import checkpoint_step
 from framework.train import train
-from tests.test_distributed import fsdp, run_train
+from tests.test_distributed import fsdp, run_train, weights
 from tests.test_train import cheap, compose_cfg
 
 
@@ -74,3 +74,27 @@ def test_sharded_last_checkpoint_is_a_link_to_the_numbered_folder(tmp_path, digi
     assert names(ckpts) == ["last.ckpt", "step0000002.ckpt"]
     assert not (ckpts / "last.ckpt").is_symlink() and checkpoint_step(ckpts / "last.ckpt") == 3
     assert checkpoint_step(ckpts / "step0000002.ckpt") == 2
+
+
+def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
+    """strategy.async_save=true on 2 fsdp ranks: a run saved in the background, stopped and resumed, ends with the
+    weights and losses of the same run saved synchronously, bit for bit; no temporary folder is left, and the
+    numbered checkpoint an older save would have removed early stays until the newer one is complete."""
+    from tests.test_train import losses
+
+    common = [*fsdp(devices=2, batch=8), "trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=1", "logger=csv"]
+    runs = {}
+    for mode in ("false", "true"):
+        # Short names: each run's TMPDIR is beside it, and the data loader's sockets there must fit AF_UNIX's
+        # 107 characters (a longer path makes its workers fail and the loader wait for them).
+        run_dir = tmp_path / mode[0]
+        run_train(run_dir, digits_shards, *common, f"strategy.async_save={mode}", "trainer.max_steps=3")
+        run_train(run_dir, digits_shards, *common, f"strategy.async_save={mode}", "trainer.max_steps=6")
+        runs[mode] = run_dir
+        ckpts = run_dir / "checkpoints"
+        assert names(ckpts) == ["last.ckpt", "step0000006.ckpt"], names(ckpts)
+        assert (ckpts / "last.ckpt").is_symlink() and checkpoint_step(ckpts / "last.ckpt") == 6
+    assert losses(runs["true"]) == losses(runs["false"]) and sorted(losses(runs["true"])) == list(range(6))
+    sync, background = (weights(runs[m] / "checkpoints" / "last.ckpt") for m in ("false", "true"))
+    for k in sync:
+        torch.testing.assert_close(background[k], sync[k], rtol=0, atol=0)

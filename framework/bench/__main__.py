@@ -15,6 +15,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
              schedule, uniform:K at the same cost and fewer steps at the same latency
   decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
              doing both (split_ranks), and denoising / decoding ranks (decode_ranks)
+  checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
+             synchronous vs strategy.async_save (framework.strategy.ShardedSaver)
   sequence   one rank's peak memory and compute time against sequence length, whole sequences vs Ulysses
              sequence parallelism over P ranks (framework/sequence.py; P ranks simulated on one device)
 Each prints a table and writes one JSON row per configuration to `out`.
@@ -29,8 +31,8 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench import (suite_cache, suite_data, suite_decode, suite_ema, suite_init_memory, suite_memory,
-                             suite_norm, suite_optimizer, suite_sequence, suite_train)
+from framework.bench import (suite_cache, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_init_memory,
+                             suite_memory, suite_norm, suite_optimizer, suite_sequence, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
 
@@ -46,6 +48,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "cache": (suite_cache.CacheBench, suite_cache.run),
     "decode": (suite_decode.DecodeBench, suite_decode.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),
+    "checkpoint": (suite_checkpoint.CheckpointBench, suite_checkpoint.run),
 }
 
 
