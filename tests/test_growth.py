@@ -192,7 +192,7 @@ def test_grown_and_pruned_checkpoints_work_in_every_command(tmp_path, digits_sha
     metrics = evaluate(Pipeline.from_checkpoint(pruned), EvalCommand(ckpt=str(pruned), seeds=1, phrasings=1, steps=2))
     assert 0 <= metrics["prompt_accuracy"] <= 1 and metrics["fd"] > 0
     folder = export(ExportCommand(ckpt=str(pruned), out=str(tmp_path / "diffusers"), format="diffusers"))
-    net = PixArtTransformer2DModel.from_pretrained(folder)
+    net = PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer")  # a whole pipeline folder
     assert net.config.num_layers == 3 and len(net.transformer_blocks) == 3
     out = train(compose_cfg(cheap(tmp_path, digits_shards, f"init_from={pruned}", "model.num_layers=3", steps=1,
                                   run="recover")))
