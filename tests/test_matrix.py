@@ -72,7 +72,7 @@ def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: 
     else:  # every rank at once, with the variables srun / torchrun set (Lightning then starts none)
         results = zygote.lightning_ranks("framework.train", cmd[3:], devices, env, tmp, timeout=600)
         ordered = results[1:] + results[:1]  # rank 0's output last, where the summary is read
-        proc = zygote.Result(max(r.returncode for r in results), "".join(r.stdout for r in ordered),
+        proc = zygote.Result(zygote.job_code([r.returncode for r in results]), "".join(r.stdout for r in ordered),
                              "".join(r.stderr for r in ordered))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
@@ -146,3 +146,8 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert sum(r.get("samples/_type") == "images/separated" for r in rows) == 2
     else:
         assert not (run_dir / "wandb").exists()
+
+
+@pytest.mark.parametrize("codes,expected", [([0, 0], 0), ([0, -9], -9), ([1, 0], 1), ([-15, 2], -15)])
+def test_a_job_fails_when_any_rank_fails_a_signal_included(codes, expected):
+    assert zygote.job_code(codes) == expected

@@ -303,8 +303,14 @@ def torchrun(nproc: int, module: str, *args: str, env: dict[str, str], timeout: 
                                   "GROUP_RANK": "0", "ROLE_RANK": str(r), "TORCHELASTIC_RUN_ID": "test"},
              folder / f"rank{r}.log") for r in range(nproc)]
     results = shared().run(jobs, timeout)
-    code = next((r.returncode for r in results if r.returncode != 0), 0)
-    return Result(code, "".join(r.stdout for r in results), "".join(r.stderr for r in results))
+    return Result(job_code([r.returncode for r in results]), "".join(r.stdout for r in results),
+                  "".join(r.stderr for r in results))
+
+
+def job_code(codes: list[int]) -> int:
+    """A multi-rank job's exit status: the first rank's that is not 0 (a signal's negative code included), else 0.
+    (The largest code would hide a rank killed by a signal, -9, beside ranks that exited 0.)"""
+    return next((c for c in codes if c != 0), 0)
 
 
 def lightning_ranks(module: str, args: list[str], devices: int, env: dict[str, str], folder: Path,
