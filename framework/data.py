@@ -178,11 +178,12 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
     )
 
 
-def ensure_dataset(cfg: DataConfig, rank: int = 0, timeout_s: float = 3600.0) -> DatasetInfo:
-    """The dataset's info, building it first when `data.prepare` names a recipe for this path.
+def build_missing(cfg: DataConfig, rank: int = 0, timeout_s: float = 3600.0) -> None:
+    """Build the dataset when it is missing and `data.prepare` names a recipe for this path.
 
-    Runs before the model is built (its channels, latent size and text width come from here), so it
-    cannot wait for Lightning's prepare_data: global rank 0 builds, the other ranks wait for dataset.json.
+    framework.train calls it before the model is built (its channels, latent size and text width come from
+    dataset.json), so it cannot wait for Lightning's prepare_data: global rank 0 builds, the other ranks wait
+    for dataset.json.
     A recipe builds only the folder it names (`prepare.out`): a mistyped data.path fails here instead of
     silently training on the built-in digits.
     """
@@ -203,7 +204,6 @@ def ensure_dataset(cfg: DataConfig, rank: int = 0, timeout_s: float = 3600.0) ->
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {rank} waited {timeout_s:.0f} s for rank 0 to build {cfg.path}")
                 time.sleep(1.0)
-    return read_dataset_info(cfg.path, cfg.local)
 
 
 # The model keys a dataset fixes, and how each is read off dataset.json.
@@ -318,7 +318,7 @@ class LatentDataModule(L.LightningDataModule):
         self.dataset = None
 
     def prepare_data(self) -> None:
-        ensure_dataset(self.cfg)  # a no-op when framework.train built it before the model
+        build_missing(self.cfg)  # a no-op when framework.train built it before the model
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.dataset is not None:

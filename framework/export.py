@@ -87,9 +87,8 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     VAE (the pipeline then returns latents: output_type="latent"); the dit family reads no captions.
     """
     import diffusers
-    from diffusers import AutoencoderDC, AutoencoderKL
 
-    from data_prep.encoders import load_text_encoder
+    from data_prep.encoders import load_image_codec, load_text_encoder
     from framework.module import CKPT_KEY
     from framework.objectives import Objective, ObjectiveConfig
     from framework.pipeline import with_encoders
@@ -100,16 +99,12 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     info = with_encoders(extra["dataset"], cmd.vae, cmd.text_encoder, text=family != "dit")
     objective = Objective(ObjectiveConfig(**extra["config"]["objective"]))
     parts: dict[str, Any] = {backbone: denoiser.net, "scheduler": objective.sampler(cmd.sampler or "dpm++")}
-    if info["image_codec"] == "pixel":
+    # The codec the dataset was encoded with (a folder, a pipeline folder's vae/, KL or DC), loaded as sampling does.
+    parts["vae"] = getattr(load_image_codec(info["image_codec"]), "vae", None)
+    if parts["vae"] is None:
         print("export: the dataset's pixel codec is not a diffusers VAE; the pipeline has none (output_type='latent')")
-        parts["vae"] = None
-    else:
-        vae_dir = Path(info["image_codec"]).expanduser()
-        vae_dir = vae_dir / "vae" if not (vae_dir / "config.json").is_file() else vae_dir
-        vae_cls = AutoencoderDC if json.loads((vae_dir / "config.json").read_text())["_class_name"] == "AutoencoderDC" else AutoencoderKL
-        parts["vae"] = vae_cls.from_pretrained(vae_dir)
-        if abs(float(info.get("shift_factor", 0.0))) > 0:
-            print(f"export: the VAE has shift_factor={info['shift_factor']}; stock {pipeline_name} decodes without it")
+    elif abs(float(info.get("shift_factor", 0.0))) > 0:
+        print(f"export: the VAE has shift_factor={info['shift_factor']}; stock {pipeline_name} decodes without it")
     if family != "dit":
         text = load_text_encoder(info["text_encoder"])
         parts.update(text_encoder=text.model, tokenizer=text.tokenizer)

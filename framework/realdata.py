@@ -14,6 +14,7 @@ Nothing here downloads: both networks load from the paths given.
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,11 @@ from torch import nn
 # --------------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=1)
 def real_images(folder: str | Path, height: int, width: int) -> tuple[torch.Tensor, list[str]]:
     """The folder's images resized to cover (height, width) and centre-cropped, as (N, 3, H, W) in [-1, 1], and
-    their captions ("" where an image has no .txt)."""
+    their captions ("" where an image has no .txt). Kept for the next call with the same arguments: a run's
+    periodic evaluations read the held-out folder once."""
     from data_prep.precompute import load_pixels
     from data_prep.sources.base import IMAGE_EXTENSIONS
     from data_prep.sources.folder import read_caption
@@ -82,6 +85,18 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
 def features(net: nn.Module, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
     """(N, D) float64 features of images in [-1, 1]."""
     return torch.cat([net(to_uint8(images[i : i + batch_size])).double() for i in range(0, len(images), batch_size)])
+
+
+@lru_cache(maxsize=1)
+def feature_net(path: str | Path) -> ScriptedFeatures:
+    """The feature network of `path`, loaded once per run."""
+    return ScriptedFeatures(path)
+
+
+@lru_cache(maxsize=1)
+def real_features(folder: str | Path, height: int, width: int, inception: str | Path) -> torch.Tensor:
+    """Features of the held-out images, computed once per run (they do not change between evaluations)."""
+    return features(feature_net(inception), real_images(folder, height, width)[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,8 +174,8 @@ def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None,
     metrics: dict[str, Any] = {"num_images": len(images), "num_real": len(real), "num_prompts": len(prompts),
                                "images_per_s": len(images) / (time.perf_counter() - t0), "bootstrap": settings.bootstrap}
     if settings.inception:
-        net = ScriptedFeatures(settings.inception)
-        fid, interval = fid_with_interval(features(net, real), features(net, images), settings.bootstrap)
+        reference = real_features(settings.real, real.shape[-2], real.shape[-1], settings.inception)
+        fid, interval = fid_with_interval(reference, features(feature_net(settings.inception), images), settings.bootstrap)
         metrics.update(fid=fid, fid_interval=interval)
     if settings.clip:
         score, interval = mean_with_interval(clip_scores(images, drawn, settings.clip), settings.bootstrap)

@@ -163,14 +163,15 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     user chooses `model=` and `data.path=` and nothing has to be undone (the quickstart's digits included).
     A value the user set (not the preset's) that contradicts the dataset is refused, naming the key.
     """
-    from framework.data import DataConfig, data_model_fields, ensure_dataset
+    from framework.data import DataConfig, build_missing, data_model_fields, read_dataset_info
 
     try:
         data: DataConfig = OmegaConf.to_object(dcfg.data)  # type: ignore[assignment]
     except Exception:
         return None  # config_lib.to_object reports what is wrong with the data config
     rank = launch_rank()
-    info = ensure_dataset(data, rank)
+    build_missing(data, rank)
+    info = read_dataset_info(data.path, data.local)
     chosen, changed = chosen_model_keys(dcfg), []
     for key, value in data_model_fields(info, dcfg.model.family).items():
         current = dcfg.model.get(key)
