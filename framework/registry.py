@@ -36,20 +36,20 @@ def register_plugin(name: str, config: type, build: Callable[[Any, Any], pl.Call
     PLUGINS[name] = Plugin(name, config, build)
 
 
+def plugin_config(name: str, fields: Any) -> Any:
+    """Plugin `name`'s typed config from its `plugins.<name>` fields: a misspelled field, a wrong type or a failed
+    __post_init__ check raises, naming the plugin."""
+    if name not in PLUGINS:
+        raise ValueError(f"plugins=[{name}] is unknown; available plugins: {sorted(PLUGINS)}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PLUGINS[name].config), fields or {}))
+    except Exception as e:  # a misspelled field or a failed __post_init__ check
+        raise ValueError(f"plugins.{name}: {e.__cause__ or e}") from None
+
+
 def build_plugin_callbacks(plugins: dict[str, Any], run_cfg: Any) -> list[pl.Callback]:
     """Validate each selected plugin's fields against its dataclass and build its callback."""
-    out = []
-    for name, fields in plugins.items():
-        if name not in PLUGINS:
-            raise ValueError(f"plugins=[{name}] is unknown; available plugins: {sorted(PLUGINS)}")
-        p = PLUGINS[name]
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(p.config), fields or {})
-            cfg = OmegaConf.to_object(merged)
-        except Exception as e:  # a misspelled field or a failed __post_init__ check
-            raise ValueError(f"plugins.{name}: {e.__cause__ or e}") from None
-        out.append(p.build(cfg, run_cfg))
-    return out
+    return [PLUGINS[name].build(plugin_config(name, fields), run_cfg) for name, fields in plugins.items()]
 
 
 # --------------------------------------------------------------------------------------------

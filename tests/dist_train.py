@@ -3,13 +3,16 @@
 Lightning's launcher re-runs this same command for the other ranks, so every rank gets the probe.
 Each rank writes run.dir/probe_rank<r>.json: the sample keys of each step's batch and, after the
 last step, every parameter's type (DTensor or not), local/global shape, whether it trains, has a
-gradient and has optimizer state. PROBE_FREEZE=<prefix> freezes the parameters whose name starts
+gradient and has optimizer state; the dtypes the first linear layer's weight had in its forward calls and
+the dtypes of the stored (master) parameters. PROBE_FREEZE=<prefix> freezes the parameters whose name starts
 with it before the model is sharded (a stage that trains only some parameters). It also records,
 per micro-batch, how many gradient reduce-scatters its backward ran, per optimizer step whether
 it was skipped (gradients dropped after a non-finite loss on some rank);
 PROBE_POISON=<rank>:<micro-batch> puts a NaN into that rank's micro-batch (a bad sample on one rank).
 PROBE_PAUSE_AT=<step> holds each rank after that optimizer step (writing run.dir/paused_rank<r>)
-until run.dir/go exists, so a test can deliver a signal at a known step boundary.
+until run.dir/go exists, so a test can deliver a signal at a known step boundary. A run that starts at
+step 0 writes the weights it starts from to run.dir/init_weights.pt (whole tensors, from rank 0), so tests
+compare what training changed: the update w - w_init.
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ class Probe(pl.Callback):
             return original(*args, **kwargs)
 
         dist.reduce_scatter_single = counted
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import torch
+
+        from framework.dtensor import full_tensor
+
+        # The dtype a block's linear layer computes with (FSDP2 swaps in the gathered parameters for forward).
+        linear = next(m for m in pl_module.model.modules() if isinstance(m, torch.nn.Linear))
+        self.forward_dtypes: set[str] = set()
+        linear.register_forward_hook(lambda mod, *_: self.forward_dtypes.add(str(mod.weight.dtype)))
+        if trainer.global_step != 0:  # a resumed run: its start is not the run's
+            return
+        init = {n: full_tensor(p.detach()).clone() for n, p in pl_module.model.named_parameters()}  # all ranks gather
+        if trainer.global_rank == 0:
+            torch.save(init, self.run_dir / "init_weights.pt")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         self.keys[trainer.global_step] = list(batch["key"])
@@ -88,7 +106,9 @@ class Probe(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         out = {"world_size": trainer.world_size, "keys": self.keys, "params": getattr(self, "params", {}),
-               "reduce_scatters": self.reduce_scatters, "skipped": self.skipped}
+               "reduce_scatters": self.reduce_scatters, "skipped": self.skipped,
+               "forward_dtypes": sorted(self.forward_dtypes),
+               "master_dtypes": sorted({str(p.dtype) for p in pl_module.model.parameters()})}
         (self.run_dir / f"probe_rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 

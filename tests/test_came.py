@@ -203,13 +203,41 @@ def test_bf16_weights_keep_fp32_and_uint8_state_through_a_round_trip():
     assert w.dtype == torch.bfloat16 and torch.isfinite(w.float()).all()
 
 
-def test_per_group_settings():
+class _Together:
+    """Several optimizers stepped as one (the reference for parameter groups)."""
+
+    def __init__(self, *opts: torch.optim.Optimizer) -> None:
+        self.opts = opts
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+
+def test_per_group_settings_act_like_each_groups_own_optimizer():
+    """Group lr / weight_decay override the defaults for that group only: one CAME with two groups trains exactly
+    as two CAMEs, each built with its group's settings as defaults; and the settings matter (all-default differs)."""
+    kw = dict(quantize=True, min_8bit_size=0, block_size=64)
+
+    def split(model: nn.Module) -> tuple[list, list]:
+        return [p for p in model.parameters() if p.dim() > 1], [p for p in model.parameters() if p.dim() == 1]
+
     model = build_model()
-    decay, no_decay = [p for p in model.parameters() if p.dim() > 1], [p for p in model.parameters() if p.dim() == 1]
-    opt = CAME([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "lr": 1e-3}], lr=1e-2, quantize=True,
-               min_8bit_size=0, block_size=64)
-    train_steps(model, opt, 0, 2)
-    assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 0.1
+    decay, no_decay = split(model)
+    opt = CAME([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "lr": 1e-3}], lr=1e-2, **kw)
+    train_steps(model, opt, 0, 3)
+    ref = build_model()
+    ref_decay, ref_no_decay = split(ref)
+    train_steps(ref, _Together(CAME(ref_decay, lr=1e-2, weight_decay=0.1, **kw), CAME(ref_no_decay, lr=1e-3, **kw)), 0, 3)
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(got, want)
+    plain = build_model()
+    train_steps(plain, CAME(plain.parameters(), lr=1e-2, **kw), 0, 3)
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
     assert "exp_avg_q" in opt.state[decay[0]] and "exp_avg_sq" in opt.state[no_decay[0]]
 
 

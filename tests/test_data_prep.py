@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 from streaming import StreamingDataset
 
-from data_prep.encoders import load_image_codec, load_text_encoder
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import digit_captions, load_digits
 from tests.conftest import digits_config, make_image_folder
@@ -70,7 +69,16 @@ def test_digits_dataset_json_and_rows(digits_shards, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_folder_with_vae_matches_encoder(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
+def test_folder_with_vae_matches_diffusers_and_transformers(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
+    """The stored latents are what diffusers itself gives for each image (its VaeImageProcessor's resize-and-crop,
+    AutoencoderKL.encode's posterior mean, unscaled), and the text embeddings what transformers' model gives for
+    the caption (last hidden states of its real tokens): references independent of data_prep's own code."""
+    import torch
+    from diffusers import AutoencoderKL
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+    from transformers import AutoModel, AutoTokenizer
+
     src = make_image_folder(tmp_path / "imgs")
     out = precompute(folder_config(src, tmp_path / "ds", tiny_text_encoder_dir, vae=str(tiny_vae_dir),
                                    resolution=16), rank=0, world_size=1)
@@ -78,16 +86,23 @@ def test_folder_with_vae_matches_encoder(tmp_path, tiny_vae_dir, tiny_text_encod
     assert info["latent_channels"] == 4 and info["latent_size"] == [8, 8] and info["downsample"] == 2
     assert info["scaling_factor"] == 0.5 and info["shift_factor"] == 0.1 and info["posterior"] == "mean"
     assert info["num_samples"] == 6 and info["num_classes"] is None and info["image_mode"] == "RGB"
-    codec = load_image_codec(str(tiny_vae_dir))
-    text = load_text_encoder(str(tiny_text_encoder_dir))
-    for row in read_rows(out):
+    vae = AutoencoderKL.from_pretrained(tiny_vae_dir).eval()
+    images = VaeImageProcessor(vae_scale_factor=2, resample="bicubic")
+    tokenizer, bert = AutoTokenizer.from_pretrained(tiny_text_encoder_dir), AutoModel.from_pretrained(tiny_text_encoder_dir)
+    rows = read_rows(out)
+    assert len(rows) == 6
+    for row in rows:
         name = row["key"].split("#")[0]
-        expect = codec.encode(load_pixels(src / name, "RGB", 16)[None])[0].numpy()
+        with torch.no_grad():
+            pixels = images.preprocess(Image.open(src / name).convert("RGB"), height=16, width=16, resize_mode="crop")
+            expect = vae.encode(pixels).latent_dist.mean[0].numpy()  # (4, 8, 8)
+            tokens = tokenizer(row["caption"], return_tensors="pt")
+            emb = bert(**tokens).last_hidden_state[0].numpy()  # (L, 32)
         assert row["latents"].dtype == np.float16 and "label" not in row
         np.testing.assert_allclose(row["latents"].astype(np.float32), expect, atol=2e-3, rtol=1e-3)
-        emb = text.encode([row["caption"]])[0].numpy()
         assert row["text_embeds"].shape == emb.shape  # trimmed to the real token count
         np.testing.assert_allclose(row["text_embeds"].astype(np.float32), emb, atol=5e-3, rtol=1e-3)
+        assert row["caption"] == (src / name).with_suffix(".txt").read_text()
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -122,6 +137,13 @@ def test_webdataset(tmp_path, tiny_text_encoder_dir):
     cfg["source"] = {"name": "webdataset", "path": str(tmp_path / "wds")}
     out = precompute(cfg, rank=0, world_size=1)
     assert json.loads((out / "dataset.json").read_text())["num_samples"] == 5
+    # Each sample's caption is its own .txt, and its pixels those of its own JPEG (the pixel codec stores them).
+    pngs = sorted(src.rglob("*.png"))
+    for row in read_rows(out):
+        i = int(row["key"].split(":")[-1].split("#")[0])  # "00000.tar:000000003"
+        assert row["caption"] == pngs[i].with_suffix(".txt").read_text(), row["key"]
+        pixels = load_pixels(_as_jpeg(pngs[i]), "RGB", 8).numpy()
+        np.testing.assert_allclose(row["latents"].astype(np.float32), pixels, atol=1e-3)
 
 
 def _as_jpeg(png: Path) -> bytes:

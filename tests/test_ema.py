@@ -166,6 +166,43 @@ def test_swapping_in_and_out_leaves_training_bit_identical(tmp_path, digits_shar
         assert torch.equal(p, before[n]) and torch.equal(ema.ema[n], averaged[n])
 
 
+def test_grids_and_the_final_evaluation_use_the_averaged_weights(tmp_path, digits_shards, recorder, monkeypatch):
+    """What the sampler sees when the final grid and the end-of-training evaluation run: the EMA weights
+    (the checkpoint's ema_state), not the training weights, which are back in the model afterwards."""
+    from framework import eval as eval_lib
+    from framework.pipeline import Pipeline
+
+    seen: list[tuple[str, dict[str, torch.Tensor]]] = []
+
+    def snapshot(tag: str, model: torch.nn.Module) -> None:
+        seen.append((tag, {n: p.detach().clone() for n, p in model.named_parameters()}))
+
+    generate, evaluate = Pipeline.generate, eval_lib.evaluate
+
+    def recording_generate(self, *args: Any, **kwargs: Any) -> Any:
+        snapshot("generate", self.model)
+        return generate(self, *args, **kwargs)
+
+    def recording_evaluate(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        snapshot("evaluate", pipe.model)
+        return evaluate(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "generate", recording_generate)
+    monkeypatch.setattr(eval_lib, "evaluate", recording_evaluate)
+    # A slow average (decay 0.9 from step 0) of 4 steps at lr 1e-3: the EMA is far from the trained weights.
+    fields = [*ema_plugin(decay=0.9, start=0), "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "eval.at_end=true",
+              "eval.seeds=1", "eval.phrasings=1", "eval.steps=1"]
+    out = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *fields, steps=4)))
+    assert [tag for tag, _ in seen][:2] == ["generate", "evaluate"], [tag for tag, _ in seen]  # the final grid, then eval
+    ema, trained = load(out["checkpoint"])["latentforge"]["ema_state"], recorder.weights[4]
+    assert not torch.equal(ema["net.proj_out.weight"], trained["net.proj_out.weight"])
+    for tag, weights in seen[:2]:
+        for n, w in weights.items():
+            assert torch.equal(w, ema[n]), f"the {tag} at the end used {n} of the training weights, not the EMA"
+    for n, p in recorder.module.model.named_parameters():
+        assert torch.equal(p, trained[n]), "the training weights are back after sampling"
+
+
 # --------------------------------------------------------------------------------------------
 # Two processes (gloo, CPU) against one
 # --------------------------------------------------------------------------------------------
@@ -182,9 +219,11 @@ def _two_ranks(tmp_path: Path, data: Path, run: str, *extra: str, steps: int) ->
     return tmp_path / run
 
 
-DIST_EMA = ema_plugin(decay=0.6, start=1)
+# A constant lr of 1e-3 from the first step: four steps move the weights, and so the EMA, by ~1e-3, far beyond the
+# tolerance (an EMA that missed an update or a rank's shard fails; warm-up's lr of 1e-5 would hide it).
+DIST_EMA = [*ema_plugin(decay=0.6, start=1), "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "optimizer.schedule=constant"]
 # Same global batch (16) on one rank and on two: gradients differ only in summation order, and
-# four AdamW steps amplify that to ~1e-6 of the weights.
+# four AdamW steps amplify that to a few 1e-6 of the weights.
 DIST_TOL = dict(rtol=1e-4, atol=1e-5)
 
 

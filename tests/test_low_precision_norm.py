@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from torch import nn
 
@@ -33,6 +34,17 @@ def _norms() -> list[tuple[nn.Module, tuple[int, ...]]]:
     return mods
 
 
+def in_bf16(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm computed by hand on bf16 inputs and parameters (torch's kernels for that dtype)."""
+    b = torch.bfloat16
+    w = norm.weight.to(b)
+    if isinstance(norm, nn.LayerNorm):
+        return F.layer_norm(x.to(b), norm.normalized_shape, w, norm.bias.to(b), norm.eps)
+    if isinstance(norm, nn.GroupNorm):
+        return F.group_norm(x.to(b), norm.num_groups, w, norm.bias.to(b), norm.eps)
+    return F.rms_norm(x.to(b), x.shape[-1:], w, norm.eps)
+
+
 @pytest.mark.parametrize("index", range(4), ids=["layer_norm", "group_norm", "diffusers_rms_norm", "rms_norm"])
 def test_norm_runs_in_the_autocast_dtype_close_to_fp32(index):
     norm, shape = _norms()[index]
@@ -46,6 +58,9 @@ def test_norm_runs_in_the_autocast_dtype_close_to_fp32(index):
         y = norm(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), expected, **BF16_TOL)
+    # Computed in bf16, not computed in fp32 and cast at the end (which differs in many elements).
+    assert torch.equal(y, in_bf16(ref, x))
+    assert not torch.equal(y, expected.to(torch.bfloat16))
     # Same Parameter objects, same dtype; outside autocast the parent's forward, bit for bit.
     assert all(a is b for a, b in zip(norm.parameters(), params)) and all(p.dtype == torch.float32 for p in params)
     assert torch.equal(norm(x), expected)

@@ -7,7 +7,9 @@ Unix socket forks a child that runs `python -m MODULE ARGS...` (runpy, as `-m` d
 directory with the requested environment and its output in a log file, and reports the exit status.
 
 The parent stays single-threaded (it never holds a lock a child could inherit) and runs nothing heavy
-itself: no tensors, no thread pools. Children are real processes with their own pid and process group, so
+itself: no tensors, no thread pools. A child ends as the interpreter would end it (`finish`): it waits for
+its non-daemon threads and runs its atexit handlers, so a command that hangs or fails at exit does so here
+too (tests/test_zygote.py compares the two ways). Children are real processes with their own pid and process group, so
 a test can kill one; several ranks of a job are several requests (tests/test_distributed.py::run_train).
 The commands users run (the matrix, Slurm, torchrun tests) still start fresh interpreters.
 """
@@ -61,9 +63,27 @@ def _child(request: dict) -> None:
     except BaseException:  # noqa: BLE001 - reported in the log like an uncaught exception
         traceback.print_exc()
         code = 1
+    code = finish(code)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code)  # not sys.exit: the parent's sockets and state are not this process's to tear down
+
+
+def finish(code: int) -> int:
+    """What the interpreter does before a process ends (Py_FinalizeEx): wait for every non-daemon thread, then
+    run the atexit handlers. A command that hangs or fails at exit does so here too, as a fresh `python -m`
+    would. Returns the exit status (an atexit handler's error is printed and leaves it, as Python does)."""
+    import atexit
+    import threading
+    import traceback
+
+    try:
+        threading._shutdown()  # joins the non-daemon threads, as the interpreter does at exit
+    except BaseException:  # noqa: BLE001 - e.g. KeyboardInterrupt while waiting: reported, status 1
+        traceback.print_exc()
+        code = code or 1
+    atexit._run_exitfuncs()
+    return code
 
 
 def serve(path: str) -> None:

@@ -1,0 +1,232 @@
+"""The mutation check: plant known bugs one at a time and see whether the tests meant to catch them fail.
+
+    python tests/mutants.py                 # every mutant; prints a table, exit status 1 if any is missed
+    python tests/mutants.py --list          # the mutants and the tests each one runs
+    python tests/mutants.py NAME [NAME...]  # only these
+    python tests/mutants.py --markdown      # the table as Markdown (the README's copy)
+
+Each mutant is a text edit of the product (a list of (file, old, new); `old` must occur exactly once, so a
+mutant that no longer applies is reported as stale rather than silently testing nothing). It is applied to a
+copy of the checkout in a temporary folder, never to the checkout itself, and only the tests listed for it
+run there (`python -m pytest -x` on those node ids, with their own TMPDIR). First the same tests run on the
+unmutated copy: a mutant only counts as caught when its tests pass without it.
+
+Verdicts: caught (the tests failed), MISSED (they passed), error (pytest could not run them: a test id that
+does not exist, a collection error), stale (the mutant's text is no longer in the code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (file relative to the root, old text, new text)
+    tests: tuple[str, ...]
+
+
+DIST = "tests/test_distributed.py::"
+MUTANTS = [
+    Mutant("caption_dropout_inverted", "90% of captions dropped instead of 10%",
+           (("framework/module.py", "< self.objective.cfg.caption_dropout", "> self.objective.cfg.caption_dropout"),),
+           ("tests/test_train.py::test_quickstart_learns_the_prompts",)),
+    Mutant("rank1_optimizer_never_steps", "rank 1's optimizer steps with lr 0: its weights never move",
+           (("framework/module.py", "LambdaLR(opt, lr_lambda(self.optimizer_cfg, self.max_steps))",
+             "LambdaLR(opt, (lambda s: 0.0) if self.global_rank == 1 else lr_lambda(self.optimizer_cfg, self.max_steps))"),),
+           (DIST + "test_two_ranks_follow_the_single_process_losses[sgo]",
+            DIST + "test_two_ranks_follow_the_single_process_losses[ddp]")),
+    Mutant("adam_state_dropped_on_reshard", "a sharded resume loads the weights but drops the optimizer's moments",
+           (("framework/strategy.py", "    def finish_saves(self) -> None:",
+             "    def load_checkpoint(self, *args, **kwargs):\n"
+             "        out = super().load_checkpoint(*args, **kwargs)\n"
+             "        for opt in self.optimizers:\n"
+             "            opt.state.clear()\n"
+             "        return out\n\n"
+             "    def finish_saves(self) -> None:"),),
+           (DIST + "test_sharded_checkpoint_resumes_on_another_world_size",)),
+    Mutant("ema_not_used_for_grids", "sample grids drawn with the training weights instead of the EMA",
+           (("framework/callbacks.py", "with averaged_weights(trainer, pl_module):",
+             "with __import__('contextlib').nullcontext():"),),
+           ("tests/test_ema.py::test_grids_and_the_final_evaluation_use_the_averaged_weights",)),
+    Mutant("ema_not_used_for_final_eval", "the end-of-training evaluation scores the training weights",
+           (("framework/train.py", "with averaged_weights(trainer, pl_module):",
+             "with __import__('contextlib').nullcontext():"),),
+           ("tests/test_ema.py::test_grids_and_the_final_evaluation_use_the_averaged_weights",)),
+    Mutant("activation_checkpointing_off", "strategy.activation_checkpointing=true silently does nothing",
+           (("framework/fsdp.py", "        denoiser.net.enable_gradient_checkpointing()", "        pass"),),
+           ("tests/test_train.py::test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_losses",)),
+    Mutant("compile_off", "strategy.compile=true silently runs eager",
+           (("framework/fsdp.py", "            unit.compile()", "            pass"),),
+           ("tests/test_train.py::test_compiled_blocks_run_compiled_and_follow_the_eager_losses",)),
+    Mutant("fsdp_precision_not_passed", "the bf16 MixedPrecisionPolicy never reaches fully_shard",
+           (("framework/fsdp.py", "    for unit in shard_units(denoiser):\n        fully_shard(unit, **kwargs)",
+             "    kwargs.pop('mp_policy', None)\n    for unit in shard_units(denoiser):\n        fully_shard(unit, **kwargs)"),),
+           (DIST + "test_fsdp_bf16_mixed_computes_with_bf16_parameters_and_keeps_fp32_masters",)),
+    Mutant("low_precision_norm_in_fp32", "LPLayerNorm computes in fp32 and only casts its output",
+           (("plugins/low_precision_norm.py",
+             "return F.layer_norm(x.to(dtype), self.normalized_shape, _cast(self.weight, dtype), _cast(self.bias, dtype), self.eps)",
+             "return F.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps).to(dtype)"),),
+           ("tests/test_low_precision_norm.py::test_norm_runs_in_the_autocast_dtype_close_to_fp32",)),
+    Mutant("growth_leaves_one_projection", "growth's zero gate skips each block's last residual branch",
+           (("framework/blocks.py", "    for branch in view.branches:\n        nn.init.zeros_(branch.out_proj.weight)",
+             "    for branch in view.branches[:-1]:\n        nn.init.zeros_(branch.out_proj.weight)"),),
+           ("tests/test_growth.py::test_grown_model_computes_the_source_function",)),
+    Mutant("cache_skipped_branch_computed", "cached sampling still runs the branches it reuses",
+           (("framework/caching.py", "            return self.cache[key]  #",
+             "            inner(*args, **kwargs)\n            return self.cache[key]  #"),),
+           ("tests/test_cache_router.py::test_a_skipped_branch_is_not_called",)),
+    Mutant("came8bit_wrong_block_scale", "CAME-8bit dequantises each block with its neighbour's scale",
+           (("plugins/quant8.py", "torch.addcmul(lo[..., None], codes, scale[..., None])",
+             "torch.addcmul(lo[..., None], codes, scale.roll(1, -1)[..., None])"),),
+           ("tests/test_came.py::test_quantization_round_trip_error_and_constant_blocks",
+            "tests/test_came.py::test_8bit_trajectory_follows_unquantized")),
+    Mutant("streaming_resume_restarts_epoch", "a resumed data loader ignores its saved position",
+           (("framework/shards.py", "        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:",
+             "        def load_state_dict(self, obj) -> None:\n            return None\n\n"
+             "        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:"),),
+           ("tests/test_datamodule.py::test_lightning_resume_continues_mid_epoch",
+            "tests/test_train.py::test_resume_auto_continues_like_an_uninterrupted_run")),
+    Mutant("preemption_save_one_step_late", "the preemption checkpoint is written one step after the signal",
+           (("framework/checkpointing.py", "        flag = torch.tensor(float(self.flag), device=trainer.strategy.root_device)",
+             "        late, self._late = getattr(self, '_late', False), self.flag\n"
+             "        flag = torch.tensor(float(late), device=trainer.strategy.root_device)"),),
+           (DIST + "test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued_run_matches",)),
+    Mutant("keep_checkpoints_deletes_newest", "trainer.keep_checkpoints keeps the oldest numbered checkpoints",
+           (("framework/train.py", 'mode="max",', 'mode="min",'),),
+           ("tests/test_checkpoints.py::test_keep_checkpoints_keeps_the_newest_numbered_files_across_a_resume",)),
+    Mutant("dropped_loader_keeps_its_threads", "a data loader dropped mid-epoch leaves Streaming's threads running",
+           (("framework/shards.py", "                if mine is not None:\n                    self._stop_threads(mine)\n", ""),),
+           ("tests/test_datamodule.py::test_dropped_loader_stops_its_threads",)),
+    Mutant("failed_shard_ends_epoch_silently", "a shard that fails to prepare ends the epoch early without an error",
+           (("framework/shards.py", "            if self._event.is_set():  # Streaming's way of ending an epoch whose thread failed\n"
+             "                raise self._failure()\n", ""),),
+           ("tests/test_datamodule.py::test_failed_shard_preparation_raises_instead_of_ending_the_epoch",)),
+    # The suite's own machinery (findings 3 and 7 of the tests review):
+    Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
+           (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),
+           ("tests/test_matrix.py::test_a_job_fails_when_any_rank_fails_a_signal_included",)),
+    Mutant("forked_child_skips_shutdown", "forked test processes exit without joining threads or running atexit",
+           (("tests/zygote.py", "    code = finish(code)\n", ""),),
+           ("tests/test_zygote.py",)),
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------
+
+def copy_checkout(dst: Path) -> None:
+    """The files git knows about (tracked, or untracked and not ignored), as they are now in the work tree."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def apply(mutant: Mutant, tree: Path) -> str | None:
+    """Apply the edits in `tree`; None, or why the mutant is stale."""
+    for rel, old, new in mutant.edits:
+        text = (tree / rel).read_text()
+        if text.count(old) != 1:
+            return f"{rel}: the text to change occurs {text.count(old)} times, expected once"
+        (tree / rel).write_text(text.replace(old, new))
+    return None
+
+
+def revert(mutant: Mutant, tree: Path) -> None:
+    for rel, _, _ in mutant.edits:
+        shutil.copy2(ROOT / rel, tree / rel)
+
+
+def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    """(pytest's exit status, seconds, the end of its output); the status is 124 after `timeout`."""
+    tmp = Path(tempfile.mkdtemp(prefix="mt", dir="/tmp"))  # short: sockets are created under TMPDIR
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    env.update(TMPDIR=str(tmp), PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               f"--basetemp={tmp / 'pt'}", *tests], cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out = 124, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return code, time.monotonic() - start, out[-3000:]
+
+
+VERDICTS = {0: "MISSED", 1: "caught", 124: "caught (timeout)"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="run only these mutants")
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
+    args = parser.parse_args()
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants: {', '.join(sorted(unknown))}; see --list")
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what}\n    " + "\n    ".join(m.tests))
+        return 0
+
+    tree = Path(tempfile.mkdtemp(prefix="mutants"))
+    rows = []
+    try:
+        copy_checkout(tree)
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            code, secs, out = run_tests(tree, tests, args.timeout * 2)
+            if code != 0:
+                print(f"the tests fail without any mutant (exit {code}, {secs:.0f} s); fix them first:\n{out}")
+                return 2
+            print(f"baseline: {len(tests)} test ids pass unmutated ({secs:.0f} s)", flush=True)
+        for m in chosen:
+            stale = apply(m, tree)
+            if stale:
+                verdict, secs, out = "stale", 0.0, stale
+            else:
+                code, secs, out = run_tests(tree, m.tests, args.timeout)
+                verdict = VERDICTS.get(code, f"error ({code})")
+                revert(m, tree)
+            rows.append((m, verdict, secs))
+            print(f"{m.name:<34} {verdict:<16} {secs:5.0f} s", flush=True)
+            if verdict not in ("caught", "caught (timeout)", "MISSED"):
+                print("    " + out.strip().replace("\n", "\n    ")[-1500:])
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+    caught = sum(v.startswith("caught") for _, v, _ in rows)
+    print(f"\n{caught} of {len(rows)} mutants caught")
+    if args.markdown:
+        print("\n| mutant | planted bug | tests run | verdict |\n|---|---|---|---|")
+        for m, v, secs in rows:
+            tests = "<br>".join(f"`{t.split('/')[-1]}`" for t in m.tests)
+            print(f"| `{m.name}` | {m.what} | {tests} | {v} ({secs:.0f} s) |")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
