@@ -29,7 +29,7 @@ class SampleGrid(pl.Callback):
     """Draws a prompt grid every `every_n_steps` steps and when training ends; saves it under run.dir/samples.
 
     Every rank runs the sampler on its share of the images (a sharded model needs all ranks in each
-    forward); rank 0 writes.
+    forward); rank 0 decodes them all (only rank 0 loads the VAE) and writes.
     """
 
     def __init__(self, cfg: Any, out_dir: str | Path) -> None:
@@ -58,8 +58,9 @@ class SampleGrid(pl.Callback):
         try:
             # When a plugin keeps averaged weights (a WeightAverager, e.g. plugins/ema.py), grids show them.
             with averaged_weights(trainer, pl_module):
+                # Every rank denoises its share; rank 0 alone decodes (no VAE on the other ranks) and writes.
                 images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels,
-                                                            split_ranks=trainer.world_size > 1)
+                                                            split_ranks=trainer.world_size > 1, decode_on_rank0=True)
         finally:
             reshard(pl_module.model)
             pl_module.train(was_training)

@@ -101,6 +101,14 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     parts: dict[str, Any] = {backbone: denoiser.net, "scheduler": objective.sampler(cmd.sampler or "dpm++")}
     # The codec the dataset was encoded with (a folder, a pipeline folder's vae/, KL or DC), loaded as sampling does.
     parts["vae"] = getattr(load_image_codec(info["image_codec"]), "vae", None)
+    if family == "sana" and parts["vae"] is not None and type(parts["vae"]).__name__ != "AutoencoderDC":
+        # SanaPipeline reads the DC-AE's config when it is built; any other VAE fails there.
+        raise ValueError(f"export format=diffusers: diffusers' SanaPipeline takes an AutoencoderDC (DC-AE, the VAE SANA "
+                         f"is trained with); this model's latents come from an {type(parts['vae']).__name__}. Export "
+                         f"format=safetensors for the transformer alone, or encode the data with a DC-AE.")
+    if family == "unet":
+        print(f"export: stock {pipeline_name} pads prompts to the tokenizer's length and attends to the padding; "
+              "LatentForge trained on each caption's own tokens (masked), so its images can differ from framework.sample's")
     if parts["vae"] is None:
         print("export: the dataset's pixel codec is not a diffusers VAE; the pipeline has none (output_type='latent')")
     elif abs(float(info.get("shift_factor", 0.0))) > 0:

@@ -113,14 +113,10 @@ class Pipeline:
         dataset_info: dict[str, Any],
         device: torch.device | str = "cpu",
     ) -> None:
-        from data_prep.encoders import load_image_codec
-
         self.model, self.objective, self.info = model, objective, dataset_info
         self.device = torch.device(device)
         self.empty_text = empty_text.float()
-        self.codec = load_image_codec(
-            dataset_info["image_codec"], device=self.device, image_mode=dataset_info.get("image_mode", "RGB")
-        )
+        self._codec = None  # the image codec (a VAE), loaded by the first decode: a rank that never decodes never loads it
         self._text_encoder = None
         # The dataset's precomputed grid prompts: generating them loads no text encoder.
         self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
@@ -148,6 +144,16 @@ class Pipeline:
         objective = Objective(ObjectiveConfig(**cfg["objective"]))
         info = with_encoders(extra["dataset"], vae, text_encoder)
         return cls(model.to(device).eval(), objective, extra["empty_text"], info, device)
+
+    @property
+    def codec(self) -> Any:
+        """The dataset's image codec (or sample.vae's), loaded on first use."""
+        if self._codec is None:
+            from data_prep.encoders import load_image_codec
+
+            self._codec = load_image_codec(self.info["image_codec"], device=self.device,
+                                           image_mode=self.info.get("image_mode", "RGB"))
+        return self._codec
 
     def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
         """Per-token embeddings of each prompt (cached; the encoder loads on first use)."""
@@ -182,6 +188,7 @@ class Pipeline:
         progress: bool = False,
         cache_schedule: str | CacheSchedule | None = None,
         decode_ranks: int = 0,
+        decode_on_rank0: bool = False,
     ) -> torch.Tensor | None:
         """Images (N * candidates, C, H, W) in [-1, 1], each prompt's candidates together.
 
@@ -190,7 +197,9 @@ class Pipeline:
         All N * candidates images are drawn in batches of `batch_size`: the cost grows linearly.
         split_ranks: inside a multi-process job, every rank must call this (a sharded model needs all
         ranks in each forward); each rank then generates its own contiguous share of the prompts and
-        every rank gets all images back, the same ones one process would draw. A sequence-parallel model
+        every rank gets all images back, the same ones one process would draw. With decode_on_rank0 the
+        ranks send their shares' latents to rank 0, which alone decodes them (and alone loads the VAE, a
+        training job's grids); the other ranks get None. A sequence-parallel model
         (framework/sequence.py) is called by every rank of the job too; its groups share the prompts.
         progress: a bar over the batches (on rank 0).
         cache_schedule: a CacheSchedule, or a `cache_schedule=` value (a file, uniform:K): sampling reuses the
@@ -234,11 +243,19 @@ class Pipeline:
         per = math.ceil(n / shares)
         idx = [i for i in range(share * per, (share + 1) * per) if i < n]
         idx += [0] * (per - len(idx))
+        decode_here = not (decode_on_rank0 and shares > 1)
         mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
                               steps, guidance, sampler, batch_size, progress and dist.get_rank() == 0,
-                              schedule).to(self.device)
+                              schedule, decode=decode_here).to(self.device)
         if shares == 1:
             return mine.cpu()
+        if not decode_here:  # the latents to rank 0, decoded there alone
+            gathered = [torch.empty_like(mine) for _ in range(world)] if dist.get_rank() == 0 else None
+            dist.gather(mine, gathered, dst=0)
+            if dist.get_rank() != 0:
+                return None
+            z = torch.cat(gathered[:: world // shares])[:n].to(self.device)
+            return torch.cat([self.decode(z[i : i + batch_size]) for i in range(0, n, batch_size)])
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         return torch.cat(gathered[:: world // shares])[:n].cpu()
@@ -253,7 +270,8 @@ class Pipeline:
 
     def _generate(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
                   guidance: float, sampler: str | None, batch_size: int, progress: bool = False,
-                  schedule: CacheSchedule | None = None) -> torch.Tensor:
+                  schedule: CacheSchedule | None = None, decode: bool = True) -> torch.Tensor:
+        """Images of the prompts in batches; decode=False: their scaled latents."""
         from tqdm import tqdm
 
         n, out = len(prompts), []
@@ -262,7 +280,7 @@ class Pipeline:
             for i in range(0, n, batch_size):
                 z = self._denoise_batch(prompts[i : i + batch_size], labels[i : i + batch_size],
                                         seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule)
-                out.append(self.decode(z))
+                out.append(self.decode(z) if decode else z)
                 bar.update(len(out[-1]))
         bar.close()
         return torch.cat(out)

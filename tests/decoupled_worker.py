@@ -3,7 +3,9 @@
 Every rank builds the same random 4-channel PixArt over the digits prompts with a tiny random VAE as the
 image decoder (tests/conftest.py), then generates the prompts plainly (each rank alone) and with
 decode_ranks=K (all ranks together), with and without a cache schedule. Rank 0 writes OUT: whether the
-decoupled images equal the plain ones bit for bit, and the other ranks' return values.
+decoupled images equal the plain ones bit for bit, and the other ranks' return values. DECODE_RANKS=0:
+split_ranks with decode_on_rank0 instead (every rank denoises a share, rank 0 decodes): how far its images
+are from the plain ones, and which ranks loaded the VAE.
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
     model = build_denoiser(load_preset("pixart_debug", in_channels=4, num_layers=2, text_dim=384))
     pipe = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
     result = {}
+    if decode_ranks == 0:  # split_ranks with decode_on_rank0 (training grids): a fresh pipeline, its VAE not yet loaded
+        fresh = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
+        split = fresh.generate(PROMPTS, steps=3, seed=4, batch_size=2, split_ranks=True, decode_on_rank0=True)
+        loaded = [None] * dist.get_world_size()
+        dist.all_gather_object(loaded, fresh._codec is not None)
+        if dist.get_rank() == 0:
+            plain = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2)
+            result["rank0"] = {"max_diff": float((split - plain).abs().max()), "shape": list(split.shape),
+                               "codec_loaded": loaded, "max_abs": float(plain.abs().max())}
+            with open(out, "w") as f:
+                json.dump(result, f)
+        else:
+            assert split is None, "only rank 0 gets the images"
+        dist.destroy_process_group()
+        return
     for schedule in (None, "uniform:2"):
         plain = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, cache_schedule=schedule)  # 3 batches
         split = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, cache_schedule=schedule, decode_ranks=decode_ranks)

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 
 from framework import train as train_lib
+from framework.callbacks import SampleGrid
 
 
 class Probe(pl.Callback):
@@ -108,6 +109,8 @@ class Probe(pl.Callback):
         out = {"world_size": trainer.world_size, "keys": self.keys, "params": getattr(self, "params", {}),
                "reduce_scatters": self.reduce_scatters, "skipped": self.skipped,
                "forward_dtypes": sorted(self.forward_dtypes),
+               # whether this rank's grid pipeline loaded the image codec (the final grid ran just before this)
+               "grid_codec_loaded": next(cb for cb in trainer.callbacks if isinstance(cb, SampleGrid))._pipe._codec is not None,
                "master_dtypes": sorted({str(p.dtype) for p in pl_module.model.parameters()})}
         (self.run_dir / f"probe_rank{trainer.global_rank}.json").write_text(json.dumps(out))
 

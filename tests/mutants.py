@@ -114,6 +114,9 @@ MUTANTS = [
            (("framework/shards.py", "            if self._event.is_set():  # Streaming's way of ending an epoch whose thread failed\n"
              "                raise self._failure()\n", ""),),
            ("tests/test_datamodule.py::test_failed_shard_preparation_raises_instead_of_ending_the_epoch",)),
+    Mutant("grids_decoded_on_every_rank", "every rank of a training job loads the VAE and decodes the grid",
+           (("framework/callbacks.py", "decode_on_rank0=True", "decode_on_rank0=False"),),
+           (DIST + "test_the_final_grid_is_decoded_on_rank_zero_only",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),

@@ -46,6 +46,19 @@ def test_decoupled_generation_draws_the_plain_images(tmp_path, digits_shards, ti
         assert r["returned"] == [[5, 3, 16, 16]] + [None] * (nproc - 1)  # rank 0 gets the images, the others None
 
 
+def test_grids_decode_on_rank_zero_only(tmp_path, digits_shards, tiny_vae_dir):
+    """split_ranks with decode_on_rank0 (a training job's sample grids) on 2 ranks: each denoises half the prompts,
+    rank 0 alone loads the VAE and decodes them all, and the images are plain sampling's (the halves are denoised
+    in other batches: float round-off only)."""
+    out = tmp_path / "result.json"
+    proc = torchrun(2, "-m", "tests.decoupled_worker", str(digits_shards), str(tiny_vae_dir), "0", str(out),
+                    tmp=tmp_path, fork=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())["rank0"]
+    assert r["codec_loaded"] == [True, False] and r["shape"] == [5, 3, 16, 16] and r["max_abs"] > 0.01, r
+    assert r["max_diff"] <= 1e-5, r
+
+
 def test_decode_ranks_needs_more_processes_than_decoders():
     assert roles(3, 1) == ([0, 1], [2])
     assert roles(3, 2) == ([0], [1, 2])

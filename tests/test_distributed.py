@@ -226,6 +226,12 @@ def test_fsdp_parameters_are_sharded_dtensors_and_frozen_ones_get_no_state(runs,
         assert sorted(r0[step] + r1[step]) == sorted(ref[step])
 
 
+def test_the_final_grid_is_decoded_on_rank_zero_only(runs):
+    """Every rank denoises a share of the final grid; only rank 0 loads the image codec and decodes."""
+    assert [probe(runs["sgo"], r)["grid_codec_loaded"] for r in (0, 1)] == [True, False]
+    assert (runs["sgo"] / "samples" / f"step{STEPS:07d}.png").is_file()
+
+
 def test_single_process_frozen_parameters_get_no_state(runs):
     params = probe(runs["ref"])["params"]
     assert not any(v["dtensor"] for v in params.values())

@@ -161,6 +161,19 @@ def test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample(own_d
     torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
 
 
+def test_diffusers_export_of_sana_needs_a_dc_ae(own_data, tmp_path):
+    """diffusers' SanaPipeline is built around a DC-AE: latents from an AutoencoderKL are refused with the way out,
+    before anything is written (not an AttributeError from inside diffusers)."""
+    from framework.export import ExportCommand, export
+
+    out = train(compose_cfg(_run(own_data, "sana", "model=sana_debug", "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=1",
+                                 "sample.every_n_steps=0", f"sample.vae={own_data['vae']}", f"sample.text_encoder={own_data['text']}")))
+    with pytest.raises(ValueError, match="SanaPipeline takes an AutoencoderDC.*AutoencoderKL.*format=safetensors"):
+        export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers",
+                             vae=str(own_data["vae"]), text_encoder=str(own_data["text"])))
+    assert not (tmp_path / "pipe").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Evaluation on one's own data: fid and clip_score against held-out real images
 # --------------------------------------------------------------------------------------------
