@@ -53,10 +53,10 @@ class RankSharing:
     """How the sample and eval commands share generation between torchrun's ranks."""
 
     decode_ranks: int = 0
-    """Under torchrun: the last K ranks decode while the others denoise (framework/decoupled.py); 0: off."""
+    """Under torchrun: the last K ranks decode while the others denoise (framework/inference/decoupled.py); 0: off."""
     sequence_parallel: int = 1
     """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
-    prompts (framework/sequence.py); 1: off."""
+    prompts (framework/distributed/sequence.py); 1: off."""
     sequence_parallel_head_groups: int = 1
     """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
 
@@ -77,11 +77,11 @@ def share_ranks(model: Any, cfg: RankSharing) -> bool:
     import torch.distributed as dist
 
     if cfg.decode_ranks:
-        from framework.decoupled import join
+        from framework.inference.decoupled import join
 
         join(cfg.decode_ranks)  # refuses too few processes
     if cfg.sequence_parallel > 1:
-        from framework.sequence import split_for_sampling
+        from framework.distributed.sequence import split_for_sampling
 
         split_for_sampling(model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
     return not dist.is_initialized() or dist.get_rank() == 0

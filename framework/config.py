@@ -13,10 +13,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from framework.data import DataConfig
-from framework.models import ModelConfig
-from framework.objectives import SAMPLERS, ObjectiveConfig, check_sampler
-from framework.optim import OptimizerConfig
+from framework.data.datamodule import DataConfig
+from framework.evaluation.settings import EvalSettings
+from framework.models.backbones import ModelConfig
+from framework.models.objectives import SAMPLERS, ObjectiveConfig, check_sampler
+from framework.training.optim import OptimizerConfig
 
 # --------------------------------------------------------------------------------------------
 # Groups owned by the training entry point
@@ -25,7 +26,7 @@ from framework.optim import OptimizerConfig
 
 @dataclass
 class StrategyConfig:
-    """How the model is spread over devices (built by framework/strategy.py)."""
+    """How the model is spread over devices (built by framework/distributed/strategy.py)."""
 
     name: str = "single"
     """single (one device), ddp (replicated weights, all-reduced gradients) or fsdp (FSDP2 sharding)."""
@@ -42,7 +43,7 @@ class StrategyConfig:
     none for 32-true) with fp32 gradient reduction (FSDP2 MixedPrecisionPolicy); false: always fp32."""
     sequence_parallel: int = 1
     """ddp/fsdp: Ulysses sequence parallelism over groups of this many consecutive ranks (data parallel over
-    the groups): each rank holds 1/P of every image's tokens (framework/sequence.py). 1: off."""
+    the groups): each rank holds 1/P of every image's tokens (framework/distributed/sequence.py). 1: off."""
     sequence_parallel_head_groups: int = 1
     """with sequence_parallel > 1: >1 splits each self-attention's all-to-all into this many head groups so
     one group's communication overlaps another's attention (ScaleFusion); 1: one all-to-all (diffusers')."""
@@ -183,63 +184,6 @@ class SampleConfig:
             raise ValueError(f"sample.sampler={self.sampler!r}: choose one of {sorted(SAMPLERS)}")
 
 
-# Defined here rather than in framework/eval.py: that is a command, and commands import the core,
-# never the reverse (tests/test_layers.py).
-@dataclass
-class EvalSettings:
-    """What is generated and how (shared by `python -m framework.eval` and the end-of-training eval)."""
-
-    seeds: int = 4
-    """Seeds per prompt."""
-    phrasings: int = 3
-    """Caption phrasings per class (digits)."""
-    steps: int = 20
-    """Sampler steps."""
-    guidance: float = 4.0
-    """Classifier-free guidance scale."""
-    sampler: str | None = None
-    """null: the objective's default sampler."""
-    batch_size: int = 64
-    """Images generated per forward pass."""
-    best_of: int = 1
-    """Candidates per prompt; the judge keeps `pick` of them (inference-time scaling)."""
-    judge: str | None = None
-    """Judge that picks among candidates (framework/judge.py: digits, pairs, clip); null: the data's own."""
-    judge_path: str | None = None
-    """Weights of judges that load them (clip: a local CLIP folder)."""
-    selection: str = "score"
-    """score (keep the judge's highest scores) or tournament (SANA-1.5's knockout of pairwise comparisons)."""
-    pick: int = 1
-    """Images kept (and scored) per prompt."""
-    cache_schedule: str | None = None
-    """Cached sampling (framework/caching.py): a cache_schedule.json from experiment=cache_router (or its run
-    dir), or uniform:K (a full step every K steps); null: every branch at every step."""
-    real: str | None = None
-    """One's own data (framework/realdata.py): a folder of held-out real images (same-named .txt captions are the
-    prompts unless `prompts` is given); fid and clip_score are measured against it."""
-    prompts: str | None = None
-    """With `real`: a text file of prompts, one per line; null: the real images' captions."""
-    inception: str | None = None
-    """With `real`: the feature network of fid, a local TorchScript file (e.g. inception-2015-12-05.pt)."""
-    clip: str | None = None
-    """With `real`: a local CLIP folder (transformers) for clip_score."""
-    bootstrap: int = 200
-    """With `real`: bootstrap resamples of the 95% intervals."""
-
-    def __post_init__(self) -> None:
-        from framework.bestof import SELECTIONS
-
-        if self.real is not None and self.bootstrap < 2:
-            raise ValueError(f"bootstrap={self.bootstrap} must be >= 2 (resamples of the intervals)")
-
-        if self.best_of < 1:
-            raise ValueError(f"best_of={self.best_of} must be >= 1")
-        if not 1 <= self.pick <= self.best_of:
-            raise ValueError(f"pick={self.pick} must be between 1 and best_of={self.best_of}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection={self.selection!r}: use one of {SELECTIONS}")
-
-
 @dataclass
 class EvalConfig(EvalSettings):
     """Evaluation after training (the quickstart); the same settings as `python -m framework.eval`."""
@@ -312,12 +256,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"strategy=single runs on one device but trainer.devices={t.devices}, "
                          f"trainer.num_nodes={t.num_nodes}; use strategy=ddp or strategy=fsdp for several devices")
     if cfg.strategy.name == "fsdp":
-        from framework.fsdp import fsdp_param_dtype
+        from framework.distributed.fsdp import fsdp_param_dtype
 
         fsdp_param_dtype(t.precision, cfg.strategy.mixed_precision)  # refuses a precision fsdp cannot follow
     sp = cfg.strategy.sequence_parallel
     if sp > 1:
-        from framework.sequence import check
+        from framework.distributed.sequence import check
 
         world = n_devices * t.num_nodes if isinstance(n_devices, int) and n_devices > 0 else None
         check(m, sp, cfg.strategy.sequence_parallel_head_groups, world)

@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.config import EvalSettings
-from framework.pipeline import Pipeline, save_grid
-from framework.prompts import PromptSet, dataset_kind, prompt_set
-from framework.scoring import generate_candidates, score_images
+from framework.inference.pipeline import Pipeline, save_grid
+from framework.evaluation.prompts import PromptSet, dataset_kind, prompt_set
+from framework.evaluation.scoring import generate_candidates, score_images
 
 
 def evaluate(
@@ -37,12 +37,12 @@ def evaluate(
     split_ranks: called by every rank of a multi-process job, which share the generation (Pipeline.generate).
     decode_ranks: called by every rank; the last K decode (Pipeline.generate); rank 0 scores, the others get {}.
     """
-    from framework.bestof import select
-    from framework.judge import get_judge
+    from framework.inference.bestof import select
+    from framework.evaluation.judge import get_judge
 
     kind = dataset_kind(pipe.info)
     if settings.real:  # one's own data: fid / clip_score against held-out real images
-        from framework.realdata import evaluate_real
+        from framework.evaluation.realdata import evaluate_real
 
         return evaluate_real(pipe, settings, grid_path, split_ranks, progress)
     if kind is None:
@@ -71,7 +71,7 @@ def evaluate(
 
 def save_judged_grid(ps: PromptSet, images: torch.Tensor, path: str | Path) -> Path:
     """digits: one column per digit, one row per phrasing-seed; pairs: a 10x10 grid (row = left digit)."""
-    from framework.metrics import digit_scorer
+    from framework.evaluation.metrics import digit_scorer
 
     scorer = digit_scorer()
     if ps.kind == "digits":
@@ -94,7 +94,7 @@ def save_judged_grid(ps: PromptSet, images: torch.Tensor, path: str | Path) -> P
 def eval_summary(metrics: dict[str, Any]) -> str:
     """One line for people: the headline accuracy, held-out accuracy and fd (or fid / clip_score on own data)."""
     if "num_real" in metrics:
-        from framework.realdata import real_summary
+        from framework.evaluation.realdata import real_summary
 
         return real_summary(metrics)
     if "pair_accuracy" in metrics:
@@ -112,8 +112,8 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
     """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections.
     With decode_ranks every rank calls it; rank 0 scores and writes, the others get {}. split_ranks: as in
     evaluate."""
-    from framework.bestof import SELECTIONS, select
-    from framework.judge import get_judge
+    from framework.inference.bestof import SELECTIONS, select
+    from framework.evaluation.judge import get_judge
 
     kind = dataset_kind(pipe.info)
     ps = prompt_set(kind, settings.seeds, settings.phrasings)

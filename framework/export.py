@@ -57,9 +57,9 @@ def export(cmd: ExportCommand) -> Path:
     """Write the checkpoint's backbone weights as asked; returns the written path."""
     from safetensors.torch import save_file
 
-    from framework.models import ModelConfig, build_denoiser
-    from framework.module import CKPT_KEY
-    from framework.pipeline import model_weights, read_checkpoint
+    from framework.models.backbones import ModelConfig, build_denoiser
+    from framework.training.module import CKPT_KEY
+    from framework.inference.pipeline import model_weights, read_checkpoint
 
     ckpt = read_checkpoint(cmd.ckpt)
     model_cfg = ModelConfig(**ckpt[CKPT_KEY]["config"]["model"])
@@ -89,9 +89,9 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     import diffusers
 
     from data_prep.encoders import load_image_codec, load_text_encoder
-    from framework.module import CKPT_KEY
-    from framework.objectives import Objective, ObjectiveConfig
-    from framework.pipeline import with_encoders
+    from framework.training.module import CKPT_KEY
+    from framework.models.objectives import Objective, ObjectiveConfig
+    from framework.inference.pipeline import with_encoders
 
     extra = ckpt[CKPT_KEY]
     family = denoiser.cfg.family

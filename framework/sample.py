@@ -16,8 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
-from framework.pipeline import Pipeline, save_grid, to_pil
-from framework.prompts import prompt_labels
+from framework.inference.pipeline import Pipeline, save_grid, to_pil
+from framework.evaluation.prompts import prompt_labels
 
 
 @dataclass
@@ -38,7 +38,7 @@ class SampleCommand(RankSharing, EncoderPaths):
     best_of: int = 1
     """Candidates per prompt; > 1 needs a judge."""
     judge: str | None = None
-    """Judge that picks among the candidates (framework/judge.py: digits, pairs, clip)."""
+    """Judge that picks among the candidates (framework/evaluation/judge.py: digits, pairs, clip)."""
     judge_path: str | None = None
     """Weights of judges that load them (clip: a local CLIP folder)."""
     selection: str = "score"
@@ -52,7 +52,7 @@ class SampleCommand(RankSharing, EncoderPaths):
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        from framework.bestof import SELECTIONS
+        from framework.inference.bestof import SELECTIONS
 
         if self.best_of < 1:
             raise ValueError(f"best_of={self.best_of} must be >= 1")
@@ -68,8 +68,8 @@ ConfigStore.instance().store(name="sample_command", node=SampleCommand)
 
 
 def run(cfg: SampleCommand) -> list[Path]:
-    from framework.bestof import select
-    from framework.judge import get_judge
+    from framework.inference.bestof import select
+    from framework.evaluation.judge import get_judge
 
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
                                     vae=cfg.vae, text_encoder=cfg.text_encoder)

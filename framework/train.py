@@ -18,14 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
-from framework.callbacks import SampleGrid, module_pipeline
+from framework.training.callbacks import SampleGrid, module_pipeline
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu
 from framework.config import TrainConfig
-from framework.data import LatentDataModule
-from framework.loggers import RunCSVLogger, wandb_logger
-from framework.module import DiffusionModule
-from framework.pipeline import Pipeline, with_encoders
-from framework.registry import averaged_weights, build_plugin_callbacks
+from framework.data.datamodule import LatentDataModule
+from framework.training.loggers import RunCSVLogger, wandb_logger
+from framework.training.module import DiffusionModule
+from framework.inference.pipeline import Pipeline, with_encoders
+from framework.training.registry import averaged_weights, build_plugin_callbacks
 
 config_lib.register()
 
@@ -87,7 +87,7 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
     """
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    from framework.checkpointing import AtomicCheckpointIO
+    from framework.training.checkpointing import AtomicCheckpointIO
 
     lightning_plugins: list[Any] = [AtomicCheckpointIO()]
     if SLURMEnvironment.detect():
@@ -96,8 +96,8 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
 
 
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
-    from framework.checkpointing import FinalCheckpoint, PruneHpcCheckpoints, preemption_callbacks
-    from framework.strategy import build_strategy
+    from framework.training.checkpointing import FinalCheckpoint, PruneHpcCheckpoints, preemption_callbacks
+    from framework.distributed.strategy import build_strategy
 
     t = cfg.trainer
     # FinalCheckpoint first: the final state is on disk before any grid or plugin runs at the end, so a
@@ -127,7 +127,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
 def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     if cfg.resume in (None, "", "null"):
         return None
-    from framework.checkpointing import find_resumable, is_sharded
+    from framework.training.checkpointing import find_resumable, is_sharded
 
     if cfg.resume == "auto":
         found = find_resumable(run_dir)  # newest of checkpoints/last.ckpt and Slurm's hpc_ckpt_*.ckpt
@@ -144,7 +144,7 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
 
 def chosen_model_keys(dcfg: DictConfig) -> set[str]:
     """model.* keys set by the user (command line or experiment file) rather than by the preset in conf/model/."""
-    from framework.models import PRESET_DIR
+    from framework.models.backbones import PRESET_DIR
 
     preset = PRESET_DIR / f"{dcfg.model.name}.yaml"
     values = OmegaConf.load(preset) if preset.is_file() else {}
@@ -163,7 +163,7 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     user chooses `model=` and `data.path=` and nothing has to be undone (the quickstart's digits included).
     A value the user set (not the preset's) that contradicts the dataset is refused, naming the key.
     """
-    from framework.data import DataConfig, build_missing, data_model_fields, read_dataset_info
+    from framework.data.datamodule import DataConfig, build_missing, data_model_fields, read_dataset_info
 
     try:
         data: DataConfig = OmegaConf.to_object(dcfg.data)  # type: ignore[assignment]
@@ -191,12 +191,12 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
 def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
     """Grids decode with the VAE, and prompts the dataset did not encode need the text encoder (so do the
     built-in evaluations): check now, naming sample.vae / sample.text_encoder, rather than at the first grid."""
-    from framework.prompts import dataset_kind, grid_prompts
+    from framework.evaluation.prompts import dataset_kind, grid_prompts
 
     prompts = cfg.sample.prompts or grid_prompts(info)
     evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and (dataset_kind(info) or cfg.eval.real))
     if evaluates and cfg.eval.real:  # one's own data: the real images and the metric networks, checked now
-        from framework.realdata import check_real_eval
+        from framework.evaluation.realdata import check_real_eval
 
         check_real_eval(cfg.eval)
     text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
@@ -211,15 +211,15 @@ def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
 def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, pipe: Pipeline,
                     out_dir: Path) -> dict[str, Any]:
     """framework.eval's metrics for the module's current weights (averaged ones when a plugin keeps them),
-    generated through `pipe` (framework.callbacks.module_pipeline of the module).
+    generated through `pipe` (framework.training.callbacks.module_pipeline of the module).
 
     Every rank takes part (a sharded model needs all of them in each forward, and they share the
     images); rank 0 writes out_dir/metrics.json and the judged grid and logs `eval/*` at this step.
     Returns {} when the dataset has no built-in metrics.
     """
     from framework.eval import evaluate
-    from framework.fsdp import reshard
-    from framework.prompts import dataset_kind
+    from framework.distributed.fsdp import reshard
+    from framework.evaluation.prompts import dataset_kind
 
     if dataset_kind(pl_module.dataset_info) is None and not settings.real:
         return {}

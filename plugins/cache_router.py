@@ -7,7 +7,7 @@ step. Here it is a training stage of any stack family (PixArt, SANA, DiT): the b
 (cache step, block, branch). beta = sigmoid(logit). As in the paper, the cache steps are every other
 step (1, 3, 5, ...) and the steps between them compute everything, so a reused output is one step old.
 
-One training step (the `TrainingLoss` hook of framework/registry.py):
+One training step (the `TrainingLoss` hook of framework/training/registry.py):
   1. draw a cache step k (the odd steps; each follows a full step) and noise the batch to the sampler's
      timestep t_{k-1};
   2. teacher, full: the frozen model at t_{k-1} (every branch output kept as the cache), one sampler
@@ -19,7 +19,7 @@ One training step (the `TrainingLoss` hook of framework/registry.py):
 Captions and labels are dropped as in training, so both halves of classifier-free guidance are learned.
 The schedule recomputes branch (k, block, branch) of a cache step when beta > threshold; it is written to
 run.dir/cache_schedule.json (with a heat map, cache_schedule.png) at every checkpoint and at the end,
-and `cache_schedule=PATH` in framework.sample / framework.eval samples with it (framework/caching.py).
+and `cache_schedule=PATH` in framework.sample / framework.eval samples with it (framework/inference/caching.py).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from framework.blocks import has_stack
-from framework.caching import SCHEDULE_FILE, BranchRunner, CacheSchedule, model_signature
-from framework.objectives import DEFAULT_SAMPLER, SAMPLERS, check_sampler
-from framework.registry import register_plugin
+from framework.models.blocks import has_stack
+from framework.inference.caching import SCHEDULE_FILE, BranchRunner, CacheSchedule, model_signature
+from framework.models.objectives import DEFAULT_SAMPLER, SAMPLERS, check_sampler
+from framework.training.registry import register_plugin
 
 TRAINABLE_SAMPLERS = ("ddim", "flow_euler")  # one step of these is a function of (x, t, prediction) alone
 

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from framework.dtensor import local_tensor
-from framework.optim import OPTIMIZER_CHECKS, OPTIMIZERS, OptimizerConfig
+from framework.distributed.dtensor import local_tensor
+from framework.training.optim import OPTIMIZER_CHECKS, OPTIMIZERS, OptimizerConfig
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 
 # --------------------------------------------------------------------------------------------

@@ -13,13 +13,13 @@ lives: under fsdp each rank keeps the EMA of its own local shards (the EMA tenso
 with the parameters' placements; updates touch only `.to_local()`: no all-gather, no full copy on
 any rank); under ddp each rank keeps the full EMA (the replicas are identical).
 
-The framework never imports this file. The callback is a `framework.registry.WeightAverager`:
+The framework never imports this file. The callback is a `framework.training.registry.WeightAverager`:
 `averaged_weights(pl_module)` is a context manager that swaps the EMA into the model and the
 training weights back exactly on exit, which SampleGrid and the end-of-training evaluation enter
-through `framework.registry.averaged_weights(trainer, pl_module)`. Checkpoints:
+through `framework.training.registry.averaged_weights(trainer, pl_module)`. Checkpoints:
   * one file (single, ddp, fsdp with sharded_checkpoint=false): `checkpoint['latentforge']
     ['ema_state']` is the denoiser's full state dict with the averaged tensors in it, which
-    framework.pipeline.model_weights (sample, eval, export) uses by default;
+    framework.inference.pipeline.model_weights (sample, eval, export) uses by default;
   * a sharded folder (fsdp): the EMA shards go into the DCP `state_dict` as `ema_state.<name>`,
     written and read by every rank for its own shards (resumable at another world size).
 """
@@ -36,11 +36,11 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from framework.dtensor import full_tensor, local_tensor
-from framework.registry import register_plugin
-from framework.fsdp import reshard
+from framework.distributed.dtensor import full_tensor, local_tensor
+from framework.training.registry import register_plugin
+from framework.distributed.fsdp import reshard
 
-EMA_KEY = "ema_state"  # framework.pipeline.model_weights reads checkpoint['latentforge'][EMA_KEY]
+EMA_KEY = "ema_state"  # framework.inference.pipeline.model_weights reads checkpoint['latentforge'][EMA_KEY]
 
 # --------------------------------------------------------------------------------------------
 # Config
@@ -116,7 +116,7 @@ def averaged_tensors(model: nn.Module, buffers: bool = True) -> dict[str, torch.
 class EMA(pl.Callback):
     """Keeps `self.ema` (name -> tensor, shards under fsdp) from the start step on; None before.
 
-    A framework.registry.WeightAverager: `averaged_weights(pl_module)` swaps the EMA in.
+    A framework.training.registry.WeightAverager: `averaged_weights(pl_module)` swaps the EMA in.
     """
 
     def __init__(self, cfg: EMAConfig) -> None:
@@ -216,7 +216,7 @@ class EMA(pl.Callback):
             # Into the DCP state: each rank writes its own shards (DTensors), with the model's.
             checkpoint["state_dict"].update({f"{EMA_KEY}.{n}": t for n, t in self.ema.items()})
             return
-        from framework.module import CKPT_KEY
+        from framework.training.module import CKPT_KEY
 
         # One file: the denoiser's full state dict with the averaged tensors in it. The other
         # entries are the very tensors of checkpoint['state_dict'], which torch.save writes once.
@@ -227,7 +227,7 @@ class EMA(pl.Callback):
         checkpoint.setdefault(CKPT_KEY, {})[EMA_KEY] = state
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        from framework.module import CKPT_KEY
+        from framework.training.module import CKPT_KEY
 
         mine = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if not mine or not mine.get("started"):

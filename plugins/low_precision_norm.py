@@ -26,7 +26,7 @@ from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from framework.registry import register_plugin
+from framework.training.registry import register_plugin
 
 MIXED_PRECISIONS = ("bf16-mixed", "16-mixed")  # Lightning precisions that run under autocast
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.blocks import block_views, has_stack, restack_state
+from framework.models.blocks import block_views, has_stack, restack_state
 from framework.cli import quiet_hydra
-from framework.pipeline import Pipeline
+from framework.inference.pipeline import Pipeline
 
 METHODS = ("importance", "last", "random")
 
@@ -154,7 +154,7 @@ def calibration_prompts(pipe: Pipeline, given: list[str] | None) -> list[str]:
     """The given prompts, or one per class of the dataset's prompt set (its training phrasings)."""
     if given:
         return list(given)
-    from framework.prompts import dataset_kind, prompt_set
+    from framework.evaluation.prompts import dataset_kind, prompt_set
 
     kind = dataset_kind(pipe.info)
     if kind is None:
@@ -165,10 +165,10 @@ def calibration_prompts(pipe: Pipeline, given: list[str] | None) -> list[str]:
 
 def prune(cmd: PruneCommand) -> dict[str, Any]:
     """Measure, choose, write; returns the report written to importance.json."""
-    from framework.checkpointing import save_derived
+    from framework.training.checkpointing import save_derived
     from framework.cli import resolve_device
-    from framework.pipeline import model_weights, read_checkpoint, weights_used
-    from framework.prompts import prompt_labels
+    from framework.inference.pipeline import model_weights, read_checkpoint, weights_used
+    from framework.evaluation.prompts import prompt_labels
 
     ckpt = read_checkpoint(cmd.ckpt)
     used = weights_used(ckpt, cmd.weights)

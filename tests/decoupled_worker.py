@@ -16,11 +16,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from framework.data import read_dataset_info
-from framework.decoupled import init_from_env
-from framework.models import build_denoiser, load_preset
-from framework.objectives import Objective, ObjectiveConfig
-from framework.pipeline import Pipeline
+from framework.data.datamodule import read_dataset_info
+from framework.distributed.env import init_from_env
+from framework.models.backbones import build_denoiser, load_preset
+from framework.models.objectives import Objective, ObjectiveConfig
+from framework.inference.pipeline import Pipeline
 
 PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0", "a scribbled 5", "a handwritten 9"]
 

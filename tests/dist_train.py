@@ -26,7 +26,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 
 from framework import train as train_lib
-from framework.callbacks import SampleGrid
+from framework.training.callbacks import SampleGrid
 
 
 class Probe(pl.Callback):
@@ -55,7 +55,7 @@ class Probe(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         import torch
 
-        from framework.dtensor import full_tensor
+        from framework.distributed.dtensor import full_tensor
 
         # The dtype a block's linear layer computes with (FSDP2 swaps in the gathered parameters for forward).
         linear = next(m for m in pl_module.model.modules() if isinstance(m, torch.nn.Linear))

@@ -21,11 +21,11 @@ import lightning.pytorch as pl
 import torch
 
 from framework.config import StrategyConfig
-from framework.models import load_preset
-from framework.module import DiffusionModule
-from framework.objectives import ObjectiveConfig
-from framework.optim import OptimizerConfig
-from framework.strategy import build_strategy
+from framework.models.backbones import load_preset
+from framework.training.module import DiffusionModule
+from framework.models.objectives import ObjectiveConfig
+from framework.training.optim import OptimizerConfig
+from framework.distributed.strategy import build_strategy
 
 
 class Gather(pl.Callback):

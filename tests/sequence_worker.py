@@ -17,9 +17,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from framework.decoupled import init_from_env
-from framework.models import build_denoiser, load_preset
-from framework.sequence import init, install
+from framework.distributed.env import init_from_env
+from framework.models.backbones import build_denoiser, load_preset
+from framework.distributed.sequence import init, install
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,9 +69,9 @@ def compare(family: str, head_groups: int) -> dict[str, float]:
 
 
 def sample(data: str, family: str) -> dict[str, float | list[int]]:
-    from framework.data import read_dataset_info
-    from framework.objectives import Objective, ObjectiveConfig
-    from framework.pipeline import Pipeline
+    from framework.data.datamodule import read_dataset_info
+    from framework.models.objectives import Objective, ObjectiveConfig
+    from framework.inference.pipeline import Pipeline
 
     info = read_dataset_info(data)
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from framework.blocks import block_views, blocks, has_stack, replace_blocks, silence_block
-from framework.models import Denoiser, ModelConfig, build_denoiser, load_preset
+from framework.models.blocks import block_views, blocks, has_stack, replace_blocks, silence_block
+from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_preset
 
 DEBUG = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug"]
 

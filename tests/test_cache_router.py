@@ -1,4 +1,4 @@
-"""Cached sampling (framework/caching.py) and the cache router stage (plugins/cache_router.py).
+"""Cached sampling (framework/inference/caching.py) and the cache router stage (plugins/cache_router.py).
 
 References: plain sampling (a schedule that computes everything must reproduce it bit for bit), call
 counts taken with forward hooks, the source checkpoint (the frozen backbone), an uninterrupted run (resume).
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework.blocks import block_views
-from framework.caching import CacheSchedule, model_signature, resolve_schedule, uniform_schedule
+from framework.models.blocks import block_views
+from framework.inference.caching import CacheSchedule, model_signature, resolve_schedule, uniform_schedule
 from tests.test_growth import FAMILIES, crash_and_resume
 from tests.test_train import cheap, compose_cfg
 
@@ -25,10 +25,10 @@ PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0"]
 def family_pipeline(name: str, digits_shards: Path):
     """A debug preset of the family on the digits data (1 channel, MiniLM captions), every weight perturbed so
     that each branch matters (adaLN-zero and zero-initialised projections would hide a wrong cache)."""
-    from framework.data import read_dataset_info
-    from framework.models import build_denoiser, load_preset
-    from framework.objectives import Objective, ObjectiveConfig
-    from framework.pipeline import Pipeline
+    from framework.data.datamodule import read_dataset_info
+    from framework.models.backbones import build_denoiser, load_preset
+    from framework.models.objectives import Objective, ObjectiveConfig
+    from framework.inference.pipeline import Pipeline
 
     info = read_dataset_info(str(digits_shards))
     overrides = {"in_channels": 1, "num_layers": 2} | ({} if name == "dit_debug" else {"text_dim": 384})
@@ -178,9 +178,9 @@ def test_router_training_lowers_the_distillation_loss_and_leaves_the_backbone_bi
         name, tmp_path, digits_shards, sources):
     """With no sparsity penalty and a router that starts mostly cached (beta ~0.12), training must raise the
     betas where caching hurts: the distillation MSE of every sampling step, on fixed batches, goes down."""
-    from framework.caching import BranchRunner
+    from framework.inference.caching import BranchRunner
     from framework.eval import EvalCommand, evaluate
-    from framework.pipeline import Pipeline
+    from framework.inference.pipeline import Pipeline
     from framework.sample import SampleCommand
     from framework.sample import run as sample
     from framework.train import train

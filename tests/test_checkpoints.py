@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from framework.checkpointing import checkpoint_step
+from framework.training.checkpointing import checkpoint_step
 from framework.train import train
 from tests.test_distributed import fsdp, run_train, weights
 from tests.test_train import cheap, compose_cfg

@@ -195,7 +195,7 @@ def test_interrupted_run_restarts_cleanly(tmp_path, tiny_text_encoder_dir):
     (out / "rank_00000" / "done.json").unlink()
     (out / "rank_00000" / "junk.partial").write_text("half a shard")
     with pytest.raises(FileNotFoundError, match="did not finish"):
-        from framework.data import read_dataset_info
+        from framework.data.datamodule import read_dataset_info
 
         read_dataset_info(str(out))
     precompute(cfg, rank=0, world_size=1)

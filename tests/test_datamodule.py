@@ -1,4 +1,4 @@
-"""framework.data: batches, scaling once, caption dropout, start-up checks, ranks, loader state and resume."""
+"""framework.data.datamodule: batches, scaling once, caption dropout, start-up checks, ranks, loader state and resume."""
 from __future__ import annotations
 
 import json
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-import framework.shards
+import framework.data.shards
 from data_prep.encoders import load_image_codec
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import DIGIT_WORDS, load_digits
 from framework.bench.suite_data import measure_loader_throughput
-from framework.data import DataConfig, LatentDataModule, check_compatible, drop_captions, read_dataset_info
-from framework.shards import check_shards
+from framework.data.datamodule import DataConfig, LatentDataModule, check_compatible, drop_captions, read_dataset_info
+from framework.data.shards import check_shards
 from tests.conftest import make_image_folder
 from tests import zygote
 
@@ -214,7 +214,7 @@ def test_size_check_reads_mds_header(digits_shards, tmp_path, monkeypatch):
         LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
     mds.write_bytes(flip(intact, len(intact) // 2))
     LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")  # sizes and header are intact
-    monkeypatch.setattr(framework.shards, "AUTO_HASH_LIMIT", len(intact))  # below this dataset's ~24 MB
+    monkeypatch.setattr(framework.data.shards, "AUTO_HASH_LIMIT", len(intact))  # below this dataset's ~24 MB
     LatentDataModule(DataConfig(path=str(copy), validate="auto")).setup("fit")
 
 
@@ -234,7 +234,7 @@ def test_cache_of_another_dataset_fails(digits_shards, tmp_path):
 
 RANK_SCRIPT = textwrap.dedent("""
     import json, sys
-    from framework.data import DataConfig, LatentDataModule
+    from framework.data.datamodule import DataConfig, LatentDataModule
     dm = LatentDataModule(DataConfig(path=sys.argv[1], local=sys.argv[2], batch_size=50, drop_last=False))
     dm.setup("fit")
     keys = [k for batch in dm.train_dataloader() for k in batch["key"]]
@@ -356,7 +356,7 @@ def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_p
 
 
 # ---------------------------------------------------------------------------------------------
-# Streaming's background threads (framework.shards.ShardDataset)
+# Streaming's background threads (framework.data.shards.ShardDataset)
 # ---------------------------------------------------------------------------------------------
 
 

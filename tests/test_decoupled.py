@@ -1,4 +1,4 @@
-"""Decoupled generation (framework/decoupled.py): denoising and decoding ranks give plain sampling's images.
+"""Decoupled generation (framework/inference/decoupled.py): denoising and decoding ranks give plain sampling's images.
 
 Multi-process cases run under torchrun in subprocesses (gloo, CPU); the reference is each rank's own
 plain generation of the same prompts.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.decoupled import roles
+from framework.inference.decoupled import roles
 from tests.zygote import Result
 from tests.zygote import torchrun as forked_torchrun
 
@@ -80,7 +80,7 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
     """`torchrun ... -m framework.eval decode_ranks=1` (or sequence_parallel=2) on 2 processes: the same
     metrics as one process (only the speed differs), printed once, by rank 0."""
     from framework.eval import EvalCommand, evaluate
-    from framework.pipeline import Pipeline
+    from framework.inference.pipeline import Pipeline
 
     ckpt = quick_ckpt
     args = dict(seeds=1, phrasings=1, steps=3, batch_size=8)

@@ -101,7 +101,7 @@ def probe(run_dir: Path, rank: int = 0) -> dict:
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from framework.pipeline import model_weights, read_checkpoint
+    from framework.inference.pipeline import model_weights, read_checkpoint
 
     return model_weights(read_checkpoint(ckpt), "train")
 
@@ -365,7 +365,7 @@ def test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued
     finish(procs)
     assert (tmp_path / "scontrol_calls.txt").read_text().splitlines() == ["requeue 4243"]
 
-    from framework.checkpointing import checkpoint_step
+    from framework.training.checkpointing import checkpoint_step
 
     hpc = run_dir / "hpc_ckpt_1.ckpt"
     assert sorted(p.name for p in run_dir.glob("hpc_ckpt_*")) == [hpc.name]
@@ -397,7 +397,7 @@ def test_sharded_folder_exports_and_samples(runs, tmp_path):
     from safetensors.torch import load_file
 
     from framework.export import ExportCommand, export
-    from framework.pipeline import Pipeline
+    from framework.inference.pipeline import Pipeline
 
     folder = runs["split"] / "checkpoints" / "last.ckpt"
     out = export(ExportCommand(ckpt=str(folder), out=str(tmp_path / "m.safetensors")))
@@ -488,7 +488,7 @@ def test_fsdp_bf16_mixed_computes_with_bf16_parameters_and_keeps_fp32_masters(tm
 ])
 def test_fsdp_parameter_dtype_follows_trainer_precision(precision, mixed, dtype):
     from framework.config import StrategyConfig
-    from framework.strategy import build_strategy
+    from framework.distributed.strategy import build_strategy
 
     # The accelerator plays no part: a 32-true run on a GPU computes in fp32 like one device would.
     strategy = build_strategy(StrategyConfig(name="fsdp", mixed_precision=mixed), precision)

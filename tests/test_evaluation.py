@@ -11,9 +11,9 @@ import torch
 
 from data_prep.sources.digit_pairs import HELDOUT_PAIRS, TRAIN_PAIRS, pair_captions, parse_pair
 from data_prep.sources.digits import MAX_VALUE, digit_captions, heldout_digit_captions, load_digits
-from framework.bestof import knockout, pick_by_score, select
-from framework.judge import Judge, get_judge
-from framework.metrics import digit_scorer, frechet_distance, real_digit_images, training_half
+from framework.inference.bestof import knockout, pick_by_score, select
+from framework.evaluation.judge import Judge, get_judge
+from framework.evaluation.metrics import digit_scorer, frechet_distance, real_digit_images, training_half
 
 # --------------------------------------------------------------------------------------------
 # Metrics
@@ -59,7 +59,7 @@ def test_scorer_and_judge_train_on_disjoint_halves_and_the_scorer_is_cached():
     assert len(as_set(xs) & as_set(xj)) <= 2
     assert set(np.unique(ys)) == set(np.unique(yj)) == set(range(10))
 
-    from framework.metrics import DigitScorer, cache_dir
+    from framework.evaluation.metrics import DigitScorer, cache_dir
 
     first = digit_scorer()
     assert len(list(cache_dir().glob("digit_scorer_v*.pt"))) == 1
@@ -72,7 +72,7 @@ def test_scorer_and_judge_train_on_disjoint_halves_and_the_scorer_is_cached():
 def test_held_out_phrasings_never_appear_in_training_captions():
     from data_prep.config import SourceConfig
     from data_prep.sources import get_source
-    from framework.judge import prompt_digit
+    from framework.evaluation.judge import prompt_digit
 
     captions = {c for r in get_source(SourceConfig(name="digits", rows_per_image=5)).records() for c in r.captions}
     held = [c for d in range(10) for c in heldout_digit_captions(d)]
@@ -113,8 +113,8 @@ def test_pair_source_round_trips_through_the_shards(pairs_shards, tmp_path):
 
 
 def test_pair_metrics_score_real_pairs_high_and_swapped_pairs_low():
-    from framework.scoring import real_reference, score_images
-    from framework.prompts import prompt_set
+    from framework.evaluation.scoring import real_reference, score_images
+    from framework.evaluation.prompts import prompt_set
 
     ps = prompt_set("pairs", seeds=1, phrasings=1)
     ref = real_reference("pairs")  # 4 real held-out pairs per ordered pair, in (a, b) order
@@ -179,11 +179,11 @@ def test_knockout_brackets_by_hand():
 
 
 def tiny_pipeline(digits_shards: Path, sample_width: int | None = None):
-    from framework.models import ModelConfig, build_denoiser
-    from framework.objectives import Objective, ObjectiveConfig
-    from framework.pipeline import Pipeline
+    from framework.models.backbones import ModelConfig, build_denoiser
+    from framework.models.objectives import Objective, ObjectiveConfig
+    from framework.inference.pipeline import Pipeline
 
-    from framework.data import read_dataset_info
+    from framework.data.datamodule import read_dataset_info
 
     info = read_dataset_info(str(digits_shards))
     torch.manual_seed(0)

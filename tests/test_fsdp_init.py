@@ -1,4 +1,4 @@
-"""strategy=fsdp builds on the meta device and materialises only local shards (framework/fsdp.py).
+"""strategy=fsdp builds on the meta device and materialises only local shards (framework/distributed/fsdp.py).
 
 The reference everywhere is the ordinary build: `DiffusionModule` without fsdp (build_denoiser, then
 load_weights for init_from) under the same seed. In-process tests check the pieces for every family
@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from framework.fsdp import build_meta, file_shards, fresh_shards, local_rows
-from framework.models import build_denoiser, load_preset
-from framework.module import DiffusionModule
-from framework.objectives import ObjectiveConfig
-from framework.optim import OptimizerConfig
+from framework.distributed.fsdp import build_meta, file_shards, fresh_shards, local_rows
+from framework.models.backbones import build_denoiser, load_preset
+from framework.training.module import DiffusionModule
+from framework.models.objectives import ObjectiveConfig
+from framework.training.optim import OptimizerConfig
 from tests.zygote import lightning_ranks
 
 EXACT = dict(rtol=0, atol=0)

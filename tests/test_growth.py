@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from framework.blocks import block_views, silence_block
-from framework.models import build_denoiser, load_preset
+from framework.models.blocks import block_views, silence_block
+from framework.models.backbones import build_denoiser, load_preset
 from plugins.growth import GrowthConfig, grow, grow_checkpoint, layer_plan
 from plugins.prune import PruneCommand, choose_kept, prune
 from tests.test_train import cheap, compose_cfg, losses
@@ -119,7 +119,7 @@ def small_ckpt(tmp_path_factory, digits_shards) -> Path:
 
 
 def test_grown_run_starts_at_the_source_models_loss_and_its_ema_at_the_grown_weights(tmp_path, digits_shards, small_ckpt):
-    from framework.pipeline import model_weights, read_checkpoint
+    from framework.inference.pipeline import model_weights, read_checkpoint
     from framework.train import train
 
     source = train(compose_cfg(cheap(tmp_path, digits_shards, f"init_from={small_ckpt}", steps=1, run="source")))
@@ -165,10 +165,10 @@ def test_grown_and_pruned_checkpoints_work_in_every_command(tmp_path, digits_sha
     checkpoints sample, evaluate, export to diffusers (loaded back with the reduced depth) and train."""
     from diffusers import PixArtTransformer2DModel
 
-    from framework.checkpointing import save_derived
+    from framework.training.checkpointing import save_derived
     from framework.eval import EvalCommand, evaluate
     from framework.export import ExportCommand, export
-    from framework.pipeline import Pipeline, read_checkpoint
+    from framework.inference.pipeline import Pipeline, read_checkpoint
     from framework.train import train
 
     state, source, record = grow_checkpoint(str(small_ckpt), 5, GrowthConfig(ckpt=str(small_ckpt)), seed=0)

@@ -30,7 +30,7 @@ MATRIX = [
     ("ddp-1-wandb", "ddp", 1, "wandb", []),
     # The digit-pairs benchmark (8x16 latents): the 2-rank evaluation picks best-of-3 by the pair judge.
     ("ddp-2-csv-pairs-bestof", "ddp", 2, "csv", ["experiment=pairs", "eval.best_of=3"]),
-    # One sequence-parallel group of both ranks (framework/sequence.py): grids and evaluations sample split too.
+    # One sequence-parallel group of both ranks (framework/distributed/sequence.py): grids and evaluations sample split too.
     ("ddp-2-none-sequence_parallel", "ddp", 2, "none",
      ["trainer.accumulate_grad_batches=2", "eval.every_n_steps=2", "strategy.sequence_parallel=2"]),
     ("fsdp-1-none", "fsdp", 1, "none", []),

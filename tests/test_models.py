@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from framework.flops import count_train_flops_per_sample
-from framework.models import (
+from framework.models.flops import count_train_flops_per_sample
+from framework.models.backbones import (
     PRESET_DIR,
     Denoiser,
     ModelConfig,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from framework.objectives import Objective, ObjectiveConfig, check_sampler, sample_latents
+from framework.models.objectives import Objective, ObjectiveConfig, check_sampler, sample_latents
 
 
 def _alphas_bar(cfg: ObjectiveConfig) -> torch.Tensor:

@@ -71,7 +71,7 @@ def test_encoders_missing_on_this_machine_fail_before_training(own_data):
 
 
 def test_a_failing_final_grid_keeps_the_final_checkpoint(own_data, tmp_path, monkeypatch):
-    from framework.callbacks import SampleGrid
+    from framework.training.callbacks import SampleGrid
 
     seen = []  # the checkpoint on disk when the final grid starts: it must already hold the last step
     draw = SampleGrid.draw
@@ -143,7 +143,7 @@ def test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample(own_d
     from diffusers import DiffusionPipeline
 
     from framework.export import ExportCommand, export
-    from framework.pipeline import Pipeline, noise_seeds
+    from framework.inference.pipeline import Pipeline, noise_seeds
 
     encoders = dict(vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
     folder = export(ExportCommand(ckpt=trained["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers", **encoders))
@@ -202,7 +202,7 @@ def metric_nets(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fid_is_the_frechet_formula_and_its_interval_holds_it():
-    from framework.realdata import fid_from_features, fid_with_interval
+    from framework.evaluation.realdata import fid_from_features, fid_with_interval
     from tests.test_evaluation import reference_frechet
 
     g = torch.Generator().manual_seed(0)
@@ -219,8 +219,8 @@ def test_eval_command_scores_own_data_against_held_out_images(own_data, trained,
     import json
     import sys
 
-    from framework.realdata import clip_scores, features, fid_from_features, real_images, ScriptedFeatures
-    from framework.pipeline import Pipeline
+    from framework.evaluation.realdata import clip_scores, features, fid_from_features, real_images, ScriptedFeatures
+    from framework.inference.pipeline import Pipeline
     from tests import zygote
 
     encoders = [f"vae={own_data['vae']}", f"text_encoder={own_data['text']}"]

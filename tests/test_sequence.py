@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (framework/sequence.py): split models compute what whole-sequence models do.
+"""Ulysses sequence parallelism (framework/distributed/sequence.py): split models compute what whole-sequence models do.
 
 Multi-process cases run under torchrun in subprocesses (gloo, CPU). The training runs (2 ranks, and 2 data x 2
 sequence ranks under fsdp) are compared with the one-process reference in tests/test_distributed.py; the eval
@@ -12,8 +12,8 @@ import json
 import pytest
 
 from framework.config import StrategyConfig
-from framework.models import load_preset
-from framework.sequence import check
+from framework.models.backbones import load_preset
+from framework.distributed.sequence import check
 from tests.test_decoupled import torchrun
 
 

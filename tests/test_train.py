@@ -66,7 +66,7 @@ def test_every_experiment_composes(experiment):
     assert cfg.trainer.max_steps > 0
     # The plugins' own fields (plugins.<name>.*) are typed by each plugin, not by the schema: check them too.
     import plugins  # noqa: F401  (registers them)
-    from framework.registry import plugin_config
+    from framework.training.registry import plugin_config
 
     for name, fields in cfg.plugins.items():
         plugin_config(name, fields)
@@ -78,8 +78,8 @@ REAL_SIZES = {"pixart_xl_2_256": (0.60e9, 0.62e9), "sana_1600m_1024": (1.55e9, 1
 
 @pytest.mark.parametrize("experiment", sorted(REAL_SIZES))
 def test_real_size_experiments_build_their_published_model(experiment):
-    from framework.fsdp import build_meta
-    from framework.models import to_model_config
+    from framework.distributed.fsdp import build_meta
+    from framework.models.backbones import to_model_config
 
     cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}", "data.path=DIR"]))
     assert cfg.model.name == experiment and cfg.data.path == "DIR" and cfg.plugins.get("ema")
@@ -349,7 +349,7 @@ def test_compiled_blocks_run_compiled_and_follow_the_eager_losses(tmp_path, digi
     follow the eager run's."""
     from torch._dynamo.utils import counters
 
-    from framework.fsdp import shard_units
+    from framework.distributed.fsdp import shard_units
 
     eager = train(compose_cfg(cheap(tmp_path, digits_shards, steps=3, run="eager")))
     probe = extra_callback(BlockCalls())

@@ -5,20 +5,20 @@ Suites (one file each, framework/bench/suite_<name>.py):
              time, counted FLOPs, TFLOP/s, MFU, peak memory; comparisons precomputed vs online
              encoders, fp32 vs bf16-mixed, SDPA vs xformers, torch.compile, activation checkpointing
   data       the Streaming data module's samples/s from local shards, and bytes per sample
-  memory     per-rank parameter + gradient + optimizer bytes under single / fsdp (framework/fsdp.py)
+  memory     per-rank parameter + gradient + optimizer bytes under single / fsdp (framework/distributed/fsdp.py)
   init_memory  peak host memory per rank building + sharding a preset under fsdp: meta path vs whole
-             builds (framework/fsdp.py)
+             builds (framework/distributed/fsdp.py)
   optimizer  optimizer-state bytes per parameter, AdamW vs CAME vs CAME-8bit (plugins/came.py)
   ema        EMA cost per step before and after its start (plugins/ema.py)
   norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
-  cache      cached sampling (framework/caching.py): images/s, accuracy and fd of full sampling, a learned
+  cache      cached sampling (framework/inference/caching.py): images/s, accuracy and fd of full sampling, a learned
              schedule, uniform:K at the same cost and fewer steps at the same latency
   decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
              doing both (split_ranks), and denoising / decoding ranks (decode_ranks)
   checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
-             synchronous vs strategy.async_save (framework.strategy.ShardedSaver)
+             synchronous vs strategy.async_save (framework.distributed.strategy.ShardedSaver)
   sequence   one rank's peak memory and compute time against sequence length, whole sequences vs Ulysses
-             sequence parallelism over P ranks (framework/sequence.py; P ranks simulated on one device)
+             sequence parallelism over P ranks (framework/distributed/sequence.py; P ranks simulated on one device)
 Each prints a table and writes one JSON row per configuration to `out`.
 """
 

@@ -17,10 +17,10 @@ from typing import Any, Sequence
 import lightning.pytorch as pl
 import torch
 
-from framework.models import ModelConfig
-from framework.module import DiffusionModule
-from framework.objectives import ObjectiveConfig
-from framework.optim import OptimizerConfig
+from framework.models.backbones import ModelConfig
+from framework.training.module import DiffusionModule
+from framework.models.objectives import ObjectiveConfig
+from framework.training.optim import OptimizerConfig
 
 # --------------------------------------------------------------------------------------------
 # Output

@@ -22,10 +22,10 @@ from typing import Any
 
 from framework.bench.harness import print_table
 from framework.cli import resolve_device
-from framework.config import EvalSettings
-from framework.scoring import generate_candidates, score_images
-from framework.pipeline import Pipeline
-from framework.prompts import dataset_kind, prompt_set
+from framework.evaluation.settings import EvalSettings
+from framework.evaluation.scoring import generate_candidates, score_images
+from framework.inference.pipeline import Pipeline
+from framework.evaluation.prompts import dataset_kind, prompt_set
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _time(pipe: Pipeline, ps: Any, settings: EvalSettings) -> tuple[Any, float]:
 
 
 def run(cfg: CacheBench) -> list[dict[str, Any]]:
-    from framework.caching import CacheSchedule
+    from framework.inference.caching import CacheSchedule
 
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     learned = CacheSchedule.load(cfg.schedule)

@@ -3,7 +3,7 @@
 Each of `world_size` CPU ranks (gloo) holds its FSDP2 shards of the preset and of its optimizer's state (one
 step taken, so every state tensor exists), takes the state dict as the trainer does
 (torch.distributed.checkpoint.state_dict, as Lightning's ModelParallelStrategy) and writes `saves`
-checkpoints through framework.strategy.ShardedSaver, synchronously and with async_save. Reported per
+checkpoints through framework.distributed.strategy.ShardedSaver, synchronously and with async_save. Reported per
 save: the seconds the training loop is blocked (sync: the whole write; async: the copy to host memory),
 the seconds until the checkpoint is complete on disk, and its bytes.
 """
@@ -42,10 +42,10 @@ def _rank(rank: int, cfg: CheckpointBench, port: int, folder: str, results: Any)
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from framework.fsdp import build_meta, shard
-    from framework.models import load_preset
-    from framework.optim import OptimizerConfig, build_optimizer
-    from framework.strategy import ShardedSaver
+    from framework.distributed.fsdp import build_meta, shard
+    from framework.models.backbones import load_preset
+    from framework.training.optim import OptimizerConfig, build_optimizer
+    from framework.distributed.strategy import ShardedSaver
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // cfg.world_size))

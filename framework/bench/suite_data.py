@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from framework.bench.harness import print_table
-from framework.data import DataConfig, LatentDataModule
-from framework.shards import INDEX_FILE
+from framework.data.datamodule import DataConfig, LatentDataModule
+from framework.data.shards import INDEX_FILE
 
 
 @dataclass

@@ -5,7 +5,7 @@ Stable Diffusion VAE's architecture (random weights: the cost is the architectur
 MiniLM-encoded prompts into images three ways, every rank taking part in each:
   one_rank    rank 0 alone, plain sampling (the others wait)
   split       every rank denoises and decodes its share of the prompts (Pipeline.generate split_ranks)
-  decoupled   the last `decode_ranks` ranks decode while the others denoise (decode_ranks, framework/decoupled.py)
+  decoupled   the last `decode_ranks` ranks decode while the others denoise (decode_ranks, framework/inference/decoupled.py)
 Each is timed `repeats` times after a warm-up; the best is kept. Rank 0 prints the table.
 """
 
@@ -53,10 +53,10 @@ def sd_vae(folder: Path) -> Path:
 
 
 def run(cfg: DecodeBench) -> list[dict[str, Any]]:
-    from framework.decoupled import init_from_env
-    from framework.models import build_denoiser, load_preset
-    from framework.objectives import Objective, ObjectiveConfig
-    from framework.pipeline import Pipeline
+    from framework.distributed.env import init_from_env
+    from framework.models.backbones import build_denoiser, load_preset
+    from framework.models.objectives import Objective, ObjectiveConfig
+    from framework.inference.pipeline import Pipeline
 
     world = init_from_env()
     if world < 2:

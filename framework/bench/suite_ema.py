@@ -13,9 +13,9 @@ import lightning.pytorch as pl
 import torch
 
 from framework.bench.harness import bench_module, synthetic_batches, timed_fit
-from framework.dtensor import local_tensor
-from framework.models import load_preset
-from framework.module import DiffusionModule
+from framework.distributed.dtensor import local_tensor
+from framework.models.backbones import load_preset
+from framework.training.module import DiffusionModule
 from plugins.ema import EMA, EMAConfig
 
 

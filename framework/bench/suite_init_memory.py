@@ -1,5 +1,5 @@
 """`python -m framework.bench init_memory`: peak host memory of each rank while building and sharding a
-preset under fsdp, the meta-device path (framework/fsdp.py) versus every rank building the whole model.
+preset under fsdp, the meta-device path (framework/distributed/fsdp.py) versus every rank building the whole model.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from framework.bench.harness import print_table
-from framework.fsdp import build_meta, materialize, shard
-from framework.models import build_denoiser, load_preset
+from framework.distributed.fsdp import build_meta, materialize, shard
+from framework.models.backbones import build_denoiser, load_preset
 
 @dataclass
 class InitMemoryBench:

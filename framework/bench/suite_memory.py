@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from framework.bench.harness import print_table
-from framework.dtensor import local_tensor
-from framework.models import ModelConfig, build_denoiser, load_preset
-from framework.fsdp import shard, shard_units
+from framework.distributed.dtensor import local_tensor
+from framework.models.backbones import ModelConfig, build_denoiser, load_preset
+from framework.distributed.fsdp import shard, shard_units
 
 
 @dataclass
@@ -30,7 +30,7 @@ def sharded_memory_report(model_cfg: ModelConfig, world_size: int, sharding: str
     """Bytes per rank of parameters, gradients and AdamW state for `model_cfg`.
 
     world_size 1 is the unsharded model. Otherwise the model is built on the meta device and
-    fully_shard'ed (framework.fsdp.shard) on a fake process group of `world_size` ranks in this
+    fully_shard'ed (framework.distributed.fsdp.shard) on a fake process group of `world_size` ranks in this
     one process; the numbers are sums of each parameter's local shard (rank 0's, the largest under
     uneven splits). `peak_gathered_params_bytes` is the extra memory for unsharded parameters held
     during a step (in the `compute_bytes` dtype, bf16 under mixed precision): FULL_SHARD gathers one

@@ -13,7 +13,7 @@ import torch
 
 from framework.bench.harness import bench_module, device_name, peak_memory_bytes, synthetic_batches, timed_fit
 from framework.cli import resolve_device
-from framework.models import load_preset
+from framework.models.backbones import load_preset
 from plugins.low_precision_norm import LowPrecisionNorm, LowPrecisionNormConfig
 
 

@@ -12,8 +12,8 @@ from typing import Any, Iterable
 import torch
 
 from framework.bench.harness import print_table
-from framework.models import build_denoiser, load_preset
-from framework.optim import OPTIMIZERS, OptimizerConfig
+from framework.models.backbones import build_denoiser, load_preset
+from framework.training.optim import OPTIMIZERS, OptimizerConfig
 from plugins.came import is_8bit
 
 BENCH_OPTIMIZERS = ("adamw", "came", "came8bit")

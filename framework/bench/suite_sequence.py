@@ -1,5 +1,5 @@
 """`python -m framework.bench sequence`: one rank's peak memory and compute time against sequence length,
-whole sequences versus Ulysses sequence parallelism over P ranks (framework/sequence.py).
+whole sequences versus Ulysses sequence parallelism over P ranks (framework/distributed/sequence.py).
 
 One training step (forward and backward, batch `batch_size`, bf16 autocast on a GPU) of a preset at each
 latent size. For P > 1 this process is rank 0 of a P-rank group on torch's fake process group: it runs
@@ -87,8 +87,8 @@ def _measure(model: Any, side: int, cfg: Any, bench: SequenceBench,
 
 
 def run(bench: SequenceBench) -> list[dict[str, Any]]:
-    from framework.models import build_denoiser, load_preset
-    from framework.sequence import init, install
+    from framework.models.backbones import build_denoiser, load_preset
+    from framework.distributed.sequence import init, install
 
     import os
 

@@ -14,10 +14,10 @@ import torch
 from framework.bench.harness import (bench_module, device_name, peak_flops, peak_memory_bytes, print_table,
                                      synthetic_batches, timed_fit)
 from framework.cli import resolve_device
-from framework.flops import count_train_flops_per_sample
-from framework.models import ModelConfig, apply_attention_backend, load_preset
-from framework.module import DiffusionModule
-from framework.fsdp import prepare_blocks
+from framework.models.flops import count_train_flops_per_sample
+from framework.models.backbones import ModelConfig, apply_attention_backend, load_preset
+from framework.training.module import DiffusionModule
+from framework.distributed.fsdp import prepare_blocks
 
 
 @dataclass

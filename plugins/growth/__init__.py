@@ -9,7 +9,7 @@ small one learned. Three initialisations of the grown stack, named as in SANA's 
 
 With `zero_gate` (default) every block that is not the first copy of a source block (the fresh blocks
 of `constant`, the repeats of the others) has the output projection of each residual branch zeroed
-(framework.blocks.silence_block): it adds nothing, so the grown model computes the source's function
+(framework.models.blocks.silence_block): it adds nothing, so the grown model computes the source's function
 (tests/test_growth.py checks equal outputs for every family and init). Its other weights are kept, so
 the first optimizer step already gives those projections gradients. `drop_last > 0` drops the last
 source blocks as SANA does: then the function changes (said at run time).
@@ -29,9 +29,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from framework.blocks import block_views, restack_state, silence_block, stack_depth
-from framework.models import ModelConfig, build_denoiser, to_model_config
-from framework.registry import register_plugin
+from framework.models.blocks import block_views, restack_state, silence_block, stack_depth
+from framework.models.backbones import ModelConfig, build_denoiser, to_model_config
+from framework.training.registry import register_plugin
 
 INITS = ("constant", "cyclic", "block_expand")
 # Fields that may differ between the source and the grown model (everything else is the same network).
@@ -133,8 +133,8 @@ def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int
 def grow_checkpoint(path: str, n_target: int, cfg: GrowthConfig, seed: int,
                     target_cfg: ModelConfig | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(grown weights, the source checkpoint, a record of what was done) for the checkpoint at `path`."""
-    from framework.module import CKPT_KEY
-    from framework.pipeline import model_weights, read_checkpoint, weights_used
+    from framework.training.module import CKPT_KEY
+    from framework.inference.pipeline import model_weights, read_checkpoint, weights_used
 
     ckpt = read_checkpoint(path)
     source_cfg = to_model_config(ckpt[CKPT_KEY]["config"]["model"])

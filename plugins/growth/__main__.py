@@ -1,6 +1,6 @@
 """`python -m plugins.growth ckpt=SMALL out=GROWN.ckpt target_layers=N init=constant|cyclic|block_expand`.
 
-Writes the grown model as a checkpoint (framework.checkpointing.save_derived) that framework.train
+Writes the grown model as a checkpoint (framework.training.checkpointing.save_derived) that framework.train
 (`init_from=GROWN model.num_layers=N`), sample, eval and export accept. Growing once here and then
 training with init_from under fsdp reads only each rank's rows; `plugins=[growth]` grows inside the run.
 """
@@ -34,7 +34,7 @@ ConfigStore.instance().store(name="grow_command", node=GrowCommand)
 
 @hydra.main(version_base="1.3", config_path=None, config_name="grow_command")
 def main(cfg: GrowCommand) -> None:
-    from framework.checkpointing import save_derived
+    from framework.training.checkpointing import save_derived
 
     cmd: GrowCommand = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     state, source, record = grow_checkpoint(cmd.ckpt, cmd.target_layers, cmd, cmd.seed)

@@ -20,10 +20,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from framework.inference.checkpoint import METADATA_FILE as _METADATA_FILENAME, is_sharded, read_sharded
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -88,7 +89,7 @@ def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], sour
     """
     import copy
 
-    from framework.module import CKPT_KEY
+    from framework.inference.checkpoint import CKPT_KEY
 
     path = Path(path)
     if path.suffix != ".ckpt":
@@ -106,12 +107,6 @@ def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], sour
 # --------------------------------------------------------------------------------------------
 # resume=auto
 # --------------------------------------------------------------------------------------------
-
-
-def is_sharded(path: str | os.PathLike) -> bool:
-    """A DCP checkpoint folder (Lightning's layout)."""
-    p = Path(path)
-    return p.is_dir() and (p / _METADATA_FILENAME).is_file() and (p / ".metadata").is_file()
 
 
 def _complete(path: Path) -> bool:
@@ -146,33 +141,6 @@ def find_resumable(run_dir: Path) -> Path | None:
     candidates += sorted((run_dir / "checkpoints").glob("step*.ckpt"))
     found = [p for p in candidates if _complete(p)]
     return max(found, key=_stamp) if found else None
-
-
-# --------------------------------------------------------------------------------------------
-# Reading a sharded folder in one process (sample, eval, export, resume into another strategy)
-# --------------------------------------------------------------------------------------------
-
-
-def read_sharded(path: str | os.PathLike, with_optimizer: bool = False) -> dict[str, Any]:
-    """A DCP folder as one Lightning-style dict: meta.pt + full (unsharded) `state_dict` tensors.
-
-    DCP reads any sharding into plain tensors without a process group (no_dist=True).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
-    reader = dcp.FileSystemReader(str(path))
-    keys = reader.read_metadata().state_dict_metadata
-    wanted = ("state_dict.", "optimizer_0.") if with_optimizer else ("state_dict.",)
-    state: dict[str, Any] = {}
-    for k, md in keys.items():
-        if k.startswith(wanted) and isinstance(md, TensorStorageMetadata):
-            state[k] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    meta["state_dict"] = {k[len("state_dict."):]: v for k, v in state.items() if k.startswith("state_dict.")}
-    return meta
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,23 +13,12 @@ Launch: `torchrun --nproc_per_node=N -m framework.sample ... decode_ranks=K` (or
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-
-def init_from_env() -> int:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, ...): gloo on CPUs, nccl on GPUs.
-    Returns the world size (1 when not launched by torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        gpu = torch.cuda.is_available()
-        if gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if gpu else "gloo")
-    return dist.get_world_size() if dist.is_initialized() else 1
+from framework.distributed.env import init_from_env
 
 
 def join(decode_ranks: int) -> None:
@@ -56,7 +45,7 @@ def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: i
                        denoise: Callable[[dict[str, Any]], torch.Tensor],
                        on_batch: Callable[[int], None] | None = None) -> torch.Tensor | None:
     """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks (`pipe`: the
-    framework.pipeline.Pipeline that calls this; not imported here, it imports this module).
+    framework.inference.pipeline.Pipeline that calls this; not imported here, it imports this module).
 
     Every rank calls this with the same `batches` (each a dict with at least "size"). Rank 0 gets the
     images of all batches in order; the other ranks get None.

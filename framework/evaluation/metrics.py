@@ -3,7 +3,7 @@
 Metrics and picking never share a model: the training digits are split once into two fixed halves;
 the `scorer` half trains the small convolutional classifier below (prompt_accuracy, pair_accuracy and
 the features of `fd`), the `judge` half trains the judges that pick among candidates
-(framework/judge.py). The classifier trains in seconds with a fixed seed and is cached on disk
+(framework/evaluation/judge.py). The classifier trains in seconds with a fixed seed and is cached on disk
 (`LATENTFORGE_CACHE`, default ~/.cache/latentforge), so every evaluation uses the same weights.
 """
 

@@ -1,7 +1,7 @@
 """A uniform view of any backbone: its blocks and, per block, its residual branches.
 
 diffusers gives each family its own block class; this module names the same parts in all of them,
-so code that works block by block never branches on the family. framework/fsdp.py takes its
+so code that works block by block never branches on the family. framework/distributed/fsdp.py takes its
 FSDP2 and torch.compile units from here.
 
 A branch's `out_proj` is the last op on that residual branch: zero it and the branch adds nothing
@@ -22,7 +22,7 @@ from typing import Any, Literal
 from diffusers.models.attention import BasicTransformerBlock
 from torch import nn
 
-from framework.models import Denoiser
+from framework.models.backbones import Denoiser
 
 BranchKind = Literal["self_attn", "cross_attn", "mlp"]
 # Where diffusers' blocks keep each branch's module (BasicTransformerBlock and SanaTransformerBlock alike).

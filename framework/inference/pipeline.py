@@ -15,60 +15,11 @@ from typing import Any, Iterator, Sequence
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from framework.caching import BranchRunner, CacheSchedule, ScheduledSampling, resolve_schedule
-from framework.models import Denoiser, ModelConfig, build_denoiser
-from framework.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig, sample_latents
-from framework.sequence import group_of
-
-# --------------------------------------------------------------------------------------------
-# Checkpoint loading
-# --------------------------------------------------------------------------------------------
-
-
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a Lightning checkpoint of ours: one file, or a sharded (fsdp) folder gathered into one dict."""
-    from framework.checkpointing import is_sharded, read_sharded
-    from framework.module import CKPT_KEY
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"ckpt={path} does not exist")
-    if path.is_dir() and not is_sharded(path):
-        raise ValueError(f"ckpt={path} is a folder but not a sharded checkpoint (no meta.pt and .metadata)")
-    # weights_only: no pickled code runs.
-    ckpt = read_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True)
-    if CKPT_KEY not in ckpt or "state_dict" not in ckpt:
-        raise ValueError(f"ckpt={path} is not a LatentForge training checkpoint (no '{CKPT_KEY}' entry)")
-    return ckpt
-
-
-def model_weights(ckpt: dict[str, Any], weights: str = "ema") -> dict[str, torch.Tensor]:
-    """The denoiser's state dict: EMA weights when present and asked for, else the trained ones."""
-    from framework.module import CKPT_KEY
-
-    if weights not in ("ema", "train"):
-        raise ValueError(f"weights={weights!r}: expected ema or train")
-    state = ckpt["state_dict"]
-    trained = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
-    if weights == "train":
-        return trained
-    ema = ckpt[CKPT_KEY].get("ema_state")  # single-file checkpoints: the whole averaged state dict
-    if ema:
-        return dict(ema)
-    # Sharded checkpoints keep the EMA shards beside the model as `ema_state.<name>`; tensors the EMA
-    # does not average (integer buffers) come from the model.
-    averaged = {k[len("ema_state.") :]: v for k, v in state.items() if k.startswith("ema_state.")}
-    return {**trained, **averaged}
-
-
-def weights_used(ckpt: dict[str, Any], weights: str = "ema") -> str:
-    """Which weights model_weights(ckpt, weights) returns: "ema" when asked for and the checkpoint has them,
-    else "train"."""
-    from framework.module import CKPT_KEY
-
-    has_ema = bool(ckpt[CKPT_KEY].get("ema_state")) or any(k.startswith("ema_state.") for k in ckpt["state_dict"])
-    return "ema" if weights == "ema" and has_ema else "train"
-
+from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used  # noqa: F401  (importers of the pipeline use them)
+from framework.inference.caching import BranchRunner, CacheSchedule, ScheduledSampling, resolve_schedule
+from framework.models.backbones import Denoiser, ModelConfig, build_denoiser
+from framework.models.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig, sample_latents
+from framework.distributed.sequence import group_of
 
 # --------------------------------------------------------------------------------------------
 # Encoders for generation
@@ -133,8 +84,6 @@ class Pipeline:
                              path: str | os.PathLike = "checkpoint", vae: str | None = None,
                              text_encoder: str | None = None) -> "Pipeline":
         """Like from_checkpoint, for a checkpoint already read with read_checkpoint (`path` names it in errors)."""
-        from framework.module import CKPT_KEY
-
         extra = ckpt[CKPT_KEY]
         cfg = extra["config"]
         model = build_denoiser(ModelConfig(**cfg["model"]))
@@ -200,13 +149,13 @@ class Pipeline:
         every rank gets all images back, the same ones one process would draw. With decode_on_rank0 the
         ranks send their shares' latents to rank 0, which alone decodes them (and alone loads the VAE, a
         training job's grids); the other ranks get None. A sequence-parallel model
-        (framework/sequence.py) is called by every rank of the job too; its groups share the prompts.
+        (framework/distributed/sequence.py) is called by every rank of the job too; its groups share the prompts.
         progress: a bar over the batches (on rank 0).
         cache_schedule: a CacheSchedule, or a `cache_schedule=` value (a file, uniform:K): sampling reuses the
-        branches it skips from the previous step (framework/caching.py); refused when made for another
+        branches it skips from the previous step (framework/inference/caching.py); refused when made for another
         sampler, step count or model.
         decode_ranks: inside a multi-process job, every rank calls this; the last `decode_ranks` ranks decode
-        while the others denoise (framework/decoupled.py). Rank 0 gets all images, the same ones plain
+        while the others denoise (framework/inference/decoupled.py). Rank 0 gets all images, the same ones plain
         sampling draws; the other ranks get None.
         """
         if candidates < 1:
@@ -235,7 +184,7 @@ class Pipeline:
 
         # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
         # same number of forwards, which FSDP's collectives need. A sequence-parallel group (P consecutive
-        # ranks, framework/sequence.py) draws one share together; its P copies are identical.
+        # ranks, framework/distributed/sequence.py) draws one share together; its P copies are identical.
         if not split_ranks:  # a sequence-parallel model: every group draws every image
             shares, share = 1, 0
         else:
@@ -288,11 +237,11 @@ class Pipeline:
     def _generate_decoupled(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
                             guidance: float, sampler: str | None, batch_size: int, progress: bool,
                             schedule: CacheSchedule | None, decode_ranks: int) -> torch.Tensor | None:
-        """The batches of _generate, denoised and decoded on separate ranks (framework/decoupled.py)."""
+        """The batches of _generate, denoised and decoded on separate ranks (framework/inference/decoupled.py)."""
         import torch.distributed as dist
         from tqdm import tqdm
 
-        from framework.decoupled import generate_decoupled
+        from framework.inference.decoupled import generate_decoupled
 
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"decode_ranks={decode_ranks} needs a multi-process job: launch with "
@@ -324,7 +273,7 @@ class Pipeline:
                        guidance: float, sampler: str | None, runner: BranchRunner | None,
                        schedule: CacheSchedule | None) -> torch.Tensor:
         """Scaled latents (b, C, H, W) of one batch; both CFG halves in one forward, so they share one branch cache."""
-        from framework.data import drop_captions, pad_and_stack
+        from framework.models.conditioning import drop_captions, pad_and_stack
 
         C, (H, W) = self.model.cfg.in_channels, self.model.cfg.latent_hw
         b = len(chunk)

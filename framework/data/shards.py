@@ -231,7 +231,7 @@ DATASET_CLASS = "ShardDataset"
 
 
 def __getattr__(name: str):
-    """framework.shards.ShardDataset, built on first use: importing Streaming here would make this module
+    """framework.data.shards.ShardDataset, built on first use: importing Streaming here would make this module
     as slow to import as Streaming is. (Pickle finds the class by the same name, so spawned DataLoader
     workers get it too.)"""
     if name != DATASET_CLASS:

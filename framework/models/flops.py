@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-from framework.models import Denoiser
+from framework.models.backbones import Denoiser
 
 
 def _cpu_sdpa(query, key, value, *args: Any, out_shape=None, **kwargs: Any) -> int:

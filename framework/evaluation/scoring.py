@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from framework.config import EvalSettings
-from framework.pipeline import Pipeline
-from framework.prompts import PromptSet
+from framework.evaluation.settings import EvalSettings
+from framework.inference.pipeline import Pipeline
+from framework.evaluation.prompts import PromptSet
 
 
 @lru_cache(maxsize=2)
@@ -22,7 +22,7 @@ def real_reference(kind: str) -> torch.Tensor:
     """Real held-out images (never trained on by the model or the classifier) that `fd` compares against.
 
     Built once per process: a scaling curve scores a dozen image sets against it (read-only)."""
-    from framework.metrics import as_images, real_digit_images
+    from framework.evaluation.metrics import as_images, real_digit_images
 
     if kind == "digits":
         return real_digit_images("heldout")[0]
@@ -34,7 +34,7 @@ def real_reference(kind: str) -> torch.Tensor:
 
 def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> dict[str, Any]:
     """Metrics of `images` ((P * per_prompt, C, H, W), each prompt's kept images together)."""
-    from framework.metrics import digit_scorer, frechet_distance
+    from framework.evaluation.metrics import digit_scorer, frechet_distance
 
     scorer = digit_scorer()
     rep = lambda xs: [x for x in xs for _ in range(per_prompt)]

@@ -7,7 +7,7 @@ higher score wins, ties to `a`).
 
 - `digits`: an RBF support-vector classifier trained on the `judge` half of the training digits; the
   score is the margin of the requested digit over the best other one. The metrics' classifier trains
-  on the other half (framework/metrics.py), so picking cannot simply overfit the metric.
+  on the other half (framework/evaluation/metrics.py), so picking cannot simply overfit the metric.
 - `pairs`: the digits judge on each half of a digit-pairs image; the score is the smaller margin.
 - `clip`: CLIP score (torchmetrics) from a local CLIP folder (`judge_path=...`), for real data.
 """
@@ -37,7 +37,7 @@ def prompt_digit(prompt: str) -> int | None:
 
 def to_digit_features(images: torch.Tensor) -> np.ndarray:
     """(N, C, H, W) in [-1, 1] -> (N, 64) on the 0..16 scale of scikit-learn's digits."""
-    from framework.metrics import to_unit_digits
+    from framework.evaluation.metrics import to_unit_digits
 
     return (to_unit_digits(images) * MAX_VALUE).flatten(1).numpy()
 
@@ -101,7 +101,7 @@ class DigitJudge(Judge):
         from sklearn.svm import SVC
 
         from data_prep.sources.digits import load_digits
-        from framework.metrics import training_half
+        from framework.evaluation.metrics import training_half
 
         _no_path("digits", path)
         x_tr, y_tr = training_half("judge")

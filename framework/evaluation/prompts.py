@@ -25,7 +25,7 @@ class PromptSet:
 
     @property
     def judge(self) -> str:
-        return self.kind  # each kind has the judge of the same name (framework/judge.py)
+        return self.kind  # each kind has the judge of the same name (framework/evaluation/judge.py)
 
 
 def digit_prompts(phrasings: int) -> list[tuple[str, int]]:
@@ -106,6 +106,6 @@ def prompt_labels(pipe: Any, prompts: list[str]) -> list[int | None] | None:
         from data_prep.sources.digit_pairs import parse_pair
 
         return [None if lr is None else 10 * lr[0] + lr[1] for lr in map(parse_pair, prompts)]
-    from framework.judge import prompt_digit
+    from framework.evaluation.judge import prompt_digit
 
     return [prompt_digit(p) for p in prompts]

@@ -3,7 +3,7 @@
 single and ddp are Lightning's own strategies. fsdp is FSDP2 (`fully_shard`) applied in
 DiffusionModule.configure_model through Lightning's ModelParallelStrategy on a 1-D data-parallel
 mesh over every device of every node: each backbone block is one FSDP unit, then the root
-(the units, the sharding and the meta-device build are in framework/fsdp.py).
+(the units, the sharding and the meta-device build are in framework/distributed/fsdp.py).
 
     SHARD_GRAD_OP  reshard_after_forward=False: a block's parameters stay gathered from its forward
                    to its backward (no second all-gather); gradients and optimizer state are sharded.
@@ -26,7 +26,7 @@ from typing import Any, Generator
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
-from framework.fsdp import fsdp_param_dtype
+from framework.distributed.fsdp import fsdp_param_dtype
 
 # --------------------------------------------------------------------------------------------
 # Lightning strategies

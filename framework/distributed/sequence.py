@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from framework.models import Denoiser, ModelConfig
+from framework.models.backbones import Denoiser, ModelConfig
 
 SP_FAMILIES = ("pixart", "sana", "dit")
 # Where each family's tokens are made and where they leave the stack (hooks go on these modules).
@@ -122,7 +122,7 @@ def init(size: int, head_groups: int = 1, device: torch.device | str = "cpu") ->
 def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> None:
     """For the sample and eval commands under torchrun: join the job's process group and split `model` over
     groups of `size` ranks."""
-    from framework.decoupled import init_from_env
+    from framework.distributed.env import init_from_env
 
     world = init_from_env()
     if world == 1:
@@ -286,7 +286,7 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
     unchanged, so checkpoints and FSDP2 sharding are as without it). Installed once; re-installing is refused."""
     from diffusers.models.attention_processor import AttnProcessor2_0, SanaLinearAttnProcessor2_0
 
-    from framework.blocks import block_views
+    from framework.models.blocks import block_views
 
     cfg = denoiser.cfg
     check(cfg, sp.size, sp.head_groups, sp.size * sp.dp_size)

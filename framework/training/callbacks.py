@@ -8,10 +8,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from framework.pipeline import Pipeline, save_grid, with_encoders
-from framework.prompts import grid_prompts, prompt_labels
-from framework.registry import averaged_weights
-from framework.fsdp import reshard
+from framework.inference.pipeline import Pipeline, save_grid, with_encoders
+from framework.evaluation.prompts import grid_prompts, prompt_labels
+from framework.training.registry import averaged_weights
+from framework.distributed.fsdp import reshard
 
 
 def module_pipeline(pl_module: pl.LightningModule, vae: str | None = None, text_encoder: str | None = None) -> Pipeline:

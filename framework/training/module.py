@@ -15,14 +15,14 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from framework.data import drop_captions
-from framework.models import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
-from framework.objectives import Objective, ObjectiveConfig
-from framework.optim import OptimizerConfig, build_optimizer, lr_lambda
-from framework.registry import training_loss_hook
-from framework.sequence import group_of
+from framework.inference.checkpoint import CKPT_KEY  # noqa: F401  (the checkpoint entry this module writes)
+from framework.models.conditioning import drop_captions
+from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
+from framework.models.objectives import Objective, ObjectiveConfig
+from framework.training.optim import OptimizerConfig, build_optimizer, lr_lambda
+from framework.training.registry import training_loss_hook
+from framework.distributed.sequence import group_of
 
-CKPT_KEY = "latentforge"  # our own entry in the Lightning checkpoint dict
 MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
 LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
 
@@ -52,8 +52,8 @@ class DiffusionModule(pl.LightningModule):
         self._start_state: dict[str, torch.Tensor] | None = None  # set by start_from() under fsdp
         if strategy is not None and strategy.name == "fsdp":
             # No rank holds the whole model: shapes only now, this rank's shards in configure_model,
-            # drawn from the RNG state the ordinary build would have started from (framework/fsdp.py).
-            from framework.fsdp import build_meta
+            # drawn from the RNG state the ordinary build would have started from (framework/distributed/fsdp.py).
+            from framework.distributed.fsdp import build_meta
 
             self._init_rng_state: torch.Tensor | None = torch.get_rng_state()
             self.model: Denoiser = build_meta(to_model_config(model))
@@ -79,7 +79,7 @@ class DiffusionModule(pl.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         if dm is None:
             return
-        from framework.data import check_compatible
+        from framework.data.datamodule import check_compatible
 
         info = dm.info
         check_compatible(info, self.model_cfg.in_channels, self.model_cfg.latent_hw, self.model_cfg.text_dim)
@@ -93,14 +93,14 @@ class DiffusionModule(pl.LightningModule):
         set and the model is sharded here, before the optimizer is built from its (DTensor) parameters.
         The meta-device model built under fsdp gets its real shards (fresh or init_from) right after.
         """
-        from framework.fsdp import prepare_blocks, shard
+        from framework.distributed.fsdp import prepare_blocks, shard
 
         s = self.strategy_cfg
         if s is None or getattr(self, "_configured", False):
             return
         self._configured = True
         if s.sequence_parallel > 1:  # hooks and processors only: before sharding, on the meta model under fsdp
-            from framework.sequence import init, install
+            from framework.distributed.sequence import init, install
 
             install(self.model, init(s.sequence_parallel, s.sequence_parallel_head_groups,
                                      self.trainer.strategy.root_device))
@@ -109,7 +109,7 @@ class DiffusionModule(pl.LightningModule):
             strategy = self.trainer.strategy
             shard(self.model, self.device_mesh["data_parallel"], s.sharding, strategy.param_dtype)
             if self._init_rng_state is not None:
-                from framework.fsdp import materialize
+                from framework.distributed.fsdp import materialize
 
                 start = self._start_state if self._start_state is not None else self.init_from
                 materialize(self.model, self._init_rng_state, strategy.root_device, start)
@@ -121,7 +121,7 @@ class DiffusionModule(pl.LightningModule):
         For plugins that compute the starting weights in their setup() (plugins/growth). Under fsdp the
         model is still on the meta device then: each rank takes its rows in configure_model.
         """
-        from framework.models import check_fits
+        from framework.models.backbones import check_fits
 
         check_fits(state, self.model, "the plugin's starting weights")
         if self._init_rng_state is not None:
@@ -175,7 +175,7 @@ class DiffusionModule(pl.LightningModule):
             self._log_step_figures()
         # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
         if not hasattr(self, "flops_per_batch"):
-            from framework.flops import count_train_flops_per_sample
+            from framework.models.flops import count_train_flops_per_sample
 
             self.flops_per_batch = count_train_flops_per_sample(self.model, batch) * batch["latents"].shape[0]
 
@@ -198,7 +198,7 @@ class DiffusionModule(pl.LightningModule):
         """Noise, noise level and caption-drop flags for this rank's slice of the global batch."""
         B, W, r = x0.shape[0], self.trainer.world_size, self.global_rank
         sp = group_of(self.model)
-        if sp is not None:  # a sequence-parallel group draws as one data-parallel rank (framework/sequence.py)
+        if sp is not None:  # a sequence-parallel group draws as one data-parallel rank (framework/distributed/sequence.py)
             W, r = sp.dp_size, sp.dp_rank
         g = self.step_generator()
         noise, u = self.objective.draw(x0.new_empty((W * B, *x0.shape[1:]), device="cpu"), g)

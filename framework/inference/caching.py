@@ -30,8 +30,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from framework.blocks import block_views
-from framework.models import Denoiser
+from framework.models.blocks import block_views
+from framework.models.backbones import Denoiser
 
 SCHEDULE_FILE = "cache_schedule.json"
 SCHEDULE_VERSION = 1

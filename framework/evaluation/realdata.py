@@ -158,7 +158,7 @@ def mean_with_interval(values: torch.Tensor, resamples: int, seed: int = 0) -> t
 def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None, split_ranks: bool = False,
                   progress: bool = False) -> dict[str, Any]:
     """fid and clip_score of `pipe` against `settings.real` (EvalSettings), with bootstrap intervals."""
-    from framework.pipeline import save_grid
+    from framework.inference.pipeline import save_grid
 
     if not (settings.inception or settings.clip):
         raise ValueError("evaluation on one's own data needs a feature network and/or CLIP: eval.inception=PATH "

@@ -32,7 +32,7 @@ FAMILIES: dict[str, type[nn.Module]] = {
     "unet": UNet2DConditionModel,
 }
 ATTENTION_BACKENDS = ("sdpa", "xformers")
-PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 # Diffusers arguments that ModelConfig's own fields set; giving them again in `kwargs` would be ambiguous.
 _DERIVED = {
@@ -414,7 +414,7 @@ def _diffusers_safetensors(path: Path, family: str) -> list[Path]:
 def open_weights(path: str | Path, denoiser: Denoiser) -> dict[str, Any]:
     """Like `_read_state_dict`, but lazily: each value has `.shape` and reads its bytes only when sliced.
 
-    For strategy=fsdp, where each rank reads only its own rows (framework/fsdp.py): .safetensors
+    For strategy=fsdp, where each rank reads only its own rows (framework/distributed/fsdp.py): .safetensors
     files (also a diffusers folder's) through safetensors' slices, a .ckpt memory-mapped. A diffusers
     folder without .safetensors weights falls back to the whole read of `_read_state_dict`.
     """

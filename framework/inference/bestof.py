@@ -39,7 +39,7 @@ def knockout(num_prompts: int, n: int, prefers: Callable[[np.ndarray, np.ndarray
 
 
 def select(candidates: torch.Tensor, prompts: Sequence[str], judge, selection: str = "score", pick: int = 1) -> torch.Tensor:
-    """candidates (P, N, C, H, W) -> (P, pick, C, H, W) kept by `judge` (framework.judge.Judge)."""
+    """candidates (P, N, C, H, W) -> (P, pick, C, H, W) kept by `judge` (framework.evaluation.judge.Judge)."""
     if selection not in SELECTIONS:
         raise ValueError(f"selection={selection!r}: use one of {SELECTIONS}")
     p, n = candidates.shape[:2]

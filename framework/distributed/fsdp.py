@@ -2,7 +2,7 @@
 
 shard_units / prepare_blocks / shard / reshard are what DiffusionModule.configure_model (and the
 benchmarks) apply under strategy=fsdp; the Lightning strategies around them live in
-framework/strategy.py.
+framework/distributed/strategy.py.
 
 strategy=fsdp builds no whole model on any rank: build on the meta device, materialise only local shards.
 
@@ -19,7 +19,7 @@ then `materialize` gives every parameter this rank's rows and every buffer its v
               this rank's shards. No communication; each rank spends the CPU time of initialising
               the whole model once (30-40 s for 1.6B parameters on one core here).
   init_from   This rank's rows are sliced out of the file: safetensors slices, or a memory-mapped
-              .ckpt (framework/models.py `open_weights`), so no rank reads the whole model.
+              .ckpt (framework/models/backbones.py `open_weights`), so no rank reads the whole model.
 
 Buffers are not sharded: they come whole from the fresh build (non-persistent ones such as sin-cos
 positional tables) or, for persistent ones under init_from, from the file as `load_weights` does.
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from framework.models import Denoiser, ModelConfig, build_denoiser, check_fits, open_weights
+from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, check_fits, open_weights
 
 TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
 
@@ -57,7 +57,7 @@ TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
 
 def shard_units(denoiser: Denoiser) -> list[nn.Module]:
     """The backbone's blocks in forward order (the unet: its down, mid and up blocks)."""
-    from framework.blocks import blocks, unet_stages
+    from framework.models.blocks import blocks, unet_stages
 
     if denoiser.cfg.family == "unet":
         return [stage for _, stage in unet_stages(denoiser.net)]
@@ -237,7 +237,7 @@ def _mesh_position(denoiser: Denoiser) -> tuple[Any, int, int]:
     for name, p in denoiser.named_parameters():
         if not isinstance(p, DTensor) or p.placements != (Shard(0),):
             raise RuntimeError(f"{name} is not sharded as fully_shard does (Shard(0) on a 1-D mesh): "
-                               "materialize runs after framework.fsdp.shard.")
+                               "materialize runs after framework.distributed.fsdp.shard.")
         meshes.add(p.device_mesh)
     if len(meshes) != 1:
         raise RuntimeError(f"the parameters are sharded over {len(meshes)} meshes; expected one data-parallel mesh.")

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from framework.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
+from framework.models.conditioning import drop_captions, pad_and_stack  # noqa: F401  (drop_captions: importers of the data module)
+from framework.data.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
 
 DATASET_FILE = "dataset.json"
 
@@ -37,7 +38,7 @@ DATASET_FILE = "dataset.json"
 class DataConfig:
     """Where the latent shards are and how to stream them.
 
-    `validate` is the start-up check of the shard files on disk (framework/shards.py), run in setup()
+    `validate` is the start-up check of the shard files on disk (framework/data/shards.py), run in setup()
     on every rank before Streaming reads anything. It covers every file present in the dataset folder
     and in the `local` cache, the .mds.zstd and the .mds that Streaming decompresses from it (which
     Streaming itself never re-checks), against index.json. A bad file fails with its path and the cure.
@@ -261,40 +262,6 @@ class LatentCollate:
         return batch
 
 
-def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad (L_i, D) sequences to (N, L, D) with zeros, plus the (N, L) bool mask of real tokens."""
-    n, d = len(seqs), seqs[0].shape[-1]
-    n_tok = max(max(s.shape[0] for s in seqs), 1)
-    out = seqs[0].new_zeros(n, n_tok, d)
-    mask = torch.zeros(n, n_tok, dtype=torch.bool, device=seqs[0].device)
-    for i, s in enumerate(seqs):
-        out[i, : s.shape[0]] = s
-        mask[i, : s.shape[0]] = True
-    return out, mask
-
-
-def drop_captions(
-    text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D).
-
-    text (B, L, D), mask (B, L), drop (B,) bool -> new tensors (B, max(L, L0), D), (B, max(L, L0)); the
-    inputs are not modified. The flags come from DiffusionModule._draw (classifier-free guidance).
-    """
-    if not bool(drop.any()):
-        return text, mask
-    n_tok = max(text.shape[1], empty.shape[0])
-    if n_tok > text.shape[1]:  # the empty caption is longer than every caption in this batch
-        text = F.pad(text, (0, 0, 0, n_tok - text.shape[1]))
-        mask = F.pad(mask, (0, n_tok - mask.shape[1]))
-    e = torch.zeros_like(text[0])
-    e[: empty.shape[0]] = empty
-    em = torch.zeros_like(mask[0])
-    em[: empty.shape[0]] = True
-    d = drop.view(-1, 1)
-    return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
-
-
 # ---------------------------------------------------------------------------------------------
 # The data module
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +307,7 @@ class LatentDataModule(L.LightningDataModule):
         self.dataset = self._build_dataset()
 
     def _build_dataset(self):
-        from framework.shards import ShardDataset  # a StreamingDataset whose failures are raised
+        from framework.data.shards import ShardDataset  # a StreamingDataset whose failures are raised
 
         cfg = self.cfg
         if _is_remote(cfg.path) or cfg.local:

@@ -1,0 +1,62 @@
+"""What an evaluation generates and how: the settings shared by `python -m framework.eval`, the end-of-training
+evaluation (`eval.*`) and the benchmarks. (Here rather than in framework/eval.py: that is a command, and
+commands import the layers below them, never the reverse.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EvalSettings:
+    """What is generated and how (shared by `python -m framework.eval` and the end-of-training eval)."""
+
+    seeds: int = 4
+    """Seeds per prompt."""
+    phrasings: int = 3
+    """Caption phrasings per class (digits)."""
+    steps: int = 20
+    """Sampler steps."""
+    guidance: float = 4.0
+    """Classifier-free guidance scale."""
+    sampler: str | None = None
+    """null: the objective's default sampler."""
+    batch_size: int = 64
+    """Images generated per forward pass."""
+    best_of: int = 1
+    """Candidates per prompt; the judge keeps `pick` of them (inference-time scaling)."""
+    judge: str | None = None
+    """Judge that picks among candidates (framework/evaluation/judge.py: digits, pairs, clip); null: the data's own."""
+    judge_path: str | None = None
+    """Weights of judges that load them (clip: a local CLIP folder)."""
+    selection: str = "score"
+    """score (keep the judge's highest scores) or tournament (SANA-1.5's knockout of pairwise comparisons)."""
+    pick: int = 1
+    """Images kept (and scored) per prompt."""
+    cache_schedule: str | None = None
+    """Cached sampling (framework/inference/caching.py): a cache_schedule.json from experiment=cache_router (or its run
+    dir), or uniform:K (a full step every K steps); null: every branch at every step."""
+    real: str | None = None
+    """One's own data (framework/evaluation/realdata.py): a folder of held-out real images (same-named .txt captions are the
+    prompts unless `prompts` is given); fid and clip_score are measured against it."""
+    prompts: str | None = None
+    """With `real`: a text file of prompts, one per line; null: the real images' captions."""
+    inception: str | None = None
+    """With `real`: the feature network of fid, a local TorchScript file (e.g. inception-2015-12-05.pt)."""
+    clip: str | None = None
+    """With `real`: a local CLIP folder (transformers) for clip_score."""
+    bootstrap: int = 200
+    """With `real`: bootstrap resamples of the 95% intervals."""
+
+    def __post_init__(self) -> None:
+        from framework.inference.bestof import SELECTIONS
+
+        if self.real is not None and self.bootstrap < 2:
+            raise ValueError(f"bootstrap={self.bootstrap} must be >= 2 (resamples of the intervals)")
+
+        if self.best_of < 1:
+            raise ValueError(f"best_of={self.best_of} must be >= 1")
+        if not 1 <= self.pick <= self.best_of:
+            raise ValueError(f"pick={self.pick} must be between 1 and best_of={self.best_of}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r}: use one of {SELECTIONS}")

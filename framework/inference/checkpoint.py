@@ -1,0 +1,95 @@
+"""The checkpoint format as the commands read it (sample, eval, export, growth, pruning), without Lightning.
+
+A training checkpoint is Lightning's dict (one torch.save file) or, under fsdp, a folder written by
+torch.distributed.checkpoint (DCP): `.metadata` and one `__<rank>_0.distcp` file per rank with the sharded
+`state_dict` and `optimizer_0`, plus `meta.pt` with everything else. Our own entry, `latentforge`
+(CKPT_KEY), holds the run's config, the dataset's summary, the empty caption's embedding and the EMA.
+Writing, resuming and preemption are training's (framework/training/checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CKPT_KEY = "latentforge"  # our own entry in the Lightning checkpoint dict
+METADATA_FILE = "meta.pt"  # what Lightning names the non-tensor part of a sharded folder (its _METADATA_FILENAME)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded folders
+# --------------------------------------------------------------------------------------------
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """A DCP checkpoint folder (Lightning's layout)."""
+    p = Path(path)
+    return p.is_dir() and (p / METADATA_FILE).is_file() and (p / ".metadata").is_file()
+
+
+def read_sharded(path: str | os.PathLike, with_optimizer: bool = False) -> dict[str, Any]:
+    """A DCP folder as one Lightning-style dict: meta.pt + full (unsharded) `state_dict` tensors.
+
+    DCP reads any sharding into plain tensors without a process group (no_dist=True).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    meta = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)
+    reader = dcp.FileSystemReader(str(path))
+    keys = reader.read_metadata().state_dict_metadata
+    wanted = ("state_dict.", "optimizer_0.") if with_optimizer else ("state_dict.",)
+    state: dict[str, Any] = {}
+    for k, md in keys.items():
+        if k.startswith(wanted) and isinstance(md, TensorStorageMetadata):
+            state[k] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    meta["state_dict"] = {k[len("state_dict."):]: v for k, v in state.items() if k.startswith("state_dict.")}
+    return meta
+
+
+# --------------------------------------------------------------------------------------------
+# One checkpoint as a dict
+# --------------------------------------------------------------------------------------------
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a Lightning checkpoint of ours: one file, or a sharded (fsdp) folder gathered into one dict."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt={path} does not exist")
+    if path.is_dir() and not is_sharded(path):
+        raise ValueError(f"ckpt={path} is a folder but not a sharded checkpoint (no meta.pt and .metadata)")
+    # weights_only: no pickled code runs.
+    ckpt = read_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True)
+    if CKPT_KEY not in ckpt or "state_dict" not in ckpt:
+        raise ValueError(f"ckpt={path} is not a LatentForge training checkpoint (no '{CKPT_KEY}' entry)")
+    return ckpt
+
+
+def model_weights(ckpt: dict[str, Any], weights: str = "ema") -> dict[str, torch.Tensor]:
+    """The denoiser's state dict: EMA weights when present and asked for, else the trained ones."""
+    if weights not in ("ema", "train"):
+        raise ValueError(f"weights={weights!r}: expected ema or train")
+    state = ckpt["state_dict"]
+    trained = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    if weights == "train":
+        return trained
+    ema = ckpt[CKPT_KEY].get("ema_state")  # single-file checkpoints: the whole averaged state dict
+    if ema:
+        return dict(ema)
+    # Sharded checkpoints keep the EMA shards beside the model as `ema_state.<name>`; tensors the EMA
+    # does not average (integer buffers) come from the model.
+    averaged = {k[len("ema_state.") :]: v for k, v in state.items() if k.startswith("ema_state.")}
+    return {**trained, **averaged}
+
+
+def weights_used(ckpt: dict[str, Any], weights: str = "ema") -> str:
+    """Which weights model_weights(ckpt, weights) returns: "ema" when asked for and the checkpoint has them,
+    else "train"."""
+    has_ema = bool(ckpt[CKPT_KEY].get("ema_state")) or any(k.startswith("ema_state.") for k in ckpt["state_dict"])
+    return "ema" if weights == "ema" and has_ema else "train"

@@ -1,0 +1,43 @@
+"""Text conditioning as the backbones take it: per-token caption embeddings padded into a batch with a mask,
+and caption dropout for classifier-free guidance (the empty caption's embedding in place of a dropped one).
+Shared by the training step (framework/training/module.py), the data loader's collate and sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (L_i, D) sequences to (N, L, D) with zeros, plus the (N, L) bool mask of real tokens."""
+    n, d = len(seqs), seqs[0].shape[-1]
+    n_tok = max(max(s.shape[0] for s in seqs), 1)
+    out = seqs[0].new_zeros(n, n_tok, d)
+    mask = torch.zeros(n, n_tok, dtype=torch.bool, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        out[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = True
+    return out, mask
+
+
+def drop_captions(
+    text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D).
+
+    text (B, L, D), mask (B, L), drop (B,) bool -> new tensors (B, max(L, L0), D), (B, max(L, L0)); the
+    inputs are not modified. The flags come from DiffusionModule._draw (classifier-free guidance).
+    """
+    if not bool(drop.any()):
+        return text, mask
+    n_tok = max(text.shape[1], empty.shape[0])
+    if n_tok > text.shape[1]:  # the empty caption is longer than every caption in this batch
+        text = F.pad(text, (0, 0, 0, n_tok - text.shape[1]))
+        mask = F.pad(mask, (0, n_tok - mask.shape[1]))
+    e = torch.zeros_like(text[0])
+    e[: empty.shape[0]] = empty
+    em = torch.zeros_like(mask[0])
+    em[: empty.shape[0]] = True
+    d = drop.view(-1, 1)
+    return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
