@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from framework.models.plans import families_with
 from framework.models.blocks import has_stack
 from framework.inference.caching import SCHEDULE_FILE, BranchRunner, CacheSchedule, model_signature
 from framework.models.objectives import DEFAULT_SAMPLER, SAMPLERS, check_sampler
@@ -175,7 +176,7 @@ class CacheRouterStage(pl.Callback):
         model = pl_module.model
         if not has_stack(model):
             raise ValueError(f"plugins=[cache_router]: model.family={model.cfg.family} has no stack of transformer "
-                             "blocks; the cache router handles pixart, sana and dit")
+                             f"blocks; the cache router handles {families_with(lambda p: p.stack)}")
         model.requires_grad_(False)  # frozen: no gradients, so no optimizer state either
         branches = model_signature(model, self.objective_name)["branches"]
         pl_module.router = Router(self.cfg.steps, branches, self.cfg.init_logit)  # trained, checkpointed, DDP-synced

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from framework.models.plans import families_with, plan_of
 from framework.models.blocks import block_views, has_stack, restack_state
 from framework.cli import quiet_hydra
 from framework.inference.pipeline import Pipeline
@@ -109,8 +110,7 @@ def choose_kept(importance: list[float], keep: int, method: str, protect: list[i
     protected = {p % n for p in protect if -n <= p < n}
     if len(protected) != len(set(protect)):
         raise ValueError(f"protect={protect}: indices must lie in [-{n}, {n - 1}] and be distinct blocks")
-    if family == "dit":
-        protected.add(0)  # its norm1.emb also conditions diffusers' DiT final layer
+    protected.update(plan_of(family).required_blocks)  # blocks the rest of the net reads (dit: block 0)
     if not len(protected) <= keep < n:
         raise ValueError(f"keep={keep}: the model has {n} blocks; keep between {max(len(protected), 1)} "
                          f"(protected {sorted(protected)}) and {n - 1}")
@@ -175,7 +175,7 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
     pipe = Pipeline.from_checkpoint_dict(ckpt, resolve_device(cmd.device), used, cmd.ckpt)
     if not has_stack(pipe.model):
         raise ValueError(f"prune: model.family={pipe.model.cfg.family} has no stack of transformer blocks to "
-                         "prune; pruning supports pixart, sana and dit.")
+                         f"prune; pruning supports {families_with(lambda p: p.stack)}.")
     prompts = calibration_prompts(pipe, cmd.prompts)
     with torch.no_grad():
         importance = block_importance(pipe, prompts, prompt_labels(pipe, prompts), cmd.steps, cmd.guidance,

@@ -216,3 +216,21 @@ def test_inference_and_evaluation_import_no_lightning():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-500:]
+
+
+def test_parallel_code_reads_plans_and_never_names_a_family():
+    """FSDP2, sequence parallelism, cached sampling, growth, pruning and the cache router take what they need of a
+    backbone family from its plan (framework/models/plans.py): none of them compares against a family's name,
+    and every model preset's family has a plan."""
+    import re
+
+    from framework.models.plans import PLANS
+
+    readers = ["framework/distributed/fsdp.py", "framework/distributed/sequence.py", "framework/inference/caching.py",
+               "plugins/growth/__init__.py", "plugins/prune.py", "plugins/cache_router.py"]
+    names = "|".join(PLANS)
+    for rel in readers:
+        found = re.findall(rf"""["']({names})["']""", (ROOT / rel).read_text())
+        assert not found, f"{rel} names the families {sorted(set(found))}: read them from the family's plan instead"
+    families = {re.search(r"^family:\s*(\w+)", p.read_text(), re.M).group(1) for p in (ROOT / "conf" / "model").glob("*.yaml")}
+    assert families == set(PLANS), families

@@ -56,12 +56,10 @@ TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
 
 
 def shard_units(denoiser: Denoiser) -> list[nn.Module]:
-    """The backbone's blocks in forward order (the unet: its down, mid and up blocks)."""
-    from framework.models.blocks import blocks, unet_stages
+    """The backbone's FSDP2 units in forward order, as its family's plan names them (framework/models/plans.py)."""
+    from framework.models.plans import plan_of
 
-    if denoiser.cfg.family == "unet":
-        return [stage for _, stage in unet_stages(denoiser.net)]
-    return list(blocks(denoiser))
+    return plan_of(denoiser.cfg.family).units(denoiser.net)
 
 
 def prepare_blocks(denoiser: Denoiser, activation_checkpointing: bool, compile: bool) -> None:

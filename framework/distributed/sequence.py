@@ -40,11 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.models.backbones import Denoiser, ModelConfig
+from framework.models.plans import families_with, plan_of
 
-SP_FAMILIES = ("pixart", "sana", "dit")
-# Where each family's tokens are made and where they leave the stack (hooks go on these modules).
-_EMBED = {"pixart": "pos_embed", "dit": "pos_embed", "sana": "patch_embed"}
-_OUT = {"pixart": "proj_out", "dit": "proj_out_2", "sana": "proj_out"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,23 +54,24 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
         raise ValueError(f"sequence_parallel={size} and sequence_parallel_head_groups={head_groups} must be >= 1")
     if size == 1:
         return
-    if cfg.family not in SP_FAMILIES:
+    plan = plan_of(cfg.family)
+    if plan.sequence is None:
         raise ValueError(f"sequence_parallel={size}: model.family={cfg.family} is not supported (only "
-                         f"{', '.join(SP_FAMILIES)}: the unet's attention sits between convolutions at several "
-                         "resolutions); set sequence_parallel=1")
+                         f"{families_with(lambda p: p.sequence)}: {plan.why_not}); set sequence_parallel=1")
+    seq = plan.sequence
     if world is not None and world % size:
         raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
                          f"device count that is a multiple of {size}")
     heads = cfg.num_heads
-    if cfg.family != "sana" and heads % (size * head_groups):  # sana's linear attention keeps every head
+    if seq.attention == "softmax" and heads % (size * head_groups):  # linear attention keeps every head
         raise ValueError(f"sequence_parallel={size}" + (f" x sequence_parallel_head_groups={head_groups}"
                                                         if head_groups > 1 else "") +
                          f" does not divide model.num_heads={heads}: each rank attends with whole heads; "
                          f"pick a sequence_parallel that divides {heads}")
     rows, cols = (side // cfg.patch_size for side in cfg.latent_hw)
-    if cfg.family == "sana" and rows % size:
-        raise ValueError(f"sequence_parallel={size} does not divide the {rows} token rows of model.family=sana "
-                         f"({rows}x{cols} tokens): its Mix-FFN convolution needs whole rows per rank")
+    if seq.rows_arg is not None and rows % size:
+        raise ValueError(f"sequence_parallel={size} does not divide the {rows} token rows of model.family={cfg.family} "
+                         f"({rows}x{cols} tokens): its blocks mix neighbouring rows and need whole rows per rank")
     if (rows * cols) % size:
         raise ValueError(f"sequence_parallel={size} does not divide the {rows * cols} tokens ({rows}x{cols}) "
                          f"of model.{cfg.name}; pick a latent size whose token count it divides")
@@ -303,42 +301,45 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
     def gather(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return _GatherTokens.apply(out, sp)
 
-    getattr(net, _EMBED[cfg.family]).register_forward_hook(keep_band)
-    getattr(net, _OUT[cfg.family]).register_forward_hook(gather)
+    seq = plan_of(cfg.family).sequence  # check() refused a family without one
+    getattr(net, seq.embed).register_forward_hook(keep_band)
+    getattr(net, seq.out).register_forward_hook(gather)
     for view in block_views(denoiser):
         attn = view.module.attn1
-        if cfg.family == "sana":
+        if seq.attention == "linear":
             if not isinstance(attn.processor, SanaLinearAttnProcessor2_0):
                 raise ValueError(f"sequence_parallel: {view.name}.attn1 uses {type(attn.processor).__name__}; "
-                                 "only SANA's linear self-attention is split for model.family=sana")
+                                 f"only SANA's linear self-attention is split for model.family={cfg.family}")
             attn.set_processor(UlyssesLinearAttnProcessor(sp))
-            _split_mix_ffn(view.module, sp)
         else:
             if type(attn.processor) is not AttnProcessor2_0 or attn.residual_connection or attn.group_norm is not None \
                     or attn.spatial_norm is not None or attn.rescale_output_factor != 1.0:
                 raise ValueError(f"sequence_parallel: {view.name}.attn1 is not plain softmax self-attention "
                                  f"({type(attn.processor).__name__}); it cannot be split")
             attn.set_processor(UlyssesAttnProcessor(sp))
+        if seq.rows_arg is not None:
+            _split_rows(view.module, sp, seq.rows_arg)
     denoiser.sequence_parallel = sp
 
 
-def _split_mix_ffn(block: nn.Module, sp: SequenceParallel) -> None:
-    """SANA block: its ff sees this rank's band of rows, and the depthwise conv its neighbours' edge rows."""
+def _split_rows(block: nn.Module, sp: SequenceParallel, rows_arg: int) -> None:
+    """A block whose ff mixes neighbouring token rows (SANA's Mix-FFN): it sees this rank's band of rows (its
+    positional argument `rows_arg`, or `height=`, made the band's height), and the depthwise conv its
+    neighbours' edge rows."""
     conv = block.ff.conv_depth
     k = conv.kernel_size[0] // 2
     if conv.padding[0] != k:
         raise ValueError(f"sequence_parallel: the Mix-FFN convolution pads {conv.padding} (expected 'same')")
 
     def band_height(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        # SanaTransformerBlock.forward(hidden_states, attention_mask, encoder_hidden_states,
-        # encoder_attention_mask, timestep, height, width): height is the whole image's rows.
-        rows = kwargs["height"] if "height" in kwargs else args[5]
+        # height: the whole image's token rows (framework/models/plans.py names its position)
+        rows = kwargs["height"] if "height" in kwargs else args[rows_arg]
         if rows % sp.size:
             raise ValueError(f"sequence_parallel={sp.size} does not divide this input's {rows} token rows")
         if "height" in kwargs:
             kwargs = {**kwargs, "height": rows // sp.size}
         else:
-            args = (*args[:5], rows // sp.size, *args[6:])
+            args = (*args[:rows_arg], rows // sp.size, *args[rows_arg + 1:])
         return args, kwargs
 
     def add_halo(module: nn.Module, args: tuple) -> tuple:

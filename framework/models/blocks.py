@@ -22,6 +22,7 @@ from typing import Any, Literal
 from diffusers.models.attention import BasicTransformerBlock
 from torch import nn
 
+from framework.models.plans import plan_of, unet_stages
 from framework.models.backbones import Denoiser
 
 BranchKind = Literal["self_attn", "cross_attn", "mlp"]
@@ -87,14 +88,6 @@ def _branches(block: nn.Module) -> list[Branch]:
     return out
 
 
-def unet_stages(net: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The unet's down blocks, mid block and up blocks in forward order, with their names in the net."""
-    stages = [(f"down_blocks.{i}", b) for i, b in enumerate(net.down_blocks)]
-    if net.mid_block is not None:
-        stages.append(("mid_block", net.mid_block))
-    return stages + [(f"up_blocks.{i}", b) for i, b in enumerate(net.up_blocks)]
-
-
 def _unet_blocks(net: nn.Module) -> list[tuple[str, nn.Module]]:
     """The unet's BasicTransformerBlocks in forward order, inside its stages."""
     return [(f"{prefix}.{name}", module) for prefix, stage in unet_stages(net)
@@ -106,8 +99,8 @@ def _unet_blocks(net: nn.Module) -> list[tuple[str, nn.Module]]:
 # --------------------------------------------------------------------------------------------------
 
 def has_stack(denoiser: Denoiser) -> bool:
-    """Whether the backbone is one replaceable stack of blocks (`blocks`, `replace_blocks`); the unet is not."""
-    return denoiser.cfg.family != "unet"
+    """Whether the backbone is one replaceable stack of blocks (`blocks`, `replace_blocks`): its family's plan."""
+    return plan_of(denoiser.cfg.family).stack
 
 
 def blocks(denoiser: Denoiser) -> nn.ModuleList:

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from framework.models.plans import families_with, plan_of
 from framework.models.blocks import block_views, restack_state, silence_block, stack_depth
 from framework.models.backbones import ModelConfig, build_denoiser, to_model_config
 from framework.training.registry import register_plugin
@@ -92,9 +93,11 @@ def layer_plan(n_source: int, n_target: int, init: str, drop_last: int = 0) -> l
 
 def check_growable(source: ModelConfig, target: ModelConfig) -> None:
     """One clear error unless `target` is `source` with more blocks, in a family that has a stack."""
-    if source.family == "unet" or target.family == "unet":
-        raise ValueError("growth: model.family=unet has no stack of transformer blocks to grow (its blocks sit "
-                         "between resnets at several resolutions); growth supports pixart, sana and dit.")
+    for cfg in (source, target):
+        plan = plan_of(cfg.family)
+        if not plan.stack:
+            raise ValueError(f"growth: model.family={cfg.family} has no stack of transformer blocks to grow "
+                             f"({plan.why_not}); growth supports {families_with(lambda p: p.stack)}.")
     a, b = dataclasses.asdict(source), dataclasses.asdict(target)
     differ = [f"{k}: source {a[k]!r} vs target {b[k]!r}" for k in a if k not in _FREE_FIELDS and a[k] != b[k]]
     if differ:

@@ -1,0 +1,91 @@
+"""Each backbone family's parallel plan: what FSDP2, sequence parallelism, growth, pruning and the cache router
+need to know of a family, in one place, so that their code reads the plan and never branches on family names.
+
+A new family adds one ParallelPlan here (and its block layout to framework/models/blocks.py):
+- `required_blocks`: blocks other parts of the net read (pruning keeps them);
+- `units`: the modules FSDP2 shards one by one, in forward order (activation checkpointing and compile
+  wrap the same units);
+- `stack`: whether its blocks are one replaceable stack (`net.transformer_blocks`: growth, pruning, the
+  cache router) or not, and why not;
+- `sequence`: where its tokens are made and leave the stack and how its self-attention splits across
+  ranks, or None (sequence parallelism refused, with the reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """How a family's token sequence is split over a sequence-parallel group (framework/distributed/sequence.py)."""
+
+    embed: str
+    """The net's submodule whose output is the token sequence (B, N, D): each rank keeps its band after it."""
+    out: str
+    """The net's submodule whose output is gathered back to all N tokens."""
+    attention: str
+    """softmax: Ulysses all-to-all, each rank attends with whole heads (heads must divide); linear: SANA's linear
+    attention, every head kept on every rank and the key-value sums all-reduced."""
+    rows_arg: int | None = None
+    """Index of the blocks' positional `height` argument when a block mixes neighbouring token rows (SANA's
+    Mix-FFN convolution): ranks then hold whole rows and exchange edge rows (a halo); None: tokens are independent."""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    units: Callable[[nn.Module], list[nn.Module]]
+    """net -> its FSDP2 units in forward order."""
+    stack: bool
+    """One replaceable stack of blocks in `net.transformer_blocks`."""
+    sequence: SequencePlan | None
+    """None: sequence parallelism is refused."""
+    why_not: str = ""
+    """Why a family has no stack or no sequence plan (the end of the refusal's message)."""
+    required_blocks: tuple[int, ...] = ()
+    """Blocks that the rest of the net reads besides the stack's own flow (pruning never drops them)."""
+
+
+def _transformer_blocks(net: nn.Module) -> list[nn.Module]:
+    return list(net.transformer_blocks)
+
+
+def unet_stages(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The unet's down blocks, mid block and up blocks in forward order, with their names in the net."""
+    stages = [(f"down_blocks.{i}", b) for i, b in enumerate(net.down_blocks)]
+    if net.mid_block is not None:
+        stages.append(("mid_block", net.mid_block))
+    return stages + [(f"up_blocks.{i}", b) for i, b in enumerate(net.up_blocks)]
+
+
+def _unet_stages(net: nn.Module) -> list[nn.Module]:
+    return [stage for _, stage in unet_stages(net)]
+
+
+PLANS: dict[str, ParallelPlan] = {
+    "pixart": ParallelPlan(_transformer_blocks, stack=True, sequence=SequencePlan("pos_embed", "proj_out", "softmax")),
+    # diffusers' DiT final layer reads block 0's norm1.emb (its timestep and class embedding)
+    "dit": ParallelPlan(_transformer_blocks, stack=True, sequence=SequencePlan("pos_embed", "proj_out_2", "softmax"),
+                        required_blocks=(0,)),
+    "sana": ParallelPlan(_transformer_blocks, stack=True,
+                         # SanaTransformerBlock.forward(hidden_states, attention_mask, encoder_hidden_states,
+                         # encoder_attention_mask, timestep, height, width)
+                         sequence=SequencePlan("patch_embed", "proj_out", "linear", rows_arg=5)),
+    "unet": ParallelPlan(_unet_stages, stack=False, sequence=None,
+                         why_not="its transformer blocks sit between resnets and convolutions at several resolutions"),
+}
+
+
+def plan_of(family: str) -> ParallelPlan:
+    if family not in PLANS:
+        raise ValueError(f"model.family={family} has no parallel plan; known families: {sorted(PLANS)}")
+    return PLANS[family]
+
+
+def families_with(feature: Callable[[ParallelPlan], object]) -> str:
+    """'pixart, sana and dit': the families whose plan has `feature` (for messages)."""
+    names = [f for f, p in PLANS.items() if feature(p)]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
