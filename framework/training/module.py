@@ -72,6 +72,9 @@ class DiffusionModule(pl.LightningModule):
         self.consecutive_skips = 0  # non-finite steps skipped in a row (trainer.skip_nonfinite)
         self._drop_gradients = False  # a non-finite micro-batch on some rank: no parameter changes this step
         self._batch_end: float | None = None  # when the last step ended: the next one's data wait starts there
+        self._configured = False  # configure_model ran (Lightning may call it again)
+        # Counted on the first real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
+        self.flops_per_batch: int | None = None
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -96,7 +99,7 @@ class DiffusionModule(pl.LightningModule):
         from framework.distributed.fsdp import prepare_blocks, shard
 
         s = self.strategy_cfg
-        if s is None or getattr(self, "_configured", False):
+        if s is None or self._configured:
             return
         self._configured = True
         if s.sequence_parallel > 1:  # hooks and processors only: before sharding, on the meta model under fsdp
@@ -173,8 +176,7 @@ class DiffusionModule(pl.LightningModule):
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         if self._logging_step():
             self._log_step_figures()
-        # Counted once on a real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
-        if not hasattr(self, "flops_per_batch"):
+        if self.flops_per_batch is None:
             from framework.models.flops import count_train_flops_per_sample
 
             self.flops_per_batch = count_train_flops_per_sample(self.model, batch) * batch["latents"].shape[0]
