@@ -1,8 +1,9 @@
 """The combinations a user tries, each through the real command, `python -m framework.train`.
 
-Every strategy on 1 and 2 devices, every logger, the plugins and the 8-bit optimizer under fsdp:
-a few steps each, with a sample grid mid-run and the final evaluation on, so a crash anywhere
-(start-up, a grid, a checkpoint, the evaluation, closing the logger) fails here. Each row also
+Every strategy on 1 and 2 devices, every logger, the plugins and the 8-bit optimizer under fsdp,
+background checkpoint saves and a named W&B run: a few steps each, with a sample grid mid-run and the
+final evaluation on, so a crash anywhere (start-up, a grid, a checkpoint, the evaluation, closing the
+logger, exporting the result) fails here. Each row also
 checks what that combination must leave behind.
 """
 
@@ -17,7 +18,7 @@ import pytest
 
 from tests import zygote
 from tests.test_train import losses
-from tests.wandb_records import history, run_ids, wait_for_exit
+from tests.wandb_records import history, run_ids, run_record, wait_for_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -34,7 +35,10 @@ MATRIX = [
     ("ddp-2-none-sequence_parallel", "ddp", 2, "none",
      ["trainer.accumulate_grad_batches=2", "eval.every_n_steps=2", "strategy.sequence_parallel=2"]),
     ("fsdp-1-none", "fsdp", 1, "none", []),
-    ("fsdp-2-wandb", "fsdp", 2, "wandb", ["strategy.sharding=FULL_SHARD", "eval.best_of=2", "eval.selection=tournament"]),
+    # Checkpoints saved in the background; the W&B run named, grouped and tagged from the config; then exported.
+    ("fsdp-2-wandb", "fsdp", 2, "wandb", ["strategy.sharding=FULL_SHARD", "eval.best_of=2", "eval.selection=tournament",
+                                          "strategy.async_save=true", "logger.name=matrix-fsdp", "logger.group=matrix",
+                                          "logger.tags=[fsdp,async]"]),
     # Growth from a 4-block checkpoint ({growth_source}, a tiny trained run) to 6 blocks, with an EMA of the grown weights.
     ("ddp-2-wandb-growth-ema", "ddp", 2, "wandb",
      ["plugins=[growth,ema]", "plugins.growth.ckpt={growth_source}", "plugins.growth.init=cyclic", "model.num_layers=6"]),
@@ -87,6 +91,28 @@ def growth_source(tmp_path_factory, digits_shards) -> Path:
     return Path(train(compose_cfg(cheap(tmp_path_factory.mktemp("source"), digits_shards, steps=2)))["checkpoint"])
 
 
+# Rows whose final checkpoint also goes through `python -m framework.export` (a sharded folder; a grown model's EMA).
+EXPORTED = {"fsdp-2-wandb", "ddp-2-wandb-growth-ema"}
+
+
+def m_id(request: pytest.FixtureRequest) -> str:
+    return request.node.callspec.id
+
+
+def check_export(ckpt: Path, out: Path) -> None:
+    """framework.export (the command) writes the checkpoint's denoiser weights (EMA when present), tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from framework.inference.checkpoint import model_weights, read_checkpoint
+
+    proc = zygote.run([sys.executable, "-m", "framework.export", f"ckpt={ckpt}", f"out={out}"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    exported, want = load_file(str(out)), model_weights(read_checkpoint(ckpt))
+    assert exported.keys() == {k[len("net."):] for k in want}
+    for k, v in want.items():
+        assert exported[k[len("net."):]].equal(v), k
+
+
 # 2-rank rows whose other rank Lightning's launcher starts, as on a user's machine; the other 2-rank rows start
 # both ranks at once (as srun / torchrun do), which spares one interpreter start in turn.
 LIGHTNING_LAUNCHER = {"ddp-2-none-sequence_parallel", "fsdp-2-wandb"}
@@ -130,6 +156,13 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert all(torch.equal(trained[k], v) for k, v in source.items()) and trained.keys() - source.keys() == {"router.logits"}
         assert metrics["cache_schedule"] == "learned" and (run_dir / "cache_schedule.png").is_file()
 
+    if "strategy.async_save=true" in extra:  # the background saves completed: last.ckpt is step 4, nothing half-written
+        from framework.training.checkpointing import checkpoint_step
+
+        assert checkpoint_step(last_ckpt) == STEPS and not list(run_dir.rglob("*.tmp"))
+    if m_id(request) in EXPORTED:  # the checkpoint this combination wrote exports to the weights it holds
+        check_export(last_ckpt, tmp_path / "exported.safetensors")
+
     if logger == "csv":
         assert sorted(losses(run_dir)) == list(range(STEPS))
     else:
@@ -143,6 +176,9 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         # the gradient norm (DTensor shards under fsdp, a frozen backbone's router alone, ...) at every logged step
         assert sorted(r["trainer/global_step"] for r in rows if r.get("train/grad_norm", 0) > 0) == list(range(STEPS))
         assert any("eval/prompt_accuracy" in r for r in rows)
+        if "logger.name=matrix-fsdp" in extra:
+            run = run_record(log)
+            assert (run.display_name, run.run_group, list(run.tags)) == ("matrix-fsdp", "matrix", ["fsdp", "async"])
         assert sum(r.get("samples/_type") == "images/separated" for r in rows) == 2
     else:
         assert not (run_dir / "wandb").exists()
