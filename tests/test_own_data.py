@@ -161,6 +161,41 @@ def test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample(own_d
     torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
 
 
+def test_diffusers_export_of_a_class_conditional_dit_samples_like_framework_sample(own_data, tmp_path, capsys):
+    """dit on labelled latents (a manifest with 3 classes): the exported DiTPipeline draws framework.sample's image for a
+    class from the same noise. Stock DiTPipeline guides with ImageNet's null class 1000, which this model lacks: the
+    export says so, and the comparison runs unguided (guidance 1)."""
+    import pandas as pd
+    from diffusers import DiffusionPipeline
+
+    from data_prep.precompute import precompute
+    from framework.export import ExportCommand, export
+    from framework.inference.pipeline import Pipeline, noise_seeds
+
+    src = make_image_folder(tmp_path / "images", n=12, size=20, seed=3)
+    rows = [{"image": str(p), "caption": p.with_suffix(".txt").read_text(), "label": i % 3}
+            for i, p in enumerate(sorted(src.rglob("*.png")))]
+    pd.DataFrame(rows).to_json(tmp_path / "m.jsonl", orient="records", lines=True)
+    data = precompute({"source": {"name": "manifest", "path": str(tmp_path / "m.jsonl")}, "vae": str(own_data["vae"]),
+                       "text_encoder": str(own_data["text"]), "resolution": 16, "out": str(tmp_path / "latents"),
+                       "progress": False})
+    out = train(compose_cfg(["model=dit_debug", "objective=eps", f"data.path={data}", "data.batch_size=4",
+                             f"run.dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.enable_progress_bar=false",
+                             "logger=none", "eval.at_end=false", "sample.every_n_steps=0", "sample.per_prompt=1",
+                             "sample.steps=2"]))
+    folder = export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers"))
+    assert "guides with class 1000 as the null class" in capsys.readouterr().out
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    assert type(pipe).__name__ == "DiTPipeline" and pipe.scheduler.config.prediction_type == "epsilon"
+    seed, steps, label = 7, 4, 2
+    expected = Pipeline.from_checkpoint(out["checkpoint"]).generate(["class 2"], steps, 1.0, "dpm++", seed, labels=[label])
+    (s,) = noise_seeds(seed, 1)  # framework.sample's noise for this image: DiTPipeline draws it from this generator
+    got = pipe(class_labels=[label], num_inference_steps=steps, guidance_scale=1.0,
+               generator=torch.Generator().manual_seed(s), output_type="pt").images  # (1, 16, 16, 3) in [0, 1]
+    got = torch.as_tensor(got).permute(0, 3, 1, 2)
+    torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
+
+
 def test_diffusers_export_of_sana_needs_a_dc_ae(own_data, tmp_path):
     """diffusers' SanaPipeline is built around a DC-AE: latents from an AutoencoderKL are refused with the way out,
     before anything is written (not an AttributeError from inside diffusers)."""
