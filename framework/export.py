@@ -58,8 +58,7 @@ def export(cmd: ExportCommand) -> Path:
     from safetensors.torch import save_file
 
     from framework.models.backbones import ModelConfig, build_denoiser
-    from framework.training.module import CKPT_KEY
-    from framework.inference.pipeline import model_weights, read_checkpoint
+    from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint
 
     ckpt = read_checkpoint(cmd.ckpt)
     model_cfg = ModelConfig(**ckpt[CKPT_KEY]["config"]["model"])
@@ -89,7 +88,7 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     import diffusers
 
     from data_prep.encoders import load_image_codec, load_text_encoder
-    from framework.training.module import CKPT_KEY
+    from framework.inference.checkpoint import CKPT_KEY
     from framework.models.objectives import Objective, ObjectiveConfig
     from framework.inference.pipeline import with_encoders
 

@@ -127,7 +127,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
 def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     if cfg.resume in (None, "", "null"):
         return None
-    from framework.training.checkpointing import find_resumable, is_sharded
+    from framework.inference.checkpoint import is_sharded
+    from framework.training.checkpointing import find_resumable
 
     if cfg.resume == "auto":
         found = find_resumable(run_dir)  # newest of checkpoints/last.ckpt and Slurm's hpc_ckpt_*.ckpt

@@ -216,7 +216,7 @@ class EMA(pl.Callback):
             # Into the DCP state: each rank writes its own shards (DTensors), with the model's.
             checkpoint["state_dict"].update({f"{EMA_KEY}.{n}": t for n, t in self.ema.items()})
             return
-        from framework.training.module import CKPT_KEY
+        from framework.inference.checkpoint import CKPT_KEY
 
         # One file: the denoiser's full state dict with the averaged tensors in it. The other
         # entries are the very tensors of checkpoint['state_dict'], which torch.save writes once.
@@ -227,7 +227,7 @@ class EMA(pl.Callback):
         checkpoint.setdefault(CKPT_KEY, {})[EMA_KEY] = state
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        from framework.training.module import CKPT_KEY
+        from framework.inference.checkpoint import CKPT_KEY
 
         mine = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if not mine or not mine.get("started"):

@@ -167,7 +167,7 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
     """Measure, choose, write; returns the report written to importance.json."""
     from framework.training.checkpointing import save_derived
     from framework.cli import resolve_device
-    from framework.inference.pipeline import model_weights, read_checkpoint, weights_used
+    from framework.inference.checkpoint import model_weights, read_checkpoint, weights_used
     from framework.evaluation.prompts import prompt_labels
 
     ckpt = read_checkpoint(cmd.ckpt)

@@ -22,7 +22,8 @@ from data_prep.encoders import load_image_codec
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import DIGIT_WORDS, load_digits
 from framework.bench.suite_data import measure_loader_throughput
-from framework.data.datamodule import DataConfig, LatentDataModule, check_compatible, drop_captions, read_dataset_info
+from framework.data.datamodule import DataConfig, LatentDataModule, check_compatible, read_dataset_info
+from framework.models.conditioning import drop_captions
 from framework.data.shards import check_shards
 from tests.conftest import make_image_folder
 from tests import zygote

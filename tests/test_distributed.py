@@ -101,7 +101,7 @@ def probe(run_dir: Path, rank: int = 0) -> dict:
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from framework.inference.pipeline import model_weights, read_checkpoint
+    from framework.inference.checkpoint import model_weights, read_checkpoint
 
     return model_weights(read_checkpoint(ckpt), "train")
 

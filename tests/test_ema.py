@@ -107,7 +107,7 @@ def test_the_ema_is_the_weight_averager_the_framework_asks_for():
 
 
 def test_ema_equals_hand_computed_reference(tmp_path, digits_shards, recorder):
-    from framework.inference.pipeline import model_weights
+    from framework.inference.checkpoint import model_weights
 
     # start=0.25 of 6 steps -> step 1 (rounded down); every 2 -> updates after steps 3 and 5, not 6.
     out = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *ema_plugin(decay=0.8, every=2, start=0.25), steps=6)))
@@ -245,7 +245,7 @@ def test_ddp_two_ranks_keep_the_full_ema_equal_to_one_process(tmp_path, digits_s
 
 
 def test_fsdp_ema_is_sharded_and_resumes_to_the_single_process_ema(tmp_path, digits_shards, single_process_ema):
-    from framework.training.checkpointing import is_sharded, read_sharded
+    from framework.inference.checkpoint import is_sharded, read_sharded
 
     # Crash after step 2 (sharded checkpoint folder), resume on 2 ranks to step 4.
     common = ["strategy=fsdp", "trainer.checkpoint_every_n_steps=2", "resume=auto", *DIST_EMA]

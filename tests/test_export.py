@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from framework.models.backbones import FAMILIES, ModelConfig, build_denoiser, load_weights
-from framework.training.module import CKPT_KEY
-from framework.inference.pipeline import model_weights, read_checkpoint
+from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint
 from tests.test_train import cheap, compose_cfg
 from tests import zygote
 

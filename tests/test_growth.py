@@ -119,7 +119,7 @@ def small_ckpt(tmp_path_factory, digits_shards) -> Path:
 
 
 def test_grown_run_starts_at_the_source_models_loss_and_its_ema_at_the_grown_weights(tmp_path, digits_shards, small_ckpt):
-    from framework.inference.pipeline import model_weights, read_checkpoint
+    from framework.inference.checkpoint import model_weights, read_checkpoint
     from framework.train import train
 
     source = train(compose_cfg(cheap(tmp_path, digits_shards, f"init_from={small_ckpt}", steps=1, run="source")))
@@ -168,7 +168,8 @@ def test_grown_and_pruned_checkpoints_work_in_every_command(tmp_path, digits_sha
     from framework.training.checkpointing import save_derived
     from framework.eval import EvalCommand, evaluate
     from framework.export import ExportCommand, export
-    from framework.inference.pipeline import Pipeline, read_checkpoint
+    from framework.inference.checkpoint import read_checkpoint
+    from framework.inference.pipeline import Pipeline
     from framework.train import train
 
     state, source, record = grow_checkpoint(str(small_ckpt), 5, GrowthConfig(ckpt=str(small_ckpt)), seed=0)

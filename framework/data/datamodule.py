@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from framework.models.conditioning import drop_captions, pad_and_stack  # noqa: F401  (drop_captions: importers of the data module)
+from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
 
 DATASET_FILE = "dataset.json"

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used  # noqa: F401  (importers of the pipeline use them)
+from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint
 from framework.inference.caching import BranchRunner, CacheSchedule, ScheduledSampling, resolve_schedule
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser
 from framework.models.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig, sample_latents

@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from framework.inference.checkpoint import METADATA_FILE as _METADATA_FILENAME, is_sharded, read_sharded
+from framework.inference.checkpoint import CKPT_KEY, METADATA_FILE, is_sharded
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -89,8 +89,6 @@ def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], sour
     """
     import copy
 
-    from framework.inference.checkpoint import CKPT_KEY
-
     path = Path(path)
     if path.suffix != ".ckpt":
         raise ValueError(f"out={path}: give a file name ending in .ckpt")
@@ -114,13 +112,13 @@ def _complete(path: Path) -> bool:
 
 
 def _stamp(path: Path) -> float:
-    return (path / _METADATA_FILENAME).stat().st_mtime if path.is_dir() else path.stat().st_mtime
+    return (path / METADATA_FILE).stat().st_mtime if path.is_dir() else path.stat().st_mtime
 
 
 def checkpoint_step(path: Path) -> int:
     """The global step a checkpoint was written at (a folder's meta.pt, or a file read lazily)."""
     if path.is_dir():
-        return int(torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)["global_step"])
+        return int(torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)["global_step"])
     # mmap: only the pages holding the small "global_step" entry are read, not the tensors.
     return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from framework.inference.checkpoint import CKPT_KEY  # noqa: F401  (the checkpoint entry this module writes)
+from framework.inference.checkpoint import CKPT_KEY
 from framework.models.conditioning import drop_captions
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
 from framework.models.objectives import Objective, ObjectiveConfig

@@ -136,8 +136,7 @@ def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int
 def grow_checkpoint(path: str, n_target: int, cfg: GrowthConfig, seed: int,
                     target_cfg: ModelConfig | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(grown weights, the source checkpoint, a record of what was done) for the checkpoint at `path`."""
-    from framework.training.module import CKPT_KEY
-    from framework.inference.pipeline import model_weights, read_checkpoint, weights_used
+    from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
 
     ckpt = read_checkpoint(path)
     source_cfg = to_model_config(ckpt[CKPT_KEY]["config"]["model"])
