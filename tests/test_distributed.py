@@ -471,13 +471,16 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_on_every_rank(fsdp_runs):
     assert [math.isfinite(logged[s]) for s in range(STEPS)] == [True, True, False, True]
 
 
-def test_fsdp_bf16_mixed_computes_with_bf16_parameters_and_keeps_fp32_masters(tmp_path, digits_shards):
+def test_fsdp_bf16_mixed_computes_with_bf16_parameters_and_keeps_fp32_masters(runs, digits_shards):
     """trainer.precision=bf16-mixed on 2 fsdp ranks: the MixedPrecisionPolicy reaches fully_shard, so the layers
     compute with bf16 copies of the parameters (gathered in bf16: half the traffic) while the shards that the
     optimizer updates stay fp32."""
-    run_train(tmp_path / "bf16", digits_shards, *fsdp(), "trainer.precision=bf16-mixed", "trainer.max_steps=2")
+    # In the module's short folder: the run's TMPDIR holds the data-loader worker's sockets, whose paths must fit
+    # AF_UNIX's 107 characters (under this test's own, long tmp_path they sometimes did not and the loader hung).
+    run_dir = runs.root / "bf16"
+    run_train(run_dir, digits_shards, *fsdp(), "trainer.precision=bf16-mixed", "trainer.max_steps=2")
     for rank in (0, 1):
-        p = probe(tmp_path / "bf16", rank)
+        p = probe(run_dir, rank)
         assert p["forward_dtypes"] == ["torch.bfloat16"], p["forward_dtypes"]
         assert p["master_dtypes"] == ["torch.float32"], p["master_dtypes"]
 
