@@ -265,6 +265,10 @@ def validate(cfg: TrainConfig) -> None:
 
         world = n_devices * t.num_nodes if isinstance(n_devices, int) and n_devices > 0 else None
         check(m, sp, cfg.strategy.sequence_parallel_head_groups, world)
+        if world is not None:
+            from framework.distributed.mesh import ParallelDims
+
+            ParallelDims.of(world, n_devices, sp)  # refuses a sequence group that would span nodes
     if cfg.sample.sampler is not None:
         check_sampler(cfg.objective.name, cfg.sample.sampler)
     if cfg.eval.sampler is not None:

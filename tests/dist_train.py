@@ -61,6 +61,20 @@ class Probe(pl.Callback):
         linear = next(m for m in pl_module.model.modules() if isinstance(m, torch.nn.Linear))
         self.forward_dtypes: set[str] = set()
         linear.register_forward_hook(lambda mod, *_: self.forward_dtypes.add(str(mod.weight.dtype)))
+        # The job's one mesh: what FSDP2's parameters and the sequence-parallel group were built on.
+        from framework.distributed.sequence import group_of
+
+        mesh = getattr(trainer.strategy, "mesh", None)
+        param = next(pl_module.model.parameters())
+        sp = group_of(pl_module.model)
+        self.mesh = None if mesh is None else {
+            "dims": [mesh.dims.replicate, mesh.dims.shard, mesh.dims.sequence],
+            "param_mesh": list(param.device_mesh.mesh_dim_names) if hasattr(param, "device_mesh") else None,
+            "param_mesh_from_job_mesh": hasattr(param, "device_mesh")
+            and param.device_mesh._get_root_mesh() is mesh.device_mesh,
+            "sequence_group_from_job_mesh": sp is not None and sp.group is mesh.sequence_group()[0],
+            "data_parallel": [sp.dp_rank, sp.dp_size] if sp is not None else None,
+        }
         if trainer.global_step != 0:  # a resumed run: its start is not the run's
             return
         init = {n: full_tensor(p.detach()).clone() for n, p in pl_module.model.named_parameters()}  # all ranks gather
@@ -81,6 +95,7 @@ class Probe(pl.Callback):
         self._rs_in_backward = self._rs_calls - self._rs_before
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.skipped.append(pl_module.step_skipped)  # whether the module dropped this step's gradients
         self.reduce_scatters.append(self._rs_in_backward)
         self.micro += 1
         if os.environ.get("PROBE_PAUSE_AT") != str(trainer.global_step):
@@ -94,9 +109,6 @@ class Probe(pl.Callback):
         # After backward (parameters resharded, gradients present), before the step; state from earlier steps.
         from torch.distributed.tensor import DTensor
 
-        # Callbacks run before the module's hook: whether the module will drop this step's gradients.
-        self.skipped.append(bool(getattr(pl_module, "_drop_gradients", False)))
-
         state = optimizer.state
         self.params = {
             name: {"dtensor": isinstance(p, DTensor), "local_shape": list(p.to_local().shape if isinstance(p, DTensor) else p.shape),
@@ -106,7 +118,7 @@ class Probe(pl.Callback):
         }
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        out = {"world_size": trainer.world_size, "keys": self.keys, "params": getattr(self, "params", {}),
+        out = {"world_size": trainer.world_size, "mesh": self.mesh, "keys": self.keys, "params": getattr(self, "params", {}),
                "reduce_scatters": self.reduce_scatters, "skipped": self.skipped,
                "forward_dtypes": sorted(self.forward_dtypes),
                # whether this rank's grid pipeline loaded the image codec (the final grid ran just before this)

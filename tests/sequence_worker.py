@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from framework.distributed.env import init_from_env
 from framework.models.backbones import build_denoiser, load_preset
+from framework.distributed.mesh import Mesh, job_mesh
 from framework.distributed.sequence import init, install
 
 
@@ -26,8 +27,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def compare(family: str, head_groups: int) -> dict[str, float]:
-    P = dist.get_world_size()
+def compare(mesh: Mesh, family: str, head_groups: int) -> dict[str, float]:
     torch.manual_seed(0)
     # 4 heads (2 per rank, 2 groups of 1 per rank with head_groups=2); sana: 8 rows of tokens, 4 per rank
     overrides = {"num_heads": 4, "width": 128, "num_layers": 2}
@@ -37,7 +37,7 @@ def compare(family: str, head_groups: int) -> dict[str, float]:
     for p in ref.parameters():  # zero-initialised output layers would hide errors in the blocks
         torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.02)
     model = copy.deepcopy(ref)
-    install(model, init(P, head_groups))
+    install(model, init(mesh, "cpu", head_groups))
     seen = []
     model.net.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
     cfg = ref.cfg
@@ -68,7 +68,7 @@ def compare(family: str, head_groups: int) -> dict[str, float]:
             "params": sum(1 for p in ref.parameters() if p.grad is not None)}
 
 
-def sample(data: str, family: str) -> dict[str, float | list[int]]:
+def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
     from framework.data.datamodule import read_dataset_info
     from framework.models.objectives import Objective, ObjectiveConfig
     from framework.inference.pipeline import Pipeline
@@ -83,7 +83,7 @@ def sample(data: str, family: str) -> dict[str, float | list[int]]:
     plain = Pipeline(copy.deepcopy(model), Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
     split = Pipeline(model, Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
     want = plain.generate(prompts, steps=3, seed=2, batch_size=2)
-    install(model, init(dist.get_world_size()))
+    install(model, init(mesh, "cpu"))
     got = split.generate(prompts, steps=3, seed=2, batch_size=2, split_ranks=True)
     diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
     return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape)}
@@ -91,12 +91,13 @@ def sample(data: str, family: str) -> dict[str, float | list[int]]:
 
 def main(data: str, out: str) -> None:
     init_from_env()
+    mesh = job_mesh(sequence=dist.get_world_size())  # one sequence group of every rank
     result = {}
     for family in ("pixart", "sana"):
-        result[f"sample/{family}"] = sample(data, family)
+        result[f"sample/{family}"] = sample(mesh, data, family)
     for family in ("pixart", "sana", "dit"):
         for head_groups in ((1, 2) if family != "sana" else (1,)):
-            result[f"{family}/{head_groups}"] = compare(family, head_groups)
+            result[f"{family}/{head_groups}"] = compare(mesh, family, head_groups)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -206,6 +206,20 @@ def test_two_ranks_follow_the_single_process_losses(runs, name):
     same_updates(runs[name], runs["ref"])
 
 
+def test_fsdp_and_sequence_parallelism_share_the_job_mesh(runs):
+    """4 ranks, fsdp with sequence_parallel=2: one mesh (1 replicate x 2 shard x 2 sequence) from the strategy
+    config; the parameters are sharded over its flattened dims (every rank) and each sequence group is its
+    ulysses dim, ranks 0-1 and 2-3 holding data-parallel slices 0 and 1."""
+    for rank in range(4):
+        m = probe(runs["sp_2x2"], rank)["mesh"]
+        assert m["dims"] == [1, 2, 2]
+        assert m["param_mesh"] == ["fsdp"] and m["param_mesh_from_job_mesh"], m
+        assert m["sequence_group_from_job_mesh"], m
+        assert m["data_parallel"] == [rank // 2, 2]
+    plain = probe(runs["sgo"], 0)["mesh"]
+    assert plain["dims"] == [1, 2, 1] and plain["param_mesh_from_job_mesh"] and plain["data_parallel"] is None
+
+
 @pytest.mark.parametrize("name", ["sgo", "full"])
 def test_fsdp_parameters_are_sharded_dtensors_and_frozen_ones_get_no_state(runs, name):
     for rank in (0, 1):

@@ -59,6 +59,34 @@ def test_sizes_a_group_cannot_split_are_refused():
         StrategyConfig(name="ddp", sequence_parallel=2, compile=True)
 
 
+def test_the_job_mesh_dims_follow_nodes_and_sequence_groups():
+    """ParallelDims.of: replicate x shard x sequence = the world; hybrid replicates across nodes; a sequence group
+    never spans nodes."""
+    from framework.distributed.mesh import ParallelDims
+
+    assert ParallelDims.of(8, 8) == ParallelDims(1, 8, 1)
+    assert ParallelDims.of(32, 8, sequence=4) == ParallelDims(1, 8, 4)
+    assert ParallelDims.of(32, 8, sequence=4, hybrid=True) == ParallelDims(4, 2, 4)
+    d = ParallelDims.of(16, 4, sequence=2, hybrid=True)
+    assert (d.world, d.data_parallel) == (16, 8)
+    with pytest.raises(ValueError, match="would span nodes"):
+        ParallelDims.of(16, 2, sequence=4)  # 2 ranks per node, groups of 4
+    with pytest.raises(ValueError, match="does not divide the 6 ranks"):
+        ParallelDims.of(6, 6, sequence=4)
+    with pytest.raises(ValueError, match="do not split into nodes"):
+        ParallelDims.of(6, 4)
+
+
+def test_training_refuses_a_sequence_group_across_nodes_at_start_up(tmp_path, digits_shards):
+    from framework.train import train
+    from tests.test_train import cheap, compose_cfg
+
+    overrides = [*cheap(tmp_path, digits_shards, steps=1), "strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2",
+                 "strategy.sequence_parallel=4"]
+    with pytest.raises(ValueError, match="sequence_parallel=4 does not divide the 2 ranks of a node"):
+        train(compose_cfg(overrides))
+
+
 def test_training_refuses_an_indivisible_split_at_start_up(tmp_path, digits_shards):
     from framework.train import train
     from tests.test_train import cheap, compose_cfg

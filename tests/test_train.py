@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import json
 import sys
 from pathlib import Path
@@ -212,9 +213,56 @@ def test_skip_nonfinite_skips_the_bad_step_and_finishes(tmp_path, digits_shards,
     monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), _PoisonBatch(at=2)])
     out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.skip_nonfinite=true", steps=5)))
     ckpt = torch.load(out["checkpoint"], weights_only=True)
-    assert ckpt["global_step"] == 5  # the poisoned micro-batch did not count as a step
+    assert ckpt["global_step"] == 5  # the skipped step counts as a step (as on several ranks), its update is dropped
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
     assert len(losses(Path(out["run_dir"]))) == 5
+
+
+class _PoisonGradient(pl.Callback):
+    """Puts an inf into one gradient after the backward of one micro-batch (a finite loss, an overflowing backward)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.seen == self.at:
+            next(p for p in pl_module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        self.seen += 1
+
+
+def _with_callback(monkeypatch, callback: pl.Callback) -> None:
+    import framework.train as train_lib
+
+    base = train_lib.build_callbacks
+    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), callback])
+
+
+def test_a_nonfinite_gradient_with_a_finite_loss_is_skipped(tmp_path, digits_shards, monkeypatch):
+    """The gradient norm is checked with the loss: step 2's backward overflows while its loss is finite, and
+    skip_nonfinite drops that update (the weights saved after step 3 equal those saved after step 2)."""
+    _with_callback(monkeypatch, _PoisonGradient(at=2))
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.skip_nonfinite=true",
+                                  "trainer.checkpoint_every_n_steps=1", "trainer.keep_checkpoints=10", steps=4)))
+    ckpts = Path(out["run_dir"]) / "checkpoints"
+    w2, w3, w4 = (torch.load(ckpts / f"step{s:07d}.ckpt", weights_only=True)["state_dict"] for s in (2, 3, 4))
+    for k in w2:
+        torch.testing.assert_close(w3[k], w2[k], rtol=0, atol=0)
+    assert any(not torch.equal(w4[k], w3[k]) for k in w3)  # the next step trains again
+    assert all(math.isfinite(v) for v in losses(Path(out["run_dir"])).values())
+
+
+def test_a_nonfinite_step_found_late_leaves_no_checkpoint_of_its_weights(tmp_path, digits_shards, monkeypatch):
+    """Without skip_nonfinite the flag is read on logging steps, before saves and at the end, not every step: with
+    logging every 100 steps, the NaN of step 2 stops the run at the next save, and the newest checkpoint on disk
+    is the one from before it."""
+    _with_callback(monkeypatch, _PoisonBatch(at=2))
+    with pytest.raises(Exception, match="at step 2; stopping"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=100",
+                                "trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=10", steps=6)))
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step*.ckpt")) == ["step0000002.ckpt"]
+    saved = torch.load(ckpts / "step0000002.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.isfinite(v).all() for v in saved.values() if v.is_floating_point())
 
 
 def test_skip_nonfinite_gives_up_on_a_run_of_bad_steps(tmp_path, digits_shards):

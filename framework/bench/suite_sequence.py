@@ -88,6 +88,7 @@ def _measure(model: Any, side: int, cfg: Any, bench: SequenceBench,
 
 def run(bench: SequenceBench) -> list[dict[str, Any]]:
     from framework.models.backbones import build_denoiser, load_preset
+    from framework.distributed.mesh import job_mesh
     from framework.distributed.sequence import init, install
 
     import os
@@ -112,7 +113,7 @@ def run(bench: SequenceBench) -> list[dict[str, Any]]:
         if P > 1:
             if not real:
                 _fake_group(P)
-            install(model, init(P, G, device))
+            install(model, init(job_mesh(P, device_type=device.type), device, G))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         for side in bench.latent_sizes:
             tokens = (side // cfg.patch_size) ** 2

@@ -100,7 +100,7 @@ def fsdp_param_dtype(precision: str | None, mixed_precision: bool = True) -> tor
 
 
 def shard(denoiser: Denoiser, mesh: Any, sharding: str, param_dtype: torch.dtype | None) -> Denoiser:
-    """fully_shard every block, then the root, on the 1-D data-parallel `mesh` (in place)."""
+    """fully_shard every block, then the root, on `mesh` (in place): the job mesh's fsdp_mesh()."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding == "FULL_SHARD"}

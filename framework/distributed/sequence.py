@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from framework.distributed.mesh import Mesh
 from framework.models.backbones import Denoiser, ModelConfig
 from framework.models.plans import families_with, plan_of
 
@@ -100,34 +101,31 @@ class SequenceParallel:
     # >1: split the all-to-all per head group and overlap it with attention (ScaleFusion)
 
 
-def init(size: int, head_groups: int = 1, device: torch.device | str = "cpu") -> SequenceParallel:
-    """Build the mesh on every rank of the running process group (a collective: all ranks call it)."""
+def init(mesh: Mesh, device: torch.device | str, head_groups: int = 1) -> SequenceParallel:
+    """This rank's SequenceParallel from the job's mesh (framework/distributed/mesh.py): its ulysses dim is the
+    group; the first use builds the group's diffusers config (a collective: every rank calls it)."""
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
-    from torch.distributed.device_mesh import init_device_mesh
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size:
-        raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job")
-    device = torch.device(device)
-    # Sequence ranks innermost: a group is P consecutive ranks (one node's GPUs, NVLink for the all-to-all).
-    mesh = init_device_mesh(device.type, (world // size, 1, size), mesh_dim_names=("dp", "ring", "ulysses"))
+    size = mesh.dims.sequence
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size))
-    config.setup(rank, world, device, mesh=mesh["ring", "ulysses"])
-    return SequenceParallel(size, mesh["ulysses"].get_local_rank(), mesh["ulysses"].get_group(),
-                            mesh["dp"].get_local_rank(), world // size, config, head_groups)
+    config.setup(mesh.rank, mesh.dims.world, torch.device(device), mesh=mesh.sequence_mesh())
+    group, rank = mesh.sequence_group()
+    return SequenceParallel(size, rank, group, mesh.data_parallel_rank, mesh.dims.data_parallel, config, head_groups)
 
 
 def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> None:
     """For the sample and eval commands under torchrun: join the job's process group and split `model` over
     groups of `size` ranks."""
     from framework.distributed.env import init_from_env
+    from framework.distributed.mesh import job_mesh
 
     world = init_from_env()
     if world == 1:
         raise ValueError(f"sequence_parallel={size} needs a multi-process job: launch with "
                          f"torchrun --standalone --nproc_per_node={size} -m ...")
     check(model.cfg, size, head_groups, world)
-    install(model, init(size, head_groups, next(model.parameters()).device))
+    device = next(model.parameters()).device
+    install(model, init(job_mesh(size, device_type=device.type), device, head_groups))
 
 
 def group_of(module: nn.Module) -> SequenceParallel | None:

@@ -1,9 +1,11 @@
 """How the model is spread over devices: `strategy=single|ddp|fsdp`.
 
-single and ddp are Lightning's own strategies. fsdp is FSDP2 (`fully_shard`) applied in
-DiffusionModule.configure_model through Lightning's ModelParallelStrategy on a 1-D data-parallel
-mesh over every device of every node: each backbone block is one FSDP unit, then the root
-(the units, the sharding and the meta-device build are in framework/distributed/fsdp.py).
+single is Lightning's own strategy; ddp is Lightning's DDPStrategy and fsdp its ModelParallelStrategy, each
+building the job's one mesh (framework/distributed/mesh.py: replicate x shard x sequence) in place of
+Lightning's when the processes exist. fsdp is FSDP2 (`fully_shard`) applied in
+DiffusionModule.configure_model on that mesh's FSDP dims (every rank of every node): each backbone block
+is one FSDP unit, then the root (the units, the sharding and the meta-device build are in
+framework/distributed/fsdp.py). Sequence parallelism takes its groups from the same mesh.
 
     SHARD_GRAD_OP  reshard_after_forward=False: a block's parameters stay gathered from its forward
                    to its backward (no second all-gather); gradients and optimizer state are sharded.
@@ -24,9 +26,10 @@ from pathlib import Path
 from typing import Any, Generator
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy, Strategy
 
 from framework.distributed.fsdp import fsdp_param_dtype
+from framework.distributed.mesh import Mesh, ParallelDims
 
 # --------------------------------------------------------------------------------------------
 # Lightning strategies
@@ -97,18 +100,39 @@ class ShardedSaver:
         self.barrier()
 
 
+def _job_mesh(strategy: ParallelStrategy, sequence: int) -> Mesh:
+    """The job's mesh over the strategy's processes (num_nodes x num_processes ranks)."""
+    return ParallelDims.of(strategy.world_size, strategy.num_processes, sequence).build(strategy.root_device.type)
+
+
+class MeshDDPStrategy(DDPStrategy):
+    """Lightning's DDP (frozen parameters skipped by the reducer, so no unused-parameter search) that also
+    builds the job's mesh for sequence parallelism."""
+
+    def __init__(self, sequence_parallel: int = 1) -> None:
+        super().__init__(find_unused_parameters=False)
+        self.sequence_parallel = sequence_parallel
+        self.mesh: Mesh | None = None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.mesh = _job_mesh(self, self.sequence_parallel)
+
+
 class FSDPStrategy(ModelParallelStrategy):
-    """ModelParallelStrategy on a pure data-parallel mesh, with swap-in-place sharded checkpoints.
+    """ModelParallelStrategy on the job's mesh (data parallel x sequence), with swap-in-place sharded checkpoints.
 
     `param_dtype`: what FSDP2 casts parameters to in forward/backward (fsdp_param_dtype).
     `async_save`: sharded checkpoints written in the background (ShardedSaver).
     """
 
     def __init__(self, sharding: str, param_dtype: torch.dtype | None, sharded_checkpoint: bool = True,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, sequence_parallel: int = 1) -> None:
         super().__init__(save_distributed_checkpoint=sharded_checkpoint)
         self.sharding, self.param_dtype = sharding, param_dtype
         self.async_save = async_save
+        self.sequence_parallel = sequence_parallel
+        self.mesh: Mesh | None = None
         self._saver: ShardedSaver | None = None
 
     @contextmanager
@@ -131,10 +155,18 @@ class FSDPStrategy(ModelParallelStrategy):
                 m.set_requires_gradient_sync(True, recurse=False)
 
     def setup_environment(self) -> None:
-        # All ranks of all nodes form one data-parallel dimension (no tensor parallelism).
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
-        super().setup_environment()
+        # ModelParallelStrategy's own would build a (data_parallel, tensor_parallel) mesh: the job's mesh instead.
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self.mesh = _job_mesh(self, self.sequence_parallel)
+        self._device_mesh = self.mesh.device_mesh
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """A sampler's split (Streaming's datasets take theirs from the environment): by data-parallel rank."""
+        assert self.mesh is not None
+        return {"num_replicas": self.mesh.dims.data_parallel, "rank": self.mesh.data_parallel_rank}
 
     @property
     def saver(self) -> ShardedSaver:
@@ -188,7 +220,7 @@ def build_strategy(cfg: Any, precision: str) -> Strategy | str:
     if cfg.name == "single":
         return "auto"
     if cfg.name == "ddp":
-        # Frozen parameters (requires_grad=False) are skipped by DDP's reducer, so no unused-parameter search.
-        return DDPStrategy(find_unused_parameters=False)
+        return MeshDDPStrategy(cfg.sequence_parallel)
     return FSDPStrategy(cfg.sharding, fsdp_param_dtype(precision, cfg.mixed_precision),
-                        sharded_checkpoint=cfg.sharded_checkpoint, async_save=cfg.async_save)
+                        sharded_checkpoint=cfg.sharded_checkpoint, async_save=cfg.async_save,
+                        sequence_parallel=cfg.sequence_parallel)

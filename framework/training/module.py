@@ -70,7 +70,10 @@ class DiffusionModule(pl.LightningModule):
         self.empty_text: torch.Tensor | None = None
         self.dataset_info: dict[str, Any] = {}
         self.consecutive_skips = 0  # non-finite steps skipped in a row (trainer.skip_nonfinite)
-        self._drop_gradients = False  # a non-finite micro-batch on some rank: no parameter changes this step
+        self.step_skipped = False  # trainer.skip_nonfinite: the last optimizer step was skipped
+        self._loss_finite: torch.Tensor | None = None  # this step's micro-batch losses all finite (device bool)
+        self._first_bad: torch.Tensor | None = None  # the first step with a non-finite loss / norm, -1: none (device)
+        self._grad_norm: torch.Tensor | None = None  # this step's gradient norm, for clipping
         self._batch_end: float | None = None  # when the last step ended: the next one's data wait starts there
         self._configured = False  # configure_model ran (Lightning may call it again)
         # Counted on the first real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
@@ -102,15 +105,15 @@ class DiffusionModule(pl.LightningModule):
         if s is None or self._configured:
             return
         self._configured = True
+        strategy = self.trainer.strategy
+        mesh = getattr(strategy, "mesh", None)  # the job's one mesh (framework/distributed/mesh.py): ddp and fsdp
         if s.sequence_parallel > 1:  # hooks and processors only: before sharding, on the meta model under fsdp
             from framework.distributed.sequence import init, install
 
-            install(self.model, init(s.sequence_parallel, s.sequence_parallel_head_groups,
-                                     self.trainer.strategy.root_device))
+            install(self.model, init(mesh, strategy.root_device, s.sequence_parallel_head_groups))
         prepare_blocks(self.model, s.activation_checkpointing, s.compile)
         if s.name == "fsdp":
-            strategy = self.trainer.strategy
-            shard(self.model, self.device_mesh["data_parallel"], s.sharding, strategy.param_dtype)
+            shard(self.model, mesh.fsdp_mesh(), s.sharding, strategy.param_dtype)
             if self._init_rng_state is not None:
                 from framework.distributed.fsdp import materialize
 
@@ -142,11 +145,6 @@ class DiffusionModule(pl.LightningModule):
     def on_train_start(self) -> None:
         for logger in self.trainer.loggers:  # the resolved run config as the run's config (W&B) / hparams.yaml
             logger.log_hyperparams(self.config)
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        import time
-
-        self._batch_end = time.perf_counter()
 
     def _log_step_figures(self) -> None:
         """train/data_wait_ms: time from the end of the last step to the start of this one (the loader's fetch
@@ -231,69 +229,104 @@ class DiffusionModule(pl.LightningModule):
             if self._logging_step():
                 self._log_loss_by_level(pred, target, t)
 
-        if not self._all_finite(loss):
-            if not self.skip_nonfinite:
-                raise NonFiniteLossError(
-                    f"loss is {loss.item()} (on rank {self.global_rank}, or another rank's loss is) at step "
-                    f"{self.global_step}; stopping with the last good checkpoint intact."
-                    " Lower optimizer.lr, enable gradient clipping, or set trainer.skip_nonfinite=true to skip such steps."
-                )
-            # A skipped step does not change the weights, so a run whose weights are already
-            # non-finite would loop forever: give up after a run of skips.
-            self.consecutive_skips += 1
-            if self.consecutive_skips > MAX_CONSECUTIVE_SKIPS:
-                raise NonFiniteLossError(
-                    f"{self.consecutive_skips} consecutive non-finite losses at step {self.global_step}: the weights"
-                    " are likely broken; resume from an earlier checkpoint with a lower optimizer.lr."
-                )
-            if self.trainer.world_size == 1:
-                return None  # Lightning skips backward and the optimizer step
-            # Lightning refuses None with several ranks, and every rank must run the same backward
-            # collectives: backward runs, and on_before_optimizer_step drops the gradients on all ranks.
-            self._drop_gradients = True
-            # Logged as the non-finite value it is (Lightning would otherwise repeat the last step's loss).
-            self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, batch_size=x0.shape[0], sync_dist=True)
-            return loss
-        self.consecutive_skips = 0
+        # Checked with this step's gradient norm in on_before_optimizer_step: no host wait here.
+        finite = torch.isfinite(loss.detach())
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
         self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0],
                  sync_dist=self.trainer.world_size > 1)
         return loss
 
+    # ---- finiteness: the losses and the gradient norm, once per optimizer step ----------------
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a non-finite micro-batch on any rank (several ranks only): no parameter changes this step.
+        """The global gradient norm (also what clipping uses) and this step's losses, checked for finiteness together.
 
-        Gradients set to None make AdamW and CAME leave those parameters, and their state, untouched;
-        the whole accumulation window is dropped. (Under 16-mixed the GradScaler also sees the inf/NaN.)
+        One flag, all-reduced (min) so every rank agrees; its value stays on the device. With
+        trainer.skip_nonfinite the host reads it now (skipping must be decided before the step): a bad step's
+        gradients are dropped on every rank, so no parameter or optimizer state changes (the step still counts).
+        Otherwise the first bad step is recorded on the device and read at logging steps, before every
+        checkpoint save and at the end of training (check_finite): the run stops there, before any checkpoint
+        holds the non-finite weights, with no host wait on the other steps.
         """
-        if self._drop_gradients:
-            optimizer.zero_grad(set_to_none=True)
-            self._drop_gradients = False
-        elif self._logging_step():
-            self._log_grad_norm()
-
-    def _log_grad_norm(self) -> None:
-        """train/grad_norm: the global gradient norm before clipping (whole-model under fsdp: the shards' norms
-        are combined by DTensor)."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return
-        norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):  # a DTensor under fsdp: every rank takes part
-            norm = norm.full_tensor()
-        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
-
-    def _all_finite(self, loss: torch.Tensor) -> bool:
-        """Whether the loss is finite on every rank: ranks must agree to skip a step, or the ones that
-        skip backward leave the others waiting in a gradient collective forever."""
-        finite = torch.isfinite(loss.detach()).float()
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        self._grad_norm = norm  # a DTensor under fsdp (the shards' norms combined): clipping takes it as it is
+        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        ok = torch.isfinite(whole.detach().float()).reshape(())
+        if self._loss_finite is not None:
+            ok = ok & self._loss_finite.reshape(())
+        self._loss_finite = None
         if self.trainer.world_size > 1:
-            finite = self.trainer.strategy.reduce(finite, reduce_op="min")
-        return bool(finite)
+            import torch.distributed as dist
+
+            flag = ok.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # enqueued; NCCL keeps the host going
+            ok = flag.bool()
+        if self.skip_nonfinite:
+            self.step_skipped = not bool(ok)
+            if self.step_skipped:
+                self._skip(optimizer)
+            else:
+                self.consecutive_skips = 0
+        else:
+            step = torch.full((), self.global_step, dtype=torch.long, device=ok.device)
+            first = self._first_bad if self._first_bad is not None else torch.full_like(step, -1)
+            self._first_bad = torch.where(ok | (first >= 0), first, step)
+        if self._logging_step():
+            self.log("train/grad_norm", whole.detach().float(), on_step=True, on_epoch=False)
+
+    def _skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """trainer.skip_nonfinite: no parameter changes this step (gradients set to None make AdamW and CAME leave
+        the parameters and their state untouched; under 16-mixed the GradScaler has seen the inf/NaN too)."""
+        optimizer.zero_grad(set_to_none=True)
+        self._grad_norm = None
+        # A skipped step does not change the weights, so a run whose weights are already
+        # non-finite would loop forever: give up after a run of skips.
+        self.consecutive_skips += 1
+        if self.consecutive_skips > MAX_CONSECUTIVE_SKIPS:
+            raise NonFiniteLossError(
+                f"{self.consecutive_skips} consecutive non-finite losses at step {self.global_step}: the weights"
+                " are likely broken; resume from an earlier checkpoint with a lower optimizer.lr."
+            )
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip by the norm on_before_optimizer_step computed (one pass over the gradients, not two)."""
+        if not gradient_clip_val or self._grad_norm is None or gradient_clip_algorithm not in (None, "norm"):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for p in self.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self._grad_norm)
+        self._grad_norm = None
+
+    def check_finite(self) -> None:
+        """Stop (every rank: the flag is the same on all) if some step since the last check had a non-finite loss or
+        gradient norm. A host read: called on logging steps, before checkpoint saves and at the end of training."""
+        if self._first_bad is None:
+            return
+        step = int(self._first_bad)
+        if step < 0:
+            return
+        raise NonFiniteLossError(
+            f"loss is nan or inf (or the gradient norm is) on some rank at step {step}; stopping with the last good "
+            "checkpoint intact. Lower optimizer.lr, enable gradient clipping, or set trainer.skip_nonfinite=true to "
+            "skip such steps."
+        )
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        import time
+
+        if self._logging_step():
+            self.check_finite()
+        self._batch_end = time.perf_counter()
+
+    def on_train_end(self) -> None:
+        self.check_finite()
 
     # ---- checkpoints --------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.check_finite()  # never save weights that a non-finite step produced
         # update, not replace: callbacks' on_save_checkpoint ran first (plugins/ema.py adds ema_state).
         checkpoint.setdefault(CKPT_KEY, {}).update({
             "config": self.config,

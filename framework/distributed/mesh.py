@@ -1,0 +1,123 @@
+"""The job's one device mesh: data-parallel replicate x shard, then the sequence-parallel group.
+
+    dim        size                                   what runs over it
+    replicate  1 (the node count under hybrid          FSDP2 replicates the shards across it (HSDP)
+               sharding)
+    shard      the remaining data-parallel ranks       FSDP2 shards parameters over shard x ring x ulysses
+    ring       1                                      (diffusers' context-parallel config takes a
+                                                      ring x ulysses mesh; ring attention is not used)
+    ulysses    strategy.sequence_parallel (P)          the all-to-all attention of one sequence group
+
+Ranks are laid out row-major, ulysses innermost: a sequence group is P consecutive ranks, so on a node
+of G ranks (P dividing G) it never leaves the node, and a replicate slice is one node's ranks. The
+data-parallel position of a rank (which samples it holds) is its index over replicate x shard: the P
+ranks of a sequence group hold the same samples.
+
+Built once per job from the strategy config (`ParallelDims.of(...).build(...)`): the Lightning
+strategies build it in setup_environment (framework/distributed/strategy.py), the sampling commands
+and benchmarks under torchrun with `job_mesh`; FSDP2 (`fsdp_mesh`) and sequence parallelism
+(`sequence_mesh`, `sequence_group`) take their sub-meshes from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DIM_NAMES = ("replicate", "shard", "ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The sizes of the mesh dims; replicate x shard x sequence = the world size."""
+
+    replicate: int
+    shard: int
+    sequence: int
+
+    @classmethod
+    def of(cls, world: int, ranks_per_node: int, sequence: int = 1, hybrid: bool = False) -> "ParallelDims":
+        """The dims of a job of `world` ranks, `ranks_per_node` on each node; refuses sizes that do not fit.
+
+        hybrid: replicate across nodes, shard within one (strategy.sharding=HYBRID_SHARD).
+        """
+        if world < 1 or ranks_per_node < 1 or world % ranks_per_node:
+            raise ValueError(f"{world} ranks do not split into nodes of {ranks_per_node}")
+        if sequence < 1 or world % sequence:
+            raise ValueError(f"strategy.sequence_parallel={sequence} does not divide the {world} ranks of this job; "
+                             f"use a device count that is a multiple of {sequence}")
+        if ranks_per_node % sequence:
+            raise ValueError(f"strategy.sequence_parallel={sequence} does not divide the {ranks_per_node} ranks of a "
+                             f"node: a sequence group would span nodes and run its per-layer all-to-all over the "
+                             f"network; pick a sequence_parallel that divides the devices per node")
+        replicate = world // ranks_per_node if hybrid else 1
+        return cls(replicate, world // (replicate * sequence), sequence)
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.shard * self.sequence
+
+    @property
+    def data_parallel(self) -> int:
+        """How many different sample slices the job trains on per step (sequence groups count once)."""
+        return self.replicate * self.shard
+
+    def build(self, device_type: str) -> "Mesh":
+        """The DeviceMesh over the running process group (a collective: every rank calls it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_mesh = init_device_mesh(device_type, (self.replicate, self.shard, 1, self.sequence),
+                                       mesh_dim_names=DIM_NAMES)
+        return Mesh(self, device_mesh)
+
+
+@dataclass
+class Mesh:
+    """A job's ParallelDims and the DeviceMesh built from them, with the sub-meshes each user takes."""
+
+    dims: ParallelDims
+    device_mesh: Any  # torch.distributed.device_mesh.DeviceMesh with DIM_NAMES
+    _fsdp: Any = field(default=None, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.device_mesh.get_rank()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index over replicate x shard: which slice of the global batch it (and its group) holds."""
+        return self.rank // self.dims.sequence
+
+    def fsdp_mesh(self) -> Any:
+        """What fully_shard takes: shard x ring x ulysses flattened into one dim, with replicate in front when the
+        job replicates across nodes (2-D, HSDP); otherwise 1-D over every rank. Built on first use (a collective)."""
+        if self._fsdp is None:
+            if self.dims.replicate == 1:
+                self._fsdp = self.device_mesh[DIM_NAMES]._flatten("fsdp")
+            else:
+                self.device_mesh[DIM_NAMES[1:]]._flatten("fsdp_shard")
+                self._fsdp = self.device_mesh["replicate", "fsdp_shard"]
+        return self._fsdp
+
+    def sequence_mesh(self) -> Any:
+        """ring x ulysses: the sequence group as diffusers' context-parallel config takes it."""
+        return self.device_mesh["ring", "ulysses"]
+
+    def sequence_group(self) -> tuple[Any, int]:
+        """(the ProcessGroup of this rank's sequence group, this rank's index in it)."""
+        ulysses = self.device_mesh["ulysses"]
+        return ulysses.get_group(), ulysses.get_local_rank()
+
+
+def job_mesh(sequence: int = 1, hybrid: bool = False, device_type: str | None = None) -> Mesh:
+    """The mesh of a job torchrun (or srun) started outside Lightning, over its running process group:
+    WORLD_SIZE ranks, LOCAL_WORLD_SIZE per node."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return ParallelDims.of(world, per_node, sequence, hybrid).build(device_type)
