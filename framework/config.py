@@ -102,6 +102,9 @@ class TrainerConfig:
     """Numbered checkpoints (checkpoints/stepNNNNNNN.ckpt) kept besides last.ckpt: the newest N (0: none)."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run."""
+    allow_global_batch_change: bool = False
+    """Resume a checkpoint whose global batch (batch_size x data-parallel ranks x accumulation) differs from this run's;
+    refused otherwise."""
     enable_progress_bar: bool = True
     """Show the progress bar."""
 

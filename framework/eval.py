@@ -195,7 +195,14 @@ ConfigStore.instance().store(name="eval_command", node=EvalCommand)
 
 @hydra.main(version_base="1.3", config_path=None, config_name="eval_command")
 def main(cfg: EvalCommand) -> None:
-    cfg = OmegaConf.to_object(cfg)
+    from framework.distributed.env import leave
+
+    run(OmegaConf.to_object(cfg))
+    leave()  # under torchrun: every rank ends its part in the process group before the interpreter exits
+
+
+def run(cfg: EvalCommand) -> None:
+    """The eval command on its arguments: print (and write) the metrics on rank 0."""
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
                                     vae=cfg.vae, text_encoder=cfg.text_encoder)
     rank0 = share_ranks(pipe.model, cfg)

@@ -101,8 +101,11 @@ def run(cfg: SampleCommand) -> list[Path]:
 
 @hydra.main(version_base="1.3", config_path=None, config_name="sample_command")
 def main(cfg: SampleCommand) -> None:
+    from framework.distributed.env import leave
+
     for p in run(OmegaConf.to_object(cfg)):
         print(p)
+    leave()  # under torchrun: every rank ends its part in the process group before the interpreter exits
 
 
 if __name__ == "__main__":

@@ -308,6 +308,7 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
         max_steps=cfg.trainer.max_steps,
         seed=cfg.seed,
         skip_nonfinite=cfg.trainer.skip_nonfinite,
+        allow_global_batch_change=cfg.trainer.allow_global_batch_change,
         config=OmegaConf.to_container(dcfg, resolve=True),
         strategy=cfg.strategy,
         init_from=cfg.init_from,
@@ -355,7 +356,10 @@ def finish_loggers(trainer: pl.Trainer) -> None:
 def main(dcfg: DictConfig) -> None:
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+    from framework.distributed.env import leave
+
     written = train(dcfg)
+    leave()  # every rank of a multi-process run, before the interpreter exits (Lightning's atexit handler is later)
     if rank_zero_only.rank != 0:  # one summary per job, from rank 0
         return
     metrics = written.pop("eval", None)

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from framework.distributed.env import leave  # noqa: E402
 from plugins.came import CAME, is_8bit  # noqa: E402
 
 STEPS = 4
@@ -219,7 +220,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {task: run_task(task, out, rank, world) for task in tasks}
     torch.save(results, out / f"{name}_rank{rank}.pt")
-    dist.destroy_process_group()
+    leave()  # not destroy_process_group alone: see framework/distributed/env.py
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from framework.data.datamodule import read_dataset_info
-from framework.distributed.env import init_from_env
+from framework.distributed.env import init_from_env, leave
 from framework.models.backbones import build_denoiser, load_preset
 from framework.models.objectives import Objective, ObjectiveConfig
 from framework.inference.pipeline import Pipeline
@@ -46,7 +46,7 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
                 json.dump(result, f)
         else:
             assert split is None, "only rank 0 gets the images"
-        dist.destroy_process_group()
+        leave()
         return
     for schedule in (None, "uniform:2"):
         plain = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, cache_schedule=schedule)  # 3 batches
@@ -59,7 +59,7 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from framework.distributed.env import init_from_env
+from framework.distributed.env import init_from_env, leave
 from framework.models.backbones import build_denoiser, load_preset
 from framework.distributed.mesh import Mesh, job_mesh
 from framework.distributed.sequence import init, install
@@ -101,7 +101,7 @@ def main(data: str, out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

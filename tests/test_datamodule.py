@@ -49,6 +49,7 @@ def test_digits_batches(digits_shards, tmp_path):
     assert batch["latents"].shape == (16, 1, 8, 8) and batch["latents"].dtype == torch.float32
     B, L, D = batch["text_embeds"].shape
     assert (B, D) == (16, 384) and batch["text_mask"].shape == (16, L) and batch["text_mask"].dtype == torch.bool
+    assert batch["text_embeds"].dtype == torch.float16  # as stored: converted on the device by the training step
     assert batch["text_mask"].sum(1).max() == L  # padded to the longest caption, no further
     assert (batch["text_embeds"][~batch["text_mask"]] == 0).all()
     assert batch["label"].dtype == torch.int64
@@ -453,3 +454,37 @@ def test_failed_shard_preparation_releases_the_shard(digits_shards, tmp_path, mo
     dataset.prepare_shard(0)  # prepared again: decompressed from the intact .zstd
     assert next(copy.glob("rank_*/shard.*.mds")).is_file()
     assert len(next(iter(dm.train_dataloader()))["key"]) == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming's scale knobs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_streaming_scale_keys_reach_the_dataset(digits_shards, tmp_path):
+    dm = module(digits_shards, tmp_path, batch_size=8, num_canonical_nodes=2, shuffle_algo="py1s",
+                shuffle_block_size=500, download_retry=5, download_timeout=7.5)
+    ds = dm.dataset
+    assert (ds.num_canonical_nodes, ds.shuffle_algo, ds.shuffle_block_size) == (2, "py1s", 500)
+    assert (ds.streams[0].download_retry, ds.streams[0].download_timeout) == (5, 7.5)
+    with pytest.raises(ValueError, match="not more than data.num_canonical_nodes=100000"):
+        module(digits_shards, tmp_path, name="c2", num_canonical_nodes=100_000)
+    for bad, match in (({"shuffle_algo": "py9"}, "data.shuffle_algo='py9'"), ({"num_canonical_nodes": 0}, ">= 1"),
+                       ({"download_timeout": 0}, "download_timeout")):
+        with pytest.raises(ValueError, match=match):
+            DataConfig(path=str(digits_shards), **bad)
+
+
+def test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts():
+    """The real-data config's canonical node count divides evenly over 1-8 physical nodes, so a job saved on 4 nodes
+    and resumed on 3, 5, 6 or 7 keeps Streaming's per-node partition (each node reads its own canonical nodes'
+    shards); with Streaming's default (the first run's 4 nodes) that partition refuses 3 nodes and a resume falls
+    back to one that reads shards across node boundaries."""
+    from omegaconf import OmegaConf
+    from streaming.base.partition import get_partitions
+
+    ncn = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "shards.yaml").num_canonical_nodes
+    for nodes in range(1, 9):
+        get_partitions("orig", 100_000, ncn, nodes, 8, 2, 32)
+    with pytest.raises(ValueError, match="evenly divisible"):
+        get_partitions("orig", 100_000, 4, 3, 8, 2, 32)

@@ -189,6 +189,21 @@ def test_resume_auto_continues_like_an_uninterrupted_run(tmp_path, digits_shards
         torch.testing.assert_close(wr[k], wf[k], rtol=0, atol=0)
 
 
+def test_a_resume_with_another_global_batch_is_refused_unless_asked_for(tmp_path, digits_shards):
+    """Global batch 16 saved; resuming with 8 per step (the same ranks, half the batch) is refused with a message
+    naming the key, and goes on with trainer.allow_global_batch_change=true; 2 x 8 by accumulation is accepted."""
+    common = ["trainer.checkpoint_every_n_steps=2", "resume=auto"]
+    train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=2)))
+    with pytest.raises(ValueError, match="global batch was 16 samples per step with 8.*allow_global_batch_change"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, *common, "data.batch_size=8", steps=4)))
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, *common, "data.batch_size=8",
+                                  "trainer.accumulate_grad_batches=2", steps=3)))
+    assert torch.load(out["checkpoint"], weights_only=True)["global_step"] == 3
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, *common, "data.batch_size=8",
+                                  "trainer.allow_global_batch_change=true", steps=4)))
+    assert torch.load(out["checkpoint"], weights_only=True)["global_step"] == 4
+
+
 def test_nonfinite_loss_stops_with_a_message(tmp_path, digits_shards):
     with pytest.raises(Exception, match="loss is nan"):
         train(compose_cfg(cheap(tmp_path, digits_shards, "optimizer.lr=1e30", "trainer.gradient_clip_val=null", steps=30)))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from framework.bench.harness import print_table
+from framework.distributed.env import leave
 
 
 @dataclass
@@ -83,7 +84,7 @@ def _rank(rank: int, cfg: CheckpointBench, port: int, folder: str, results: Any)
                 shutil.rmtree(path)  # one at a time on disk
     if rank == 0:
         results.put(rows)
-    dist.destroy_process_group()
+    leave()
 
 
 def run(cfg: CheckpointBench) -> list[dict[str, Any]]:

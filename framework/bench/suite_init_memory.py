@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from framework.bench.harness import print_table
+from framework.distributed.env import leave
 from framework.distributed.fsdp import build_meta, materialize, shard
 from framework.models.backbones import build_denoiser, load_preset
 
@@ -74,7 +75,7 @@ def _init_memory_rank(rank: int, cfg: InitMemoryBench, path: str, store: str, ou
            "ru_maxrss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
     Path(out, f"{path}_rank{rank}.json").write_text(json.dumps(row))
     dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 def run(cfg: InitMemoryBench) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from framework.bench.harness import print_table
+from framework.distributed.env import leave
 
 
 @dataclass
@@ -144,8 +145,7 @@ def run(bench: SequenceBench) -> list[dict[str, Any]]:
         if cuda:
             torch.cuda.empty_cache()
     rank0 = not real or dist.get_rank() == 0
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave()
     if not rank0:
         return []
     print_table(rows, ["tokens", "sequence_parallel", "head_groups", "tokens_per_rank", "params_and_grads_GiB",

@@ -28,6 +28,7 @@ from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
 
 DATASET_FILE = "dataset.json"
+SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # streaming.base.shuffle's algorithms
 
 # ---------------------------------------------------------------------------------------------
 # Configs
@@ -58,7 +59,15 @@ class DataConfig:
     drop_last: bool = True  # keep every step's batch the same size
     predownload: Optional[int] = None  # samples to fetch ahead per worker; null = Streaming's 8 * batch_size
     cache_limit: Optional[str] = None  # cap on the local cache for remote data ("10gb"); null = no cap
-    num_canonical_nodes: Optional[int] = None  # Streaming's shuffle/partition unit; null = its default
+    # Streaming's scale knobs (docs/data.md). num_canonical_nodes: the sample space is split into this many
+    # partitions, dealt out to the physical nodes; when one count divides the other each node reads only its own
+    # partitions' shards (else Streaming's relaxed partition reads across nodes), so the shipped real-data config
+    # sets 840 (node counts 1-8, 10, 12, 14, 15, ... all divide it); null = the first run's node count.
+    num_canonical_nodes: Optional[int] = None
+    shuffle_algo: str = "py1e"  # Streaming's shuffle: py1e (default), py1br, py1s, py2s, naive
+    shuffle_block_size: Optional[int] = None  # samples per shuffle block; null = Streaming's max(4e6 / nodes, 2^18)
+    download_retry: int = 2  # remote shards: extra attempts per shard download
+    download_timeout: float = 60.0  # remote shards: seconds one shard download may take
     persistent_workers: bool = False  # keep workers alive between epochs (needs num_workers > 0)
     validate: str = "auto"  # start-up shard check: auto, hash, size or none (see above)
     prepare: Optional[dict[str, Any]] = None  # a data_prep PrecomputeConfig: build `path` if it is missing
@@ -74,6 +83,14 @@ class DataConfig:
             raise ValueError(f"data.path={self.path} is remote: set data.local=DIR as the local cache.")
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("data.persistent_workers=true needs data.num_workers > 0.")
+        if self.shuffle_algo not in SHUFFLE_ALGOS:
+            raise ValueError(f"data.shuffle_algo={self.shuffle_algo!r}: use one of {', '.join(SHUFFLE_ALGOS)}.")
+        for key in ("num_canonical_nodes", "shuffle_block_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"data.{key}={getattr(self, key)}: must be >= 1 (or null for Streaming's default).")
+        if self.download_retry < 0 or self.download_timeout <= 0:
+            raise ValueError(f"data.download_retry={self.download_retry} must be >= 0 and data.download_timeout="
+                             f"{self.download_timeout} > 0.")
 
 
 @dataclass
@@ -253,7 +270,9 @@ class LatentCollate:
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
         latents = torch.from_numpy(np.stack([s["latents"] for s in samples])).float()  # (B, C, h, w)
         latents = (latents - self.shift_factor) * self.scaling_factor
-        embeds = [torch.from_numpy(np.array(s["text_embeds"], dtype=np.float32)) for s in samples]  # (L_i, D)
+        # As stored (fp16): half the bytes through the loader's queue and the host-to-device copy; the training
+        # step converts them on the device.
+        embeds = [torch.from_numpy(np.array(s["text_embeds"])) for s in samples]  # (L_i, D)
         text, mask = pad_and_stack(embeds)  # (B, L, D), (B, L)
         batch = {"latents": latents, "text_embeds": text, "text_mask": mask,
                  "caption": [s["caption"] for s in samples], "key": [s.get("key", "") for s in samples]}
@@ -304,6 +323,11 @@ class LatentDataModule(L.LightningDataModule):
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, fewer than "
                              f"one global batch ({self.cfg.batch_size} per rank x {global_batch // self.cfg.batch_size}"
                              f" data-parallel ranks = {global_batch}); lower data.batch_size")
+        ncn = self.cfg.num_canonical_nodes
+        if ncn is not None and self.info.num_samples <= ncn:
+            raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, not more "
+                             f"than data.num_canonical_nodes={ncn} (Streaming's partitions): lower "
+                             f"data.num_canonical_nodes (a number the node counts you will run on divide)")
         self.dataset = self._build_dataset()
 
     def _build_dataset(self):
@@ -329,7 +353,9 @@ class LatentDataModule(L.LightningDataModule):
                 batch_size=cfg.batch_size, shuffle=cfg.shuffle,
                 shuffle_seed=self.seed if cfg.shuffle_seed is None else cfg.shuffle_seed,
                 predownload=cfg.predownload, cache_limit=cfg.cache_limit,
-                num_canonical_nodes=cfg.num_canonical_nodes,
+                num_canonical_nodes=cfg.num_canonical_nodes, shuffle_algo=cfg.shuffle_algo,
+                shuffle_block_size=cfg.shuffle_block_size, download_retry=cfg.download_retry,
+                download_timeout=cfg.download_timeout,
                 replication=self.replication if self.replication > 1 else None,
             )
         except Exception as err:

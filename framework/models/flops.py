@@ -44,7 +44,7 @@ def count_train_flops_per_sample(denoiser: Denoiser, batch_example: dict[str, An
     text = batch_example.get("text_embeds")
     mask = batch_example.get("text_mask")
     labels = batch_example.get("label")
-    text = None if text is None else text[:n].to(device)  # (n, L, D)
+    text = None if text is None else text[:n].to(device, x.dtype)  # (n, L, D); the loader's are fp16
     mask = None if mask is None else mask[:n].to(device)  # (n, L)
     labels = None if labels is None else labels[:n].to(device)  # (n,)
     t = torch.full((n,), 500.0, device=device)  # any timestep costs the same

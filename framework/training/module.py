@@ -42,6 +42,7 @@ class DiffusionModule(pl.LightningModule):
         max_steps: int,
         seed: int = 0,
         skip_nonfinite: bool = False,
+        allow_global_batch_change: bool = False,
         config: dict[str, Any] | None = None,
         strategy: Any = None,
         init_from: str | None = None,
@@ -64,6 +65,7 @@ class DiffusionModule(pl.LightningModule):
                 load_weights(self.model, init_from)
         self.objective = Objective(objective)
         self.max_steps, self.seed, self.skip_nonfinite = max_steps, seed, skip_nonfinite
+        self.allow_global_batch_change = allow_global_batch_change  # trainer.allow_global_batch_change
         self.config = config or {}  # the resolved run config, stored in every checkpoint
         self.strategy_cfg = strategy  # StrategyConfig: block preparation and sharding in configure_model
         # Set from the dataset in setup(); kept in checkpoints so sampling needs no dataset.
@@ -188,30 +190,41 @@ class DiffusionModule(pl.LightningModule):
 
     # ---- the training step --------------------------------------------------------------
 
+    def _micro_batch(self) -> int:
+        """The index of this micro-batch in the run, the same on every rank and after a resume."""
+        accumulate = self.trainer.accumulate_grad_batches
+        return self.global_step * accumulate + self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
+
     def step_generator(self) -> torch.Generator:
         """CPU generator for this micro-batch, independent of rank count and of restarts."""
-        accumulate = self.trainer.accumulate_grad_batches
-        micro = self.global_step * accumulate + self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
-        return torch.Generator().manual_seed(hash((self.seed, micro)) & 0x7FFF_FFFF_FFFF)
+        return torch.Generator().manual_seed(hash((self.seed, self._micro_batch())) & 0x7FFF_FFFF_FFFF)
 
     def _draw(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Noise, noise level and caption-drop flags for this rank's slice of the global batch."""
+        """Noise, noise level and caption-drop flag for each of this rank's samples.
+
+        Each sample draws from its own CPU generator keyed by (seed, micro-batch, its index in the global batch),
+        so a rank draws only its own samples (host time O(local batch) whatever the world size) and a sample gets
+        the same numbers on any world size and after a resume. Streaming deals a global batch out round-robin:
+        data-parallel rank r of W holds global rows r, r+W, r+2W, ... (tests/test_distributed.py checks this
+        against a 1-rank run with the same global batch); a sequence-parallel group draws as one rank.
+        """
         B, W, r = x0.shape[0], self.trainer.world_size, self.global_rank
         sp = group_of(self.model)
-        if sp is not None:  # a sequence-parallel group draws as one data-parallel rank (framework/distributed/sequence.py)
+        if sp is not None:
             W, r = sp.dp_size, sp.dp_rank
-        g = self.step_generator()
-        noise, u = self.objective.draw(x0.new_empty((W * B, *x0.shape[1:]), device="cpu"), g)
-        drop = torch.rand(W * B, generator=g) < self.objective.cfg.caption_dropout
-        # Streaming deals a global batch out round-robin: rank r holds global rows r, r+W, r+2W, ...
-        # (tests/test_distributed.py checks this against a 1-rank run with the same global batch).
-        sl = slice(r, W * B, W)
-        return noise[sl].to(x0.device), u[sl].to(x0.device), drop[sl].to(x0.device)
+        micro, one = self._micro_batch(), x0.new_empty((1, *x0.shape[1:]), device="cpu")
+        noise, u, drop = torch.empty((B, *x0.shape[1:])), torch.empty(B), torch.empty(B, dtype=torch.bool)
+        for i in range(B):
+            g = torch.Generator().manual_seed(hash((self.seed, micro, r + i * W)) & 0x7FFF_FFFF_FFFF)
+            noise[i:i + 1], u[i:i + 1] = self.objective.draw(one, g)
+            drop[i] = bool(torch.rand((), generator=g) < self.objective.cfg.caption_dropout)
+        return (noise.to(x0.device, non_blocking=True), u.to(x0.device, non_blocking=True),
+                drop.to(x0.device, non_blocking=True))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         x0 = batch["latents"]  # (B, C, h, w), already scaled by the data module
         noise, u, drop = self._draw(x0)
-        text, mask = batch["text_embeds"], batch["text_mask"]  # (B, L, D), (B, L)
+        text, mask = batch["text_embeds"].float(), batch["text_mask"]  # (B, L, D) fp16 from the loader, (B, L)
         text, mask = drop_captions(text, mask, self.empty_text.to(text), drop)
         labels = batch.get("label")
         if labels is not None and self.model_cfg.num_classes is not None:
@@ -325,10 +338,19 @@ class DiffusionModule(pl.LightningModule):
 
     # ---- checkpoints --------------------------------------------------------------------
 
+    def global_batch(self) -> int | None:
+        """Samples per optimizer step over the whole job: per-device batch x data-parallel ranks x accumulation."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None:
+            return None
+        sequence = self.strategy_cfg.sequence_parallel if self.strategy_cfg is not None else 1
+        return dm.cfg.batch_size * (self.trainer.world_size // sequence) * self.trainer.accumulate_grad_batches
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.check_finite()  # never save weights that a non-finite step produced
         # update, not replace: callbacks' on_save_checkpoint ran first (plugins/ema.py adds ema_state).
         checkpoint.setdefault(CKPT_KEY, {}).update({
+            "global_batch": self.global_batch(),
             "config": self.config,
             "dataset": self.dataset_info,
             "empty_text": None if self.empty_text is None else self.empty_text.cpu(),
@@ -336,5 +358,14 @@ class DiffusionModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         extra = checkpoint.get(CKPT_KEY, {})
+        saved, now = extra.get("global_batch"), self.global_batch()
+        if saved is not None and now is not None and saved != now and not self.allow_global_batch_change:
+            raise ValueError(
+                f"resuming a run whose global batch was {saved} samples per step with {now} (data.batch_size x "
+                f"data-parallel ranks x trainer.accumulate_grad_batches): the data order, the noise drawn per sample "
+                f"and the learning-rate schedule's meaning of a step would change mid-run. Resume with the same global "
+                f"batch (e.g. raise trainer.accumulate_grad_batches on fewer ranks), or set "
+                f"trainer.allow_global_batch_change=true to continue anyway."
+            )
         if extra.get("empty_text") is not None:
             self.empty_text = extra["empty_text"]
