@@ -31,7 +31,8 @@ class StrategyConfig:
     name: str = "single"
     """single (one device), ddp (replicated weights, all-reduced gradients) or fsdp (FSDP2 sharding)."""
     sharding: str = "SHARD_GRAD_OP"
-    """fsdp only: SHARD_GRAD_OP (params stay gathered between forward and backward) or FULL_SHARD."""
+    """fsdp only: SHARD_GRAD_OP (params stay gathered between forward and backward), FULL_SHARD, or HYBRID_SHARD
+    (FULL_SHARD within each node, replicated across nodes: parameter all-gathers stay inside a node)."""
     activation_checkpointing: bool = False
     """fsdp/ddp/single: recompute each backbone block's activations in backward (less memory, ~30% more compute)."""
     compile: bool = False
@@ -50,6 +51,9 @@ class StrategyConfig:
     async_save: bool = False
     """fsdp with sharded_checkpoint: write checkpoints in the background (torch.distributed.checkpoint's
     async_save); training waits only for the copy to host memory, and each save waits for the previous one."""
+    timeout_s: int = 1800
+    """ddp/fsdp: how long a collective may wait for the other ranks before the job fails (the process group's
+    timeout); raise it when one rank may be busy much longer (a large checkpoint on a slow filesystem)."""
 
     def __post_init__(self) -> None:
         if self.async_save and not (self.name == "fsdp" and self.sharded_checkpoint):
@@ -57,8 +61,10 @@ class StrategyConfig:
                              "strategy=fsdp with strategy.sharded_checkpoint=true")
         if self.name not in STRATEGIES:
             raise ValueError(f"strategy.name={self.name!r} is not available; choose one of {STRATEGIES}")
-        if self.sharding not in ("SHARD_GRAD_OP", "FULL_SHARD"):
-            raise ValueError(f"strategy.sharding={self.sharding!r}: expected SHARD_GRAD_OP or FULL_SHARD")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"strategy.sharding={self.sharding!r}: expected one of {', '.join(SHARDINGS)}")
+        if self.timeout_s < 1:
+            raise ValueError(f"strategy.timeout_s={self.timeout_s} must be >= 1 (seconds)")
         if self.sequence_parallel < 1 or self.sequence_parallel_head_groups < 1:
             raise ValueError(f"strategy.sequence_parallel={self.sequence_parallel} and strategy."
                              f"sequence_parallel_head_groups={self.sequence_parallel_head_groups} must be >= 1")
@@ -71,6 +77,7 @@ class StrategyConfig:
 
 
 STRATEGIES = ("single", "ddp", "fsdp")
+SHARDINGS = ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
 
 @dataclass

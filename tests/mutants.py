@@ -125,6 +125,10 @@ MUTANTS = [
            (("framework/training/module.py", "        self.check_finite()  # never save weights that a non-finite step produced\n",
              ""),),
            ("tests/test_train.py::test_a_nonfinite_step_found_late_leaves_no_checkpoint_of_its_weights",)),
+    Mutant("noise_by_global_rank", "a rank draws the noise of the samples at its global rank's position, not Streaming's "
+           "(node-innermost) one: right on one node, wrong on several",
+           (("framework/training/module.py", "(t.local_rank // P) * t.num_nodes + t.node_rank", "t.global_rank // P"),),
+           (DIST + "test_two_nodes_hybrid_sharded_follow_one_process_and_resume_on_one_node",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),

@@ -56,22 +56,34 @@ UPDATE_TOL = dict(rtol=1e-2, atol=1e-5)
 LR = ["optimizer.lr=1e-3", "optimizer.warmup_steps=0", "optimizer.schedule=constant"]
 
 
+def _train_args(run_dir: Path, data: Path, cache: Path, *overrides: str) -> list[str]:
+    """tests.dist_train's arguments: the digits shards, the debug model, per-step logging, no grids or eval."""
+    return [
+        f"run.dir={run_dir}", f"data.path={data}",
+        f"data.local={cache}", "model=pixart_debug", "model.in_channels=1", "model.sample_size=8",
+        "model.text_dim=384", "trainer.accelerator=cpu", "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false", "eval.at_end=false", "sample.every_n_steps=0",
+        "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]", "resume=auto", *LR,
+        # Streaming orders samples by canonical node: the same count on 1 and 2 nodes, so they see the same batches
+        "data.num_canonical_nodes=2", *overrides,
+    ]
+
+
+def _train_env(tmp: Path, env: dict | None) -> dict[str, str]:
+    gc.collect()  # finish off this process's dead StreamingDatasets first (see tests/conftest.py)
+    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "NODE_RANK")
+    full_env = {k: v for k, v in os.environ.items() if k not in inherited}
+    full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
+    return full_env
+
+
 def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, env: dict | None = None,
               wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
     """Start `python -m tests.dist_train` on the digits shards with its own run.dir, cache and TMPDIR."""
     tmp = run_dir.parent / f"{run_dir.name}_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "tests.dist_train", f"run.dir={run_dir}", f"data.path={data}",
-        f"data.local={tmp / 'cache'}", "model=pixart_debug", "model.in_channels=1", "model.sample_size=8",
-        "model.text_dim=384", "trainer.accelerator=cpu", "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false", "eval.at_end=false", "sample.every_n_steps=0",
-        "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]", "resume=auto", *LR, *overrides,
-    ]
-    gc.collect()  # finish off this process's dead StreamingDatasets first (see tests/conftest.py)
-    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
-    full_env = {k: v for k, v in os.environ.items() if k not in inherited}
-    full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
+    cmd = [sys.executable, "-m", "tests.dist_train", *_train_args(run_dir, data, tmp / "cache", *overrides)]
+    full_env = _train_env(tmp, env)
     if not wait:  # one process (the caller starts the ranks, with their Slurm variables)
         return zygote.popen(cmd, env=full_env)
     if any(k.startswith("SLURM_") for k in full_env):  # one task of a Slurm job: its variables say which
@@ -82,6 +94,19 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
     # start them (Lightning's own launcher would start rank 1 only once rank 0 is up, importing twice in turn).
     results = lightning_ranks("tests.dist_train", cmd[3:], devices_of(overrides), full_env, tmp, timeout)
     out = "".join(f"--- rank {r} ---\n{res.stdout}{res.stderr}" for r, res in enumerate(results))
+    assert all(res.returncode == 0 for res in results), f"{[res.returncode for res in results]}\n{out[-6000:]}"
+    return Result(0, out)
+
+
+def run_nodes(run_dir: Path, data: Path, nodes: int, devices: int, *overrides: str, timeout: int = 400) -> Result:
+    """tests.dist_train as a job of `nodes` x `devices` ranks on this machine, one launch per node with the node's
+    own local cache folder (data.local), as on hosts that share the run folder but not their disks."""
+    tmp = run_dir.parent / f"{run_dir.name}_tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    per_node = [_train_args(run_dir, data, tmp / f"node{n}_cache", f"trainer.num_nodes={nodes}",
+                            f"trainer.devices={devices}", *overrides) for n in range(nodes)]
+    results = zygote.node_launches("tests.dist_train", per_node, _train_env(tmp, None), tmp, timeout)
+    out = "".join(f"--- launch {r} ---\n{res.stdout}{res.stderr}" for r, res in enumerate(results))
     assert all(res.returncode == 0 for res in results), f"{[res.returncode for res in results]}\n{out[-6000:]}"
     return Result(0, out)
 
@@ -184,6 +209,16 @@ class Runs:
                   f"trainer.max_steps={STEPS}", timeout=400)
 
 
+    # Two nodes x 2 ranks (two launches, a local cache each), HYBRID_SHARD: sharded within a node, replicated
+    # across; 4 per rank = the reference's 16 per step. Saved at step 2 and continued on 1 node x 2 ranks.
+    def _nodes(self, d: Path) -> None:
+        hybrid = ["strategy=fsdp", "strategy.sharding=HYBRID_SHARD", "data.batch_size=4", "data.num_workers=1",
+                  "trainer.checkpoint_every_n_steps=2"]
+        run_nodes(d, self.data, 2, 2, *hybrid, "trainer.max_steps=2")
+        shutil.copytree(d, self.root / "nodes_at2")
+        run_train(d, self.data, *fsdp(), f"trainer.max_steps={STEPS}")
+
+
 DDP = ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1", "trainer.checkpoint_every_n_steps=2"]
 
 
@@ -218,6 +253,22 @@ def test_fsdp_and_sequence_parallelism_share_the_job_mesh(runs):
         assert m["data_parallel"] == [rank // 2, 2]
     plain = probe(runs["sgo"], 0)["mesh"]
     assert plain["dims"] == [1, 2, 1] and plain["param_mesh_from_job_mesh"] and plain["data_parallel"] is None
+
+
+def test_two_nodes_hybrid_sharded_follow_one_process_and_resume_on_one_node(runs):
+    """2 nodes x 2 ranks under HYBRID_SHARD (one launch per node, each with its own shard cache) follow the
+    1-process losses for the first 2 steps; the job resumed on 1 node x 2 ranks (SHARD_GRAD_OP) finishes on them."""
+    ref, got = losses(runs["ref"]), losses(runs["nodes"])
+    assert sorted(got) == list(range(STEPS))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
+                               torch.tensor([ref[s] for s in range(STEPS)]), **TOL)
+    same_updates(runs["nodes"], runs["ref"])
+    for rank in range(4):
+        m = probe(runs.root / "nodes_at2", rank)["mesh"]
+        assert m["dims"] == [2, 2, 1] and m["param_mesh"] == ["replicate", "fsdp_shard"], (rank, m)
+        assert m["param_mesh_from_job_mesh"], m
+    for node in (0, 1):  # each node read the shards into its own cache
+        assert list((runs.root / "nodes_tmp" / f"node{node}_cache").rglob("shard.*.mds*")), node
 
 
 @pytest.mark.parametrize("name", ["sgo", "full"])

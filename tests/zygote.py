@@ -351,6 +351,48 @@ def lightning_ranks(module: str, args: list[str], devices: int, env: dict[str, s
                          for r, rank_env in enumerate(ranks)], timeout)
 
 
+def node_launches(module: str, args_per_node: list[list[str]], env: dict[str, str], folder: Path,
+                  timeout: float = 600) -> list[Result]:
+    """A Lightning training command as a multi-node job on this machine: one `python -m MODULE` per node (NODE_RANK
+    n, `args_per_node[n]`), meeting at one MASTER_ADDR / MASTER_PORT as two hosts' launches would; Lightning's
+    launcher starts each node's other ranks. Every node after the first runs in its own mount namespace with a
+    fresh /dev/shm: Streaming names its shared memory per host, so two nodes on one host would take the same names.
+    Always fresh interpreters (forked ranks could not share a node's namespace)."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        raise RuntimeError("node_launches needs util-linux's unshare (a mount namespace per simulated node)")
+    port = str(free_port())
+    procs, logs = [], []
+    for n, args in enumerate(args_per_node):
+        cmd = [sys.executable, "-m", module, *args]
+        if n > 0:
+            cmd = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh", *cmd]
+        log = open(folder / f"node{n}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True,  # the node's ranks are killed with it on a timeout
+                                      env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(n)}))
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc, log in zip(procs, logs):
+        try:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            import signal
+
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            code = proc.wait()
+        log.seek(0)
+        results.append(Result(code, log.read(), ""))
+        log.close()
+    return results
+
+
 def enabled() -> bool:
     """LATENTFORGE_TEST_FORK=0 starts every test process as a fresh interpreter instead."""
     return os.environ.get("LATENTFORGE_TEST_FORK", "1") != "0"

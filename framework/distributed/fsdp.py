@@ -103,7 +103,7 @@ def shard(denoiser: Denoiser, mesh: Any, sharding: str, param_dtype: torch.dtype
     """fully_shard every block, then the root, on `mesh` (in place): the job mesh's fsdp_mesh()."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding == "FULL_SHARD"}
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding in ("FULL_SHARD", "HYBRID_SHARD")}
     if param_dtype is not None:
         # Gradients are reduced in fp32 so that summing many ranks' low-precision gradients loses nothing.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -228,19 +228,20 @@ def file_shards(path: str | Path | Mapping[str, torch.Tensor], denoiser: Denoise
 
 
 def _mesh_position(denoiser: Denoiser) -> tuple[Any, int, int]:
-    """(mesh, rank in it, its size) of the sharded parameters; every one must be FSDP2's Shard(0)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """(mesh, rank along its shard dim, that dim's size) of the sharded parameters; every one must be placed as
+    fully_shard does: Shard(0) on a 1-D mesh, or (Replicate(), Shard(0)) on a 2-D one (HYBRID_SHARD)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     meshes = set()
     for name, p in denoiser.named_parameters():
-        if not isinstance(p, DTensor) or p.placements != (Shard(0),):
-            raise RuntimeError(f"{name} is not sharded as fully_shard does (Shard(0) on a 1-D mesh): "
-                               "materialize runs after framework.distributed.fsdp.shard.")
+        if not isinstance(p, DTensor) or p.placements not in ((Shard(0),), (Replicate(), Shard(0))):
+            raise RuntimeError(f"{name} is not sharded as fully_shard does (Shard(0), with Replicate() before it on "
+                               "a 2-D mesh): materialize runs after framework.distributed.fsdp.shard.")
         meshes.add(p.device_mesh)
     if len(meshes) != 1:
         raise RuntimeError(f"the parameters are sharded over {len(meshes)} meshes; expected one data-parallel mesh.")
     mesh = meshes.pop()
-    return mesh, mesh.get_local_rank(), mesh.size()
+    return mesh, mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
 
 
 def materialize(denoiser: Denoiser, rng_state: torch.Tensor, device: torch.device,

@@ -11,6 +11,9 @@ framework/distributed/fsdp.py). Sequence parallelism takes its groups from the s
                    to its backward (no second all-gather); gradients and optimizer state are sharded.
     FULL_SHARD     reshard_after_forward=True: parameters are freed after each block's forward and
                    gathered again in backward (one more all-gather per block, lowest memory).
+    HYBRID_SHARD   FULL_SHARD within each node, replicated across nodes (a 2-D replicate x shard mesh,
+                   HSDP): all-gathers and reduce-scatters stay inside a node, gradients are then all-reduced
+                   across nodes; each node holds one whole copy of the sharded state.
 
 Lightning writes a sharded (torch.distributed.checkpoint) folder; the gap it leaves is atomicity:
 AtomicModelParallelStrategy writes the folder under a temporary name and swaps it in, so a job
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Generator
 
@@ -100,17 +104,18 @@ class ShardedSaver:
         self.barrier()
 
 
-def _job_mesh(strategy: ParallelStrategy, sequence: int) -> Mesh:
+def _job_mesh(strategy: ParallelStrategy, sequence: int, hybrid: bool = False) -> Mesh:
     """The job's mesh over the strategy's processes (num_nodes x num_processes ranks)."""
-    return ParallelDims.of(strategy.world_size, strategy.num_processes, sequence).build(strategy.root_device.type)
+    dims = ParallelDims.of(strategy.world_size, strategy.num_processes, sequence, hybrid)
+    return dims.build(strategy.root_device.type)
 
 
 class MeshDDPStrategy(DDPStrategy):
     """Lightning's DDP (frozen parameters skipped by the reducer, so no unused-parameter search) that also
     builds the job's mesh for sequence parallelism."""
 
-    def __init__(self, sequence_parallel: int = 1) -> None:
-        super().__init__(find_unused_parameters=False)
+    def __init__(self, sequence_parallel: int = 1, timeout_s: int = 1800) -> None:
+        super().__init__(find_unused_parameters=False, timeout=timedelta(seconds=timeout_s))
         self.sequence_parallel = sequence_parallel
         self.mesh: Mesh | None = None
 
@@ -127,8 +132,8 @@ class FSDPStrategy(ModelParallelStrategy):
     """
 
     def __init__(self, sharding: str, param_dtype: torch.dtype | None, sharded_checkpoint: bool = True,
-                 async_save: bool = False, sequence_parallel: int = 1) -> None:
-        super().__init__(save_distributed_checkpoint=sharded_checkpoint)
+                 async_save: bool = False, sequence_parallel: int = 1, timeout_s: int = 1800) -> None:
+        super().__init__(save_distributed_checkpoint=sharded_checkpoint, timeout=timedelta(seconds=timeout_s))
         self.sharding, self.param_dtype = sharding, param_dtype
         self.async_save = async_save
         self.sequence_parallel = sequence_parallel
@@ -158,7 +163,7 @@ class FSDPStrategy(ModelParallelStrategy):
         # ModelParallelStrategy's own would build a (data_parallel, tensor_parallel) mesh: the job's mesh instead.
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self.mesh = _job_mesh(self, self.sequence_parallel)
+        self.mesh = _job_mesh(self, self.sequence_parallel, hybrid=self.sharding == "HYBRID_SHARD")
         self._device_mesh = self.mesh.device_mesh
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -220,7 +225,7 @@ def build_strategy(cfg: Any, precision: str) -> Strategy | str:
     if cfg.name == "single":
         return "auto"
     if cfg.name == "ddp":
-        return MeshDDPStrategy(cfg.sequence_parallel)
+        return MeshDDPStrategy(cfg.sequence_parallel, cfg.timeout_s)
     return FSDPStrategy(cfg.sharding, fsdp_param_dtype(precision, cfg.mixed_precision),
                         sharded_checkpoint=cfg.sharded_checkpoint, async_save=cfg.async_save,
-                        sequence_parallel=cfg.sequence_parallel)
+                        sequence_parallel=cfg.sequence_parallel, timeout_s=cfg.timeout_s)

@@ -204,14 +204,15 @@ class DiffusionModule(pl.LightningModule):
 
         Each sample draws from its own CPU generator keyed by (seed, micro-batch, its index in the global batch),
         so a rank draws only its own samples (host time O(local batch) whatever the world size) and a sample gets
-        the same numbers on any world size and after a resume. Streaming deals a global batch out round-robin:
-        data-parallel rank r of W holds global rows r, r+W, r+2W, ... (tests/test_distributed.py checks this
-        against a 1-rank run with the same global batch); a sequence-parallel group draws as one rank.
+        the same numbers on any world size and after a resume. Streaming deals a global batch out round-robin over
+        W data-parallel ranks, nodes innermost: the rank at position r = local_rank * nodes + node_rank holds global
+        rows r, r+W, r+2W, ... (tests/test_distributed.py checks this against a 1-process run with the same global
+        batch, on 1 node and on 2); a sequence-parallel group of P ranks draws as one rank (Streaming's replication).
         """
-        B, W, r = x0.shape[0], self.trainer.world_size, self.global_rank
         sp = group_of(self.model)
-        if sp is not None:
-            W, r = sp.dp_size, sp.dp_rank
+        P = sp.size if sp is not None else 1
+        t = self.trainer
+        B, W, r = x0.shape[0], t.world_size // P, (t.local_rank // P) * t.num_nodes + t.node_rank
         micro, one = self._micro_batch(), x0.new_empty((1, *x0.shape[1:]), device="cpu")
         noise, u, drop = torch.empty((B, *x0.shape[1:])), torch.empty(B), torch.empty(B, dtype=torch.bool)
         for i in range(B):
