@@ -144,11 +144,31 @@ def _fetch(path: str, name: str, local: Optional[str]) -> Path:
     dest = Path(local).expanduser() / name
     if not dest.is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
+        url = f"{path.rstrip('/')}/{name}"
         try:
-            CloudDownloader.direct_download(f"{path.rstrip('/')}/{name}", str(dest))
+            CloudDownloader.direct_download(url, str(dest))
         except Exception as err:
-            raise FileNotFoundError(f"could not fetch {path.rstrip('/')}/{name}: {err}") from None
+            raise remote_error(url, err) from None
     return dest
+
+
+def remote_error(url: str, err: Exception) -> Exception:
+    """The error to raise for a failed fetch of `url`, naming what to fix: the store's address, the credentials, or
+    data.path (botocore's errors are told apart by class name, so botocore need not be importable here)."""
+    kind, text = type(err).__name__, str(err)
+    if kind in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError"):
+        endpoint = os.environ.get("S3_ENDPOINT_URL")
+        return ConnectionError(f"could not reach the object store for {url} ({text}): check S3_ENDPOINT_URL "
+                               f"({'= ' + endpoint if endpoint else 'unset: the provider default'}) and that every "
+                               f"node can reach it")
+    if kind in ("NoCredentialsError", "PartialCredentialsError") or any(
+            code in text for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden")):
+        return PermissionError(f"no access to {url} ({text}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                               f"AWS_PROFILE) on every node, with read access to the bucket")
+    if "not found" in text.lower() or "NoSuchBucket" in text or "NoSuchKey" in text or "404" in text:
+        return FileNotFoundError(f"{url} does not exist: check data.path (the bucket and the folder that holds "
+                                 f"dataset.json and index.json)")
+    return FileNotFoundError(f"could not fetch {url}: {kind}: {text}")
 
 
 def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:

@@ -1,0 +1,113 @@
+"""Shards on S3-compatible object storage: a real S3 server on loopback (moto's server mode, started and stopped
+here), the digits shards uploaded to it, and training that reads `data.path=s3://...` through a node-local cache.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_distributed import run_train
+from tests.test_train import cheap, compose_cfg, losses
+
+BUCKET = "latents"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3(digits_shards) -> dict[str, str]:
+    """The server's environment (endpoint and credentials), with the digits shards at s3://latents/digits."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {**CREDENTIALS, "S3_ENDPOINT_URL": f"http://{host}:{port}"}
+    client = boto3.client("s3", endpoint_url=env["S3_ENDPOINT_URL"], aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    for f in sorted(digits_shards.rglob("*")):
+        if f.is_file():
+            client.upload_file(str(f), BUCKET, f"digits/{f.relative_to(digits_shards).as_posix()}")
+    yield env
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch) -> dict[str, str]:
+    for k, v in s3.items():
+        monkeypatch.setenv(k, v)
+    return s3
+
+
+def test_start_up_reads_the_index_and_no_shard(s3_env, tmp_path):
+    """The data module's start-up (dataset.json, the shard check, Streaming's index) downloads the small metadata
+    files only: no shard reaches the node-local cache before the first batch is asked for."""
+    from framework.data.datamodule import DataConfig, LatentDataModule
+
+    dm = LatentDataModule(DataConfig(path=f"s3://{BUCKET}/digits", local=str(tmp_path / "cache")))
+    dm.setup("fit")
+    files = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert {"dataset.json", "index.json"} <= {p.name for p in files}
+    assert not [p for p in files if p.name.startswith("shard.")], files
+    assert dm.info.num_samples == 4314
+    batch = next(iter(dm.train_dataloader()))  # the first batch fetches its shard
+    assert batch["latents"].shape[1:] == (1, 8, 8)
+    assert list((tmp_path / "cache").rglob("shard.*"))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("bucket", "does not exist: check data.path"),
+    ("credentials", "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+    ("endpoint", "could not reach the object store .* check S3_ENDPOINT_URL"),
+])
+def test_a_bad_remote_fails_at_start_up_naming_what_to_fix(s3_env, tmp_path, monkeypatch, digits_shards, case, match):
+    from framework.train import train
+
+    path = f"s3://{BUCKET}/digits"
+    if case == "bucket":
+        path = "s3://no-such-bucket/digits"
+    elif case == "credentials":
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.delenv(k)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    else:
+        monkeypatch.setenv("S3_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=match):
+        train(compose_cfg(cheap(tmp_path, digits_shards, f"data.path={path}", f"data.local={tmp_path / 'cache'}")))
+    assert time.monotonic() - t0 < 60, "a bad remote must fail at start-up, not after retries"
+
+
+def test_training_from_s3_killed_and_resumed_follows_the_uninterrupted_local_run(s3, tmp_path, digits_shards):
+    """Train from s3:// with a local cache, kill -9 the run at step 3 (last checkpoint: step 2), resume it: the
+    losses of every step equal those of an uninterrupted run on the local copy of the same shards."""
+    common = ["data.batch_size=16", "trainer.checkpoint_every_n_steps=2", "trainer.max_steps=4"]
+    remote = [f"data.path=s3://{BUCKET}/digits", *common]
+    run = tmp_path / "s3"
+    proc = run_train(run, digits_shards, *remote, env={**s3, "PROBE_PAUSE_AT": "3"}, wait=False)
+    deadline = time.time() + 240
+    while not (run / "paused_rank0").exists():
+        assert time.time() < deadline and proc.poll() is None, "the run from s3:// did not reach step 3"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    from framework.training.checkpointing import checkpoint_step
+
+    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 2
+    run_train(run, digits_shards, *remote, env=s3)
+    local = tmp_path / "local"
+    run_train(local, digits_shards, *common)
+    got, want = losses(run), losses(local)
+    assert sorted(got) == list(range(4))
+    assert [got[s] for s in range(4)] == [want[s] for s in range(4)]
+    wg = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    wl = torch.load(local / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    for k in wl:
+        torch.testing.assert_close(wg[k], wl[k], rtol=0, atol=0)
