@@ -21,8 +21,15 @@ def quiet_hydra() -> None:
 
 
 def resolve_device(name: str) -> str:
-    """`auto`: a GPU when present, else the CPU; any other name as given."""
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    """`auto`: a GPU when present, else the CPU; any other name as given. Under a launcher that starts one process
+    per GPU (torchrun's or srun's LOCAL_RANK), `auto` and `cuda` mean this rank's own GPU, cuda:LOCAL_RANK (modulo
+    the visible count), so that no two ranks load their model onto GPU 0."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+    if name == "cuda" and local is not None and torch.cuda.is_available():
+        return f"cuda:{int(local) % torch.cuda.device_count()}"
+    return name
 
 
 def uses_gpu(accelerator: str) -> bool:

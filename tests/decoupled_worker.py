@@ -11,7 +11,9 @@ are from the plain ones, and which ranks loaded the VAE.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,34 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
                 json.dump(result, f)
         else:
             assert split is None, "only rank 0 gets the images"
+        leave()
+        return
+    slow = float(os.environ.get("SLOW_DECODE", "0"))
+    if slow:  # a decoder that falls behind: each decode takes `slow` s more; when did denoising and decoding end?
+        plain = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2)
+        events: list[tuple[str, float]] = []
+        denoise_batch, decode = pipe._denoise_batch, pipe.decode
+
+        def timed_denoise(*a, **k):
+            z = denoise_batch(*a, **k)
+            events.append(("denoised", time.monotonic()))
+            return z
+
+        def slow_decode(z):
+            time.sleep(slow)
+            images = decode(z)
+            events.append(("decoded", time.monotonic()))
+            return images
+
+        pipe._denoise_batch, pipe.decode = timed_denoise, slow_decode
+        dist.barrier()
+        split = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, decode_ranks=decode_ranks)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, events)
+        if dist.get_rank() == 0:
+            result["slow"] = {"equal": bool(torch.equal(split, plain)), "events": everyone}
+            with open(out, "w") as f:
+                json.dump(result, f)
         leave()
         return
     for schedule in (None, "uniform:2"):

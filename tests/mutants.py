@@ -129,6 +129,9 @@ MUTANTS = [
            "(node-innermost) one: right on one node, wrong on several",
            (("framework/training/module.py", "(t.local_rank // P) * t.num_nodes + t.node_rank", "t.global_rank // P"),),
            (DIST + "test_two_nodes_hybrid_sharded_follow_one_process_and_resume_on_one_node",)),
+    Mutant("every_sequence_rank_decodes", "every rank of a sequence-parallel group decodes the same images",
+           (("framework/inference/pipeline.py", "        leader = sp is None or sp.rank == 0", "        leader = True"),),
+           ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),

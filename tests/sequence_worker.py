@@ -86,7 +86,9 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
     install(model, init(mesh, "cpu"))
     got = split.generate(prompts, steps=3, seed=2, batch_size=2, split_ranks=True)
     diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
-    return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape)}
+    decoded = [None] * dist.get_world_size()  # which ranks loaded the codec: the first decode loads it
+    dist.all_gather_object(decoded, split._codec is not None)
+    return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape), "decoded": decoded}
 
 
 def main(data: str, out: str) -> None:

@@ -21,11 +21,13 @@ from tests.zygote import torchrun as forked_torchrun
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(nproc: int, *args: str, tmp: Path, fork: bool = False) -> subprocess.CompletedProcess | Result:
+def torchrun(nproc: int, *args: str, tmp: Path, fork: bool = False,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess | Result:
     """`torchrun --standalone --nproc_per_node=N ARGS` (the command as users run it); fork=True: the same ranks
     forked from the test zygote (tests/zygote.py), for workers whose launch is not what is tested."""
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+    env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1", **extra)
     if fork:
         assert args[0] == "-m"
         return forked_torchrun(nproc, args[1], *args[2:], env=env)
@@ -96,3 +98,44 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
         assert got[key] == want[key], key
     # decoupled images are bit-identical; split attention may round differently in float32
     assert got["fd"] == (want["fd"] if split.startswith("decode") else pytest.approx(want["fd"], rel=1e-4))
+
+
+def test_a_slow_decoder_does_not_hold_up_denoising(tmp_path, digits_shards, tiny_vae_dir):
+    """2 ranks, decode_ranks=1, each decode 1.5 s slower: rank 0 denoises all 3 batches while the decoder is still on
+    its first (latents are sent without waiting; the images come back on their own process group, so a decoder
+    behind cannot block rank 0's sends, as it would under NCCL's in-order pairing on one group), and the images are
+    plain sampling's."""
+    out = tmp_path / "result.json"
+    env_proc = torchrun(2, "-m", "tests.decoupled_worker", str(digits_shards), str(tiny_vae_dir), "1", str(out),
+                        tmp=tmp_path, fork=True, env={"SLOW_DECODE": "1.5"})
+    assert env_proc.returncode == 0, env_proc.stdout[-2000:] + env_proc.stderr[-4000:]
+    r = json.loads(out.read_text())["slow"]
+    assert r["equal"]
+    denoised = [t for name, t in r["events"][0] if name == "denoised"]
+    decoded = [t for name, t in r["events"][1] if name == "decoded"]
+    assert len(denoised) == 3 and len(decoded) == 3
+    assert denoised[-1] < decoded[0], "rank 0 waited for the decoder before denoising its last batch"
+
+
+def test_each_rank_of_a_sampling_job_picks_its_own_gpu(monkeypatch):
+    """Under torchrun (LOCAL_RANK) `device=auto` or `cuda` is the rank's own GPU, modulo the visible count; without
+    a launcher it stays `cuda`; explicit devices and the CPU are kept. (GPUs faked: only the choice is checked.)"""
+    import torch
+
+    from framework.cli import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    assert resolve_device("auto") == "cuda"
+    picked = []
+    for rank in range(6):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        picked.append(resolve_device("auto"))
+        assert resolve_device("cuda") == picked[-1]
+        assert resolve_device("cuda:3") == "cuda:3" and resolve_device("cpu") == "cpu"
+    assert picked == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    assert resolve_device("auto") == "cuda:2"

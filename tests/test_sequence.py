@@ -34,6 +34,7 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
     for family in ("pixart", "sana"):
         r = result[f"sample/{family}"]
         assert r["shape"] == [3, 1, 8, 8] and r["max_abs"] > 0.1 and r["max_diff"] < 1e-5, (family, r)
+        assert r["decoded"] == [True, False], "one rank of the group decodes, and the other gets its images"
 
 
 def test_sizes_a_group_cannot_split_are_refused():

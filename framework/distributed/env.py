@@ -15,8 +15,8 @@ def init_from_env() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         gpu = torch.cuda.is_available()
-        if gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if gpu:  # the GPU framework.cli.resolve_device gave this rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         dist.init_process_group("nccl" if gpu else "gloo")
     return dist.get_world_size() if dist.is_initialized() else 1
 

@@ -35,6 +35,24 @@ def roles(world: int, decode_ranks: int) -> tuple[list[int], list[int]]:
     return list(range(world - decode_ranks)), list(range(world - decode_ranks, world))
 
 
+_IMAGE_GROUPS: dict[int, Any] = {}
+
+
+def _image_group() -> Any:
+    """The process group decoded images return to rank 0 on, apart from the one latents travel on.
+
+    NCCL pairs a pair of ranks' sends and receives in the order they were issued, on one stream per pair and
+    process group. On one group, a decoder's send of batch b's images (pending until rank 0 receives them, after
+    its own denoising) would sit before its receive of its next latents, while rank 0's send of those latents sits
+    before its receive of the images: each waits on the other, a deadlock as soon as a decoder falls behind.
+    Two groups give each direction its own order. Created once per job (a collective: every rank calls it).
+    """
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _IMAGE_GROUPS:
+        _IMAGE_GROUPS[key] = dist.new_group(backend=dist.get_backend())
+    return _IMAGE_GROUPS[key]
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """Where tensors travel: GPU memory under nccl, host memory under gloo."""
     backend = dist.get_backend()
@@ -55,6 +73,7 @@ def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: i
     denoiser_of = lambda b: denoisers[b % len(denoisers)]
     decoder_of = lambda b: decoders[b % len(decoders)]
     C, (H, W) = pipe.model.cfg.in_channels, pipe.model.cfg.latent_hw
+    images_group = _image_group()
     sends = []
     if rank in denoisers:
         for b, batch in enumerate(batches):
@@ -70,15 +89,16 @@ def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: i
                 dist.recv(z, src=denoiser_of(b), tag=b)
                 images = _wire(pipe.decode(z.to(pipe.device)))  # (n, c, h, w)
                 shape = _wire(torch.tensor(images.shape, dtype=torch.long))
-                sends += [(dist.isend(shape, dst=0, tag=b), shape), (dist.isend(images, dst=0, tag=b), images)]
+                sends += [(dist.isend(shape, dst=0, tag=b, group=images_group), shape),
+                          (dist.isend(images, dst=0, tag=b, group=images_group), images)]
     out = None
     if rank == 0:
         out = []
         for b in range(len(batches)):
             shape = _wire(torch.empty(4, dtype=torch.long))
-            dist.recv(shape, src=decoder_of(b), tag=b)
+            dist.recv(shape, src=decoder_of(b), tag=b, group=images_group)
             images = _wire(torch.empty(*shape.tolist()))
-            dist.recv(images, src=decoder_of(b), tag=b)
+            dist.recv(images, src=decoder_of(b), tag=b, group=images_group)
             out.append(images.cpu())
         out = torch.cat(out)
     for work, _tensor in sends:  # the tensor stays referenced until its send is done

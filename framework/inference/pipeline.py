@@ -193,9 +193,12 @@ class Pipeline:
         idx = [i for i in range(share * per, (share + 1) * per) if i < n]
         idx += [0] * (per - len(idx))
         decode_here = not (decode_on_rank0 and shares > 1)
+        leader = sp is None or sp.rank == 0  # a sequence-parallel group's copies are identical: one rank decodes
         mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
                               steps, guidance, sampler, batch_size, progress and dist.get_rank() == 0,
-                              schedule, decode=decode_here).to(self.device)
+                              schedule, decode=decode_here and leader).to(self.device)
+        if decode_here and sp is not None and sp.size > 1:
+            mine = _from_group_leader(mine, sp, leader)
         if shares == 1:
             return mine.cpu()
         if not decode_here:  # the latents to rank 0, decoded there alone
@@ -309,6 +312,19 @@ def noise_seeds(seed: int, n: int, candidate: int = 0) -> list[int]:
     """The initial-noise seed of each of n prompts for one candidate stream (0: plain sampling)."""
     stream = seed if candidate == 0 else (seed * 0x9E3779B97F4A7C15 + candidate) % 2**63
     return torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(stream)).tolist()
+
+
+def _from_group_leader(images: torch.Tensor, sp: Any, leader: bool) -> torch.Tensor:
+    """The images the sequence-parallel group's first rank decoded, on every rank of the group (the others hold
+    their latents until then): the shape, then the images, broadcast inside the group."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(sp.group, 0)
+    shape = torch.tensor(list(images.shape) if leader else [0] * images.dim(), dtype=torch.long, device=images.device)
+    dist.broadcast(shape, src=src, group=sp.group)
+    out = images if leader else torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=images.device)
+    dist.broadcast(out, src=src, group=sp.group)
+    return out
 
 
 def _world_size() -> int:
