@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
@@ -118,7 +118,8 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
         gradient_clip_val=t.gradient_clip_val,
         enable_progress_bar=t.enable_progress_bar,
         logger=build_logger(cfg, run_dir),
-        callbacks=callbacks,
+        # The bar reads the logged values when it refreshes (a host synchronisation): on logging steps only.
+        callbacks=[*callbacks, TQDMProgressBar(refresh_rate=t.log_every_n_steps)] if t.enable_progress_bar else callbacks,
         default_root_dir=str(run_dir),
         enable_model_summary=False,
     )

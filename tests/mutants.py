@@ -100,9 +100,9 @@ MUTANTS = [
            ("tests/test_datamodule.py::test_lightning_resume_continues_mid_epoch",
             "tests/test_train.py::test_resume_auto_continues_like_an_uninterrupted_run")),
     Mutant("preemption_save_one_step_late", "the preemption checkpoint is written one step after the signal",
-           (("framework/training/checkpointing.py", "        flag = torch.tensor(float(self.flag), device=trainer.strategy.root_device)",
+           (("framework/training/checkpointing.py", "        flag = torch.tensor([float(self.flag)])",
              "        late, self._late = getattr(self, '_late', False), self.flag\n"
-             "        flag = torch.tensor(float(late), device=trainer.strategy.root_device)"),),
+             "        flag = torch.tensor([float(late)])"),),
            (DIST + "test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued_run_matches",)),
     Mutant("keep_checkpoints_deletes_newest", "trainer.keep_checkpoints keeps the oldest numbered checkpoints",
            (("framework/train.py", 'mode="max",', 'mode="min",'),),

@@ -223,6 +223,7 @@ class SlurmPreemption(pl.Callback):
         self.signum = self.signums[0]
         self._previous: dict[int, Any] = {}
         self._step = -1
+        self._group: Any = None  # the gloo group the flag is agreed on (several ranks)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Installed before the data-loader workers start: they inherit it and so are not killed by
@@ -250,14 +251,24 @@ class SlurmPreemption(pl.Callback):
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.flag = True
 
+    def _any_rank_signalled(self, trainer: pl.Trainer) -> bool:
+        """Whether some rank got the signal, agreed by all: one number all-reduced over a gloo group in host memory,
+        so the per-step check never waits for the GPU (a reduce on the device would queue behind the step's kernels
+        and the host would wait for all of them)."""
+        flag = torch.tensor([float(self.flag)])
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            if self._group is None:  # created on every rank's first step end: a collective
+                self._group = dist.new_group(backend="gloo")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag)
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self._step:
             return  # mid-accumulation: a checkpoint here would lose the gradients summed so far
         self._step = trainer.global_step
-        flag = torch.tensor(float(self.flag), device=trainer.strategy.root_device)
-        if trainer.world_size > 1:
-            flag = trainer.strategy.reduce(flag, reduce_op="max")
-        if not bool(flag) or 0 < trainer.max_steps <= trainer.global_step:
+        if not self._any_rank_signalled(trainer) or 0 < trainer.max_steps <= trainer.global_step:
             return  # no signal, or the last step: the run ends now and writes last.ckpt itself
         # One name for all ranks: each rank listing the folder while rank 0 writes could pick N+1.
         path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))

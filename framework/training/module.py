@@ -246,9 +246,12 @@ class DiffusionModule(pl.LightningModule):
         # Checked with this step's gradient norm in on_before_optimizer_step: no host wait here.
         finite = torch.isfinite(loss.detach())
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
-        self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0],
-                 sync_dist=self.trainer.world_size > 1)
+        if self.trainer._logger_connector.should_update_logs:
+            # Only on logging steps (and then to the progress bar too, which refreshes on those steps): the
+            # average over ranks and its read on the host are a synchronisation the other steps do without.
+            # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
+            self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0],
+                     sync_dist=self.trainer.world_size > 1)
         return loss
 
     # ---- finiteness: the losses and the gradient norm, once per optimizer step ----------------
