@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor, TQDMProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
-from framework.training.callbacks import SampleGrid, module_pipeline
+from framework.training.callbacks import LoggedStepThroughput, SampleGrid, module_pipeline
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu
 from framework.config import TrainConfig
 from framework.data.datamodule import LatentDataModule
@@ -67,9 +67,8 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
         cbs.append(PeriodicEval(cfg.eval, run_dir, cfg.sample.vae, cfg.sample.text_encoder))
     if cfg.logger.kind != "none":
         cbs.append(LearningRateMonitor(logging_interval="step"))
-        # Rates (samples/s, TFLOP/s, MFU) over the last 20 batches: Lightning's default of 100 would
-        # log none in a short run.
-        cbs.append(ThroughputMonitor(batch_size_fn=lambda b: b["latents"].shape[0], window_size=20))
+        # Rates (samples/s, TFLOP/s, MFU) since the previous logging step, without a per-step GPU wait.
+        cbs.append(LoggedStepThroughput())
     return cbs
 
 
@@ -278,8 +277,10 @@ class PeriodicEval(pl.Callback):
 # --------------------------------------------------------------------------------------------
 
 
-def train(dcfg: DictConfig) -> dict[str, Any]:
-    """Run training (and the final evaluation when eval.at_end); returns what was written."""
+def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
+    """Run training (and the final evaluation when eval.at_end); returns what was written.
+
+    `extra_callbacks`: Lightning callbacks added to the run's own (a notebook's, or a benchmark's timer)."""
     info = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
     if info is not None:
@@ -314,7 +315,7 @@ def train(dcfg: DictConfig) -> dict[str, Any]:
         strategy=cfg.strategy,
         init_from=cfg.init_from,
     )
-    callbacks = build_callbacks(cfg, run_dir)
+    callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
     trainer = build_trainer(cfg, run_dir, callbacks)
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)

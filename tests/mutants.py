@@ -127,8 +127,10 @@ MUTANTS = [
            ("tests/test_train.py::test_a_nonfinite_step_found_late_leaves_no_checkpoint_of_its_weights",)),
     Mutant("noise_by_global_rank", "a rank draws the noise of the samples at its global rank's position, not Streaming's "
            "(node-innermost) one: right on one node, wrong on several",
-           (("framework/training/module.py", "(t.local_rank // P) * t.num_nodes + t.node_rank", "t.global_rank // P"),),
-           (DIST + "test_two_nodes_hybrid_sharded_follow_one_process_and_resume_on_one_node",)),
+           (("framework/distributed/mesh.py", "        return (local // self.sequence) * self.nodes + node",
+             "        return rank // self.sequence"),),
+           (DIST + "test_two_nodes_hybrid_sharded_follow_one_process_and_resume_on_one_node",
+            "tests/test_sequence.py::test_the_job_mesh_dims_follow_nodes_and_sequence_groups")),
     Mutant("every_sequence_rank_decodes", "every rank of a sequence-parallel group decodes the same images",
            (("framework/inference/pipeline.py", "        leader = sp is None or sp.rank == 0", "        leader = True"),),
            ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),

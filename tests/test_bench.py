@@ -1,6 +1,7 @@
 """The benchmark command runs and writes the JSON rows it promises (figures are not asserted)."""
 
 import json
+import pytest
 import sys
 from pathlib import Path
 from tests import zygote
@@ -42,3 +43,22 @@ def test_bench_checkpoint_saves_the_same_bytes_both_ways(tmp_path):
     assert abs(rows["sync"]["bytes"] - rows["async"]["bytes"]) < 1024
     assert rows["async"]["complete_s"] >= rows["async"]["blocked_s"] > 0
     assert not any(p.name.startswith("bench_ckpt_") for p in tmp_path.iterdir())  # nothing left behind
+
+
+def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards):
+    """The framework's train command and the hand-written loop each run in their own process on the same shards,
+    batch and threads; the command prints the ratio and writes a row per run plus the medians."""
+    out = tmp_path / "bench.json"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "overhead", "warmup=2", "steps=3", "rounds=2",
+                       f"overrides=['data.path={digits_shards}','data.local={tmp_path / 'cache'}','data.batch_size=16']",
+                       f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    *runs, ratio = json.loads(out.read_text())
+    # alternating order, so drift of the machine falls on both sides alike
+    assert [(r["round"], r["side"]) for r in runs] == [(0, "framework"), (0, "loop"), (1, "loop"), (1, "framework")]
+    assert {(r["batch_size"], r["threads"]) for r in runs} == {(16, runs[0]["threads"])}
+    assert all(r["samples_per_s"] > 0 for r in runs)
+    fw = sorted(r["samples_per_s"] for r in runs if r["side"] == "framework")
+    loop = sorted(r["samples_per_s"] for r in runs if r["side"] == "loop")
+    assert ratio["framework_over_loop"] == pytest.approx(sum(fw) / sum(loop))  # medians of two runs each
+    assert f"framework / loop = {ratio['framework_over_loop']:.3f}" in proc.stdout

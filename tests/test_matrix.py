@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import zygote
+from tests.conftest import S3_BUCKET
 from tests.test_train import losses
 from tests.wandb_records import history, run_ids, run_record, wait_for_exit
 
@@ -45,16 +46,20 @@ MATRIX = [
     # The cache-router stage on the same source (frozen backbone), its final evaluation sampling with the learned schedule.
     ("ddp-2-wandb-cache_router", "ddp", 2, "wandb",
      ["experiment=cache_router", "init_from={growth_source}", "plugins.cache_router.steps=2"]),
+    # Shards on S3-compatible storage ({s3}: the loopback server of tests/conftest.py) through a node-local cache,
+    # hybrid sharding (one node: the replicate dim has size 1) and a process-group timeout.
+    ("fsdp-2-csv-s3-hybrid", "fsdp", 2, "csv", ["{s3}", "strategy.sharding=HYBRID_SHARD", "strategy.timeout_s=300"]),
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
      ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
       "trainer.accumulate_grad_batches=2"]),
 ]
 
 
-def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: str, extra: list[str],
-                launcher: bool = True) -> str:
+def run_command(run_dir: Path, data: Path | str, strategy: str, devices: int, logger: str, extra: list[str],
+                launcher: bool = True, env_extra: dict[str, str] | None = None) -> str:
     """`python -m framework.train ...` for one row. launcher: Lightning starts the other ranks (as for a user
-    on one machine); else all ranks start at once as under srun or torchrun."""
+    on one machine); else all ranks start at once as under srun or torchrun. env_extra: more environment (an S3
+    endpoint and credentials)."""
     tmp = run_dir.parent / f"{run_dir.name}_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -65,7 +70,7 @@ def run_command(run_dir: Path, data: Path, strategy: str, devices: int, logger: 
         "sample.every_n_steps=2", "sample.per_prompt=1", "sample.steps=2", "sample.prompts=[a handwritten 3,a handwritten 7]",
         "eval.at_end=true", "eval.seeds=1", "eval.phrasings=1", "eval.steps=2", *extra,
     ]
-    env = {**os.environ, "TMPDIR": str(tmp), "HOME": str(tmp / "home"), "WANDB_SILENT": "true"}
+    env = {**os.environ, "TMPDIR": str(tmp), "HOME": str(tmp / "home"), "WANDB_SILENT": "true", **(env_extra or {})}
     for k in [k for k in env if k.startswith("WANDB_") and k != "WANDB_SILENT"]:
         env.pop(k)  # offline: no API key
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
@@ -127,8 +132,11 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
     if any("{growth_source}" in e for e in extra):
         source = request.getfixturevalue("growth_source")
         extra = [e.replace("{growth_source}", str(source)) for e in extra]
-    stdout = run_command(run_dir, request.getfixturevalue("pairs_shards" if pairs else "digits_shards"), strategy,
-                         devices, logger, extra, launcher)
+    data, env_extra = request.getfixturevalue("pairs_shards" if pairs else "digits_shards"), None
+    if "{s3}" in extra:
+        data, env_extra = f"s3://{S3_BUCKET}/digits", request.getfixturevalue("s3")
+        extra = [e for e in extra if e != "{s3}"]
+    stdout = run_command(run_dir, data, strategy, devices, logger, extra, launcher, env_extra)
 
     # One summary, from rank 0, ending with the metrics line.
     last = stdout.strip().splitlines()[-1]

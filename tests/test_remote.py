@@ -1,5 +1,6 @@
 """Shards on S3-compatible object storage: a real S3 server on loopback (moto's server mode, started and stopped
-here), the digits shards uploaded to it, and training that reads `data.path=s3://...` through a node-local cache.
+by the `s3` fixture of tests/conftest.py), the digits shards uploaded to it, and training that reads
+`data.path=s3://...` through a node-local cache.
 """
 
 from __future__ import annotations
@@ -14,28 +15,7 @@ import torch
 from tests.test_distributed import run_train
 from tests.test_train import cheap, compose_cfg, losses
 
-BUCKET = "latents"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@pytest.fixture(scope="module")
-def s3(digits_shards) -> dict[str, str]:
-    """The server's environment (endpoint and credentials), with the digits shards at s3://latents/digits."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {**CREDENTIALS, "S3_ENDPOINT_URL": f"http://{host}:{port}"}
-    client = boto3.client("s3", endpoint_url=env["S3_ENDPOINT_URL"], aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
-    client.create_bucket(Bucket=BUCKET)
-    for f in sorted(digits_shards.rglob("*")):
-        if f.is_file():
-            client.upload_file(str(f), BUCKET, f"digits/{f.relative_to(digits_shards).as_posix()}")
-    yield env
-    server.stop()
+from tests.conftest import S3_BUCKET as BUCKET
 
 
 @pytest.fixture

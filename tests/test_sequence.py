@@ -65,11 +65,16 @@ def test_the_job_mesh_dims_follow_nodes_and_sequence_groups():
     never spans nodes."""
     from framework.distributed.mesh import ParallelDims
 
-    assert ParallelDims.of(8, 8) == ParallelDims(1, 8, 1)
-    assert ParallelDims.of(32, 8, sequence=4) == ParallelDims(1, 8, 4)
-    assert ParallelDims.of(32, 8, sequence=4, hybrid=True) == ParallelDims(4, 2, 4)
+    assert ParallelDims.of(8, 8) == ParallelDims(1, 8, 1, nodes=1)
+    assert ParallelDims.of(32, 8, sequence=4) == ParallelDims(1, 8, 4, nodes=4)
+    assert ParallelDims.of(32, 8, sequence=4, hybrid=True) == ParallelDims(4, 2, 4, nodes=4)
     d = ParallelDims.of(16, 4, sequence=2, hybrid=True)
     assert (d.world, d.data_parallel) == (16, 8)
+    # Streaming's deal of a global batch, nodes innermost: 2 nodes x 4 ranks (ranks 0-3 on node 0) hold positions
+    # 0 2 4 6 | 1 3 5 7; with sequence groups of 2, a group shares one: 0 0 2 2 | 1 1 3 3.
+    assert [ParallelDims.of(8, 4).stream_position(r) for r in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert [ParallelDims.of(8, 4, sequence=2).stream_position(r) for r in range(8)] == [0, 0, 2, 2, 1, 1, 3, 3]
+    assert [ParallelDims.of(4, 4, sequence=2).stream_position(r) for r in range(4)] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="would span nodes"):
         ParallelDims.of(16, 2, sequence=4)  # 2 ranks per node, groups of 4
     with pytest.raises(ValueError, match="does not divide the 6 ranks"):

@@ -355,6 +355,25 @@ def test_scaling_command_writes_json_and_png(tmp_path, digits_shards):
         assert im.size[0] > 800 and im.size[1] > 300
 
 
+def test_throughput_counts_every_batch_and_reads_the_clock_on_logging_steps_only(tmp_path, digits_shards,
+                                                                                  monkeypatch):
+    """train/samples and train/batches count every batch, while the monitor's update (where Lightning waits for the GPU
+    to read the clock) runs on logging steps only: 3 of 10 steps at log_every_n_steps=3."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    updates = []
+    base = ThroughputMonitor._update
+    monkeypatch.setattr(ThroughputMonitor, "_update", lambda self, trainer, *a: updates.append(trainer.global_step)
+                        or base(self, trainer, *a))
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=3", steps=10)))
+    with open(Path(out["run_dir"]) / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/batches")]
+    assert updates == [3, 6, 9]  # the trainer's step count after each of those steps
+    assert [(int(r["step"]), float(r["train/batches"]), float(r["train/samples"])) for r in rows] == [
+        (s, s + 1, 16 * (s + 1)) for s in (2, 5, 8)]
+    assert all(float(r["train/device/samples_per_sec"]) > 0 for r in rows[1:])
+
+
 # --------------------------------------------------------------------------------------------
 # Speed switches keep the numerics
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
              doing both (split_ranks), and denoising / decoding ranks (decode_ranks)
   checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
              synchronous vs strategy.async_save (framework.distributed.strategy.ShardedSaver)
+  overhead   the framework's own cost per step: framework.train against a hand-written loop (same shards, model,
+             batch, objective, AdamW, clipping, threads), alternating child processes; prints framework / loop
   sequence   one rank's peak memory and compute time against sequence length, whole sequences vs Ulysses
              sequence parallelism over P ranks (framework/distributed/sequence.py; P ranks simulated on one device)
 Each prints a table and writes one JSON row per configuration to `out`.
@@ -32,7 +34,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.bench import (suite_cache, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_init_memory,
-                             suite_memory, suite_norm, suite_optimizer, suite_sequence, suite_train)
+                             suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_sequence, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
 
@@ -47,6 +49,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "norm": (suite_norm.NormBench, suite_norm.run),
     "cache": (suite_cache.CacheBench, suite_cache.run),
     "decode": (suite_decode.DecodeBench, suite_decode.run),
+    "overhead": (suite_overhead.OverheadBench, suite_overhead.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),
     "checkpoint": (suite_checkpoint.CheckpointBench, suite_checkpoint.run),
 }

@@ -396,3 +396,10 @@ class LatentDataModule(L.LightningDataModule):
             drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
             pin_memory=torch.cuda.is_available(),  # lets Lightning copy batches to the GPU asynchronously
         )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """The batch's tensors to the device; its captions and keys (lists of strings) stay as they are, without
+        Lightning's walk over every element of every list (a millisecond a step at batch 64)."""
+        if not isinstance(batch, dict):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -9,9 +9,10 @@
     ulysses    strategy.sequence_parallel (P)          the all-to-all attention of one sequence group
 
 Ranks are laid out row-major, ulysses innermost: a sequence group is P consecutive ranks, so on a node
-of G ranks (P dividing G) it never leaves the node, and a replicate slice is one node's ranks. The
-data-parallel position of a rank (which samples it holds) is its index over replicate x shard: the P
-ranks of a sequence group hold the same samples.
+of G ranks (P dividing G) it never leaves the node, and a replicate slice is one node's ranks. The P
+ranks of a sequence group hold the same samples. Two positions of a rank: `data_parallel_rank`, its index
+over replicate x shard (for work split by rank order), and `stream_position`, where Streaming puts its
+samples in the global batch (nodes innermost), which the training step's noise follows.
 
 Built once per job from the strategy config (`ParallelDims.of(...).build(...)`): the Lightning
 strategies build it in setup_environment (framework/distributed/strategy.py), the sampling commands
@@ -35,6 +36,7 @@ class ParallelDims:
     replicate: int
     shard: int
     sequence: int
+    nodes: int = 1
 
     @classmethod
     def of(cls, world: int, ranks_per_node: int, sequence: int = 1, hybrid: bool = False) -> "ParallelDims":
@@ -51,8 +53,9 @@ class ParallelDims:
             raise ValueError(f"strategy.sequence_parallel={sequence} does not divide the {ranks_per_node} ranks of a "
                              f"node: a sequence group would span nodes and run its per-layer all-to-all over the "
                              f"network; pick a sequence_parallel that divides the devices per node")
-        replicate = world // ranks_per_node if hybrid else 1
-        return cls(replicate, world // (replicate * sequence), sequence)
+        nodes = world // ranks_per_node
+        replicate = nodes if hybrid else 1
+        return cls(replicate, world // (replicate * sequence), sequence, nodes)
 
     @property
     def world(self) -> int:
@@ -62,6 +65,15 @@ class ParallelDims:
     def data_parallel(self) -> int:
         """How many different sample slices the job trains on per step (sequence groups count once)."""
         return self.replicate * self.shard
+
+    def stream_position(self, rank: int) -> int:
+        """Where `rank`'s samples sit in Streaming's deal of a global batch: rows p, p + D, p + 2D, ... for
+        D = data_parallel. Streaming orders its ranks nodes innermost, p = (data-parallel index on the node) x nodes
+        + node, which is not rank // sequence on more than one node; a sequence group's ranks share one position.
+        The training step draws each sample's noise by its global row (DiffusionModule._draw)."""
+        per_node = self.world // self.nodes
+        node, local = divmod(rank, per_node)
+        return (local // self.sequence) * self.nodes + node
 
     def build(self, device_type: str) -> "Mesh":
         """The DeviceMesh over the running process group (a collective: every rank calls it)."""
@@ -86,8 +98,14 @@ class Mesh:
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's index over replicate x shard: which slice of the global batch it (and its group) holds."""
+        """This rank's index over replicate x shard: its (and its group's) share of work split by rank order, such as
+        prompts to generate or a sampler's slice. Not where its training samples sit: see stream_position."""
         return self.rank // self.dims.sequence
+
+    @property
+    def stream_position(self) -> int:
+        """This rank's position in Streaming's deal of the global batch (ParallelDims.stream_position)."""
+        return self.dims.stream_position(self.rank)
 
     def fsdp_mesh(self) -> Any:
         """What fully_shard takes: shard x ring x ulysses flattened into one dim, with replicate in front when the

@@ -11,13 +11,11 @@ import torch.nn.functional as F
 
 def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad (L_i, D) sequences to (N, L, D) with zeros, plus the (N, L) bool mask of real tokens."""
-    n, d = len(seqs), seqs[0].shape[-1]
-    n_tok = max(max(s.shape[0] for s in seqs), 1)
-    out = seqs[0].new_zeros(n, n_tok, d)
-    mask = torch.zeros(n, n_tok, dtype=torch.bool, device=seqs[0].device)
-    for i, s in enumerate(seqs):
-        out[i, : s.shape[0]] = s
-        mask[i, : s.shape[0]] = True
+    out = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)  # (N, L, D), zeros after each sequence
+    if out.shape[1] == 0:  # only empty sequences: one padding token, masked
+        out = out.new_zeros(len(seqs), 1, out.shape[-1])
+    lengths = torch.tensor([s.shape[0] for s in seqs], device=out.device)
+    mask = torch.arange(out.shape[1], device=out.device)[None] < lengths[:, None]  # (N, L)
     return out, mask
 
 
@@ -27,10 +25,12 @@ def drop_captions(
     """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D).
 
     text (B, L, D), mask (B, L), drop (B,) bool -> new tensors (B, max(L, L0), D), (B, max(L, L0)); the
-    inputs are not modified. The flags come from DiffusionModule._draw (classifier-free guidance).
+    inputs are not modified. The flags come from DiffusionModule._draw (classifier-free guidance), on the host,
+    so that finding whether any row drops reads no device memory.
     """
     if not bool(drop.any()):
         return text, mask
+    drop = drop.to(text.device, non_blocking=True)
     n_tok = max(text.shape[1], empty.shape[0])
     if n_tok > text.shape[1]:  # the empty caption is longer than every caption in this batch
         text = F.pad(text, (0, 0, 0, n_tok - text.shape[1]))

@@ -93,15 +93,17 @@ class Objective:
 
     # ---- training -----------------------------------------------------------------------
 
-    def draw(self, x0: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw (noise, u) for a batch on the CPU generator: u in [0, 1) picks the noise level."""
-        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+    def levels(self, z: torch.Tensor) -> torch.Tensor:
+        """Noise levels u in [0, 1] from standard normals z (the training step draws one normal per sample):
+        logit-normal, sigmoid(logit_mean + logit_std * z), or uniform, Phi(z) (the normal's CDF)."""
         if self.cfg.timestep_sampling == "logit_normal":
-            z = torch.randn(x0.shape[0], generator=generator) * self.cfg.logit_std + self.cfg.logit_mean
-            u = torch.sigmoid(z)
-        else:
-            u = torch.rand(x0.shape[0], generator=generator)
-        return noise, u
+            return torch.sigmoid(z * self.cfg.logit_std + self.cfg.logit_mean)
+        return torch.special.ndtr(z)
+
+    def draw(self, x0: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw (noise, u) for a batch on the CPU generator: u in [0, 1] picks the noise level."""
+        noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+        return noise, self.levels(torch.randn(x0.shape[0], generator=generator))
 
     def corrupt(
         self, x0: torch.Tensor, noise: torch.Tensor, u: torch.Tensor

@@ -1,4 +1,4 @@
-"""Framework callbacks (not plugins): sample grids during training."""
+"""Framework callbacks (not plugins): sample grids during training, throughput read on logging steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from framework.inference.pipeline import Pipeline, save_grid, with_encoders
 from framework.evaluation.prompts import grid_prompts, prompt_labels
@@ -89,3 +90,30 @@ class SampleGrid(pl.Callback):
         except Exception as err:  # noqa: BLE001 - any failure of the optional last picture
             self.failed = f"{type(err).__name__}: {err}"
             rank_zero_warn(f"the final sample grid failed, the run is saved: {self.failed}")
+
+
+class LoggedStepThroughput(ThroughputMonitor):
+    """Lightning's ThroughputMonitor (samples/s, TFLOP/s, MFU) with the clock read on logging steps only.
+
+    Lightning's reads it after every batch, and on a GPU waits for the device first (torch.cuda.synchronize), a
+    host synchronisation on every step. Here the batches and samples of the other steps are counted on the host
+    and the clock is read when the rates are logged: each rate is the average since the previous logging step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(batch_size_fn=lambda b: b["latents"].shape[0], window_size=2)
+        self._pending = (0, 0)  # batches and samples since the last reading
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           *args: Any) -> None:
+        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+            batches, samples = self._pending
+            self._pending = (batches + 1, samples + self.batch_size_fn(batch))
+            return
+        stage = trainer.state.stage
+        batches, samples = self._pending
+        self._batches[stage] += batches  # the base class adds this batch's own
+        self._samples[stage] += samples
+        self._pending = (0, 0)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)

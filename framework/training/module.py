@@ -1,10 +1,10 @@
 """The LightningModule: one diffusion training step on precomputed latents.
 
-Everything random in a step (noise, noise level, caption dropout) is drawn from a generator seeded
-by (seed, micro-batch counter) for the whole *global* batch, and each rank takes its slice. So a
-run is reproducible, resumes exactly from any checkpoint, and a 2-rank run draws the same numbers
-for the same samples as a 1-rank run with the same global batch (Streaming gives rank r the
-global rows r, r+W, r+2W, ... and _draw takes the same rows).
+Everything random in a step (noise, noise level, caption dropout) is drawn per sample from a generator
+seeded by (seed, micro-batch counter, the sample's row in the *global* batch), and each rank draws its
+own rows only. So a run is reproducible, resumes exactly from any checkpoint, and a 2-rank run draws the
+same numbers for the same samples as a 1-rank run with the same global batch (Streaming gives the rank
+at position r the global rows r, r+W, r+2W, ... and _draw draws the same rows).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, lo
 from framework.models.objectives import Objective, ObjectiveConfig
 from framework.training.optim import OptimizerConfig, build_optimizer, lr_lambda
 from framework.training.registry import training_loss_hook
-from framework.distributed.sequence import group_of
+from framework.distributed.mesh import ParallelDims
 
 MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
 LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
@@ -204,23 +204,31 @@ class DiffusionModule(pl.LightningModule):
 
         Each sample draws from its own CPU generator keyed by (seed, micro-batch, its index in the global batch),
         so a rank draws only its own samples (host time O(local batch) whatever the world size) and a sample gets
-        the same numbers on any world size and after a resume. Streaming deals a global batch out round-robin over
+        the same numbers on any world size and after a resume. Noise and noise levels come back on the device,
+        the drop flags (B,) on the host. Streaming deals a global batch out round-robin over
         W data-parallel ranks, nodes innermost: the rank at position r = local_rank * nodes + node_rank holds global
         rows r, r+W, r+2W, ... (tests/test_distributed.py checks this against a 1-process run with the same global
         batch, on 1 node and on 2); a sequence-parallel group of P ranks draws as one rank (Streaming's replication).
         """
-        sp = group_of(self.model)
-        P = sp.size if sp is not None else 1
         t = self.trainer
-        B, W, r = x0.shape[0], t.world_size // P, (t.local_rank // P) * t.num_nodes + t.node_rank
-        micro, one = self._micro_batch(), x0.new_empty((1, *x0.shape[1:]), device="cpu")
-        noise, u, drop = torch.empty((B, *x0.shape[1:])), torch.empty(B), torch.empty(B, dtype=torch.bool)
+        dims = getattr(t.strategy, "mesh", None)  # the job's mesh (ddp, fsdp); a single process has none
+        if dims is None:
+            dims = ParallelDims.of(t.world_size, t.num_devices, 1)
+            r = dims.stream_position(t.global_rank)
+        else:
+            dims, r = dims.dims, dims.stream_position
+        B, W = x0.shape[0], dims.data_parallel
+        micro, n = self._micro_batch(), x0[0].numel()
+        # One call per sample: its noise, then the normals behind its noise level and its caption-drop flag.
+        z = torch.empty(B, n + 2, pin_memory=x0.is_cuda)  # pinned: the copy below does not wait for the GPU
+        g = torch.Generator()
         for i in range(B):
-            g = torch.Generator().manual_seed(hash((self.seed, micro, r + i * W)) & 0x7FFF_FFFF_FFFF)
-            noise[i:i + 1], u[i:i + 1] = self.objective.draw(one, g)
-            drop[i] = bool(torch.rand((), generator=g) < self.objective.cfg.caption_dropout)
-        return (noise.to(x0.device, non_blocking=True), u.to(x0.device, non_blocking=True),
-                drop.to(x0.device, non_blocking=True))
+            g.manual_seed(hash((self.seed, micro, r + i * W)) & 0x7FFF_FFFF_FFFF)
+            torch.randn(n + 2, generator=g, out=z[i])
+        p = self.objective.cfg.caption_dropout
+        drop = torch.special.ndtr(z[:, n + 1]) < p  # (B,) on the host: whether any row drops needs no device read
+        z = z.to(x0.device, non_blocking=True)
+        return z[:, :n].reshape(x0.shape), self.objective.levels(z[:, n]), drop
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         x0 = batch["latents"]  # (B, C, h, w), already scaled by the data module
@@ -229,6 +237,7 @@ class DiffusionModule(pl.LightningModule):
         text, mask = drop_captions(text, mask, self.empty_text.to(text), drop)
         labels = batch.get("label")
         if labels is not None and self.model_cfg.num_classes is not None:
+            drop = drop.to(labels.device, non_blocking=True)
             labels = torch.where(drop, self.model.null_labels(x0.shape[0]).to(labels), labels)
         else:
             labels = None
