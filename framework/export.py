@@ -108,6 +108,9 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     if family == "dit" and denoiser.cfg.num_classes != 1000:
         print(f"export: stock {pipeline_name} guides with class 1000 as the null class (ImageNet's); this model has "
               f"{denoiser.cfg.num_classes} classes: sample it with guidance_scale=1 there, or with framework.sample")
+    if family == "sana":
+        print(f"export: stock {pipeline_name} puts Gemma-2's instruction text before each prompt; this model was trained "
+              "on its captions as they are: call the pipeline with complex_human_instruction=None")
     if family == "unet":
         print(f"export: stock {pipeline_name} pads prompts to the tokenizer's length and attends to the padding; "
               "LatentForge trained on each caption's own tokens (masked), so its images can differ from framework.sample's")

@@ -48,6 +48,23 @@ def make_tiny_vae(root: Path, scaling_factor: float = 0.5, shift_factor: float =
     return Path(root)
 
 
+def make_tiny_dc_ae(root: Path, scaling_factor: float = 0.5, seed: int = 0) -> Path:
+    """A random 2-level AutoencoderDC (SANA's deterministic autoencoder; downsample 2, 4 latent channels) saved as a
+    diffusers folder."""
+    from diffusers import AutoencoderDC
+
+    torch.manual_seed(seed)
+    ae = AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=8, encoder_block_types=("ResBlock",) * 2,
+        decoder_block_types=("ResBlock",) * 2, encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
+        encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), encoder_qkv_multiscales=((), ()),
+        decoder_qkv_multiscales=((), ()), upsample_block_type="interpolate", downsample_block_type="Conv",
+        scaling_factor=scaling_factor,
+    )
+    ae.save_pretrained(root)
+    return Path(root)
+
+
 def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0) -> Path:
     """A random 2-layer BertModel with MiniLM's tokenizer files copied in (no download needed)."""
     from transformers import BertConfig, BertModel

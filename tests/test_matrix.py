@@ -18,6 +18,7 @@ import pytest
 
 from tests import zygote
 from tests.conftest import S3_BUCKET
+from tests.test_own_data import metric_nets, own_data  # noqa: F401  (fixtures of the own-data row)
 from tests.test_train import losses
 from tests.wandb_records import history, run_ids, run_record, wait_for_exit
 
@@ -49,6 +50,9 @@ MATRIX = [
     # Shards on S3-compatible storage ({s3}: the loopback server of tests/conftest.py) through a node-local cache,
     # hybrid sharding (one node: the replicate dim has size 1) and a process-group timeout.
     ("fsdp-2-csv-s3-hybrid", "fsdp", 2, "csv", ["{s3}", "strategy.sharding=HYBRID_SHARD", "strategy.timeout_s=300"]),
+    # One's own RGB data ({own}: tests/test_own_data.py's images, VAE and text encoder, the encoders moved to
+    # another folder) evaluated at the end against held-out images (FID, CLIP score) on both ranks.
+    ("ddp-2-csv-own_data-real", "ddp", 2, "csv", ["{own}", "data.batch_size=4", "eval.bootstrap=10"]),
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
      ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
       "trainer.accumulate_grad_batches=2"]),
@@ -62,14 +66,16 @@ def run_command(run_dir: Path, data: Path | str, strategy: str, devices: int, lo
     endpoint and credentials)."""
     tmp = run_dir.parent / f"{run_dir.name}_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "framework.train", f"run.dir={run_dir}", f"data.path={data}", f"data.local={tmp / 'cache'}",
+    defaults = [
+        f"run.dir={run_dir}", f"data.path={data}", f"data.local={tmp / 'cache'}",
         f"strategy={strategy}", f"trainer.devices={devices}", f"logger={logger}", "trainer.accelerator=cpu",
         f"data.batch_size={16 // devices}", f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=1",
         "trainer.checkpoint_every_n_steps=2", "trainer.enable_progress_bar=false",
         "sample.every_n_steps=2", "sample.per_prompt=1", "sample.steps=2", "sample.prompts=[a handwritten 3,a handwritten 7]",
-        "eval.at_end=true", "eval.seeds=1", "eval.phrasings=1", "eval.steps=2", *extra,
+        "eval.at_end=true", "eval.seeds=1", "eval.phrasings=1", "eval.steps=2",
     ]
+    chosen = {e.split("=", 1)[0] for e in extra}  # a row's own value of a key replaces the default
+    cmd = [sys.executable, "-m", "framework.train", *(d for d in defaults if d.split("=", 1)[0] not in chosen), *extra]
     env = {**os.environ, "TMPDIR": str(tmp), "HOME": str(tmp / "home"), "WANDB_SILENT": "true", **(env_extra or {})}
     for k in [k for k in env if k.startswith("WANDB_") and k != "WANDB_SILENT"]:
         env.pop(k)  # offline: no API key
@@ -118,6 +124,18 @@ def check_export(ckpt: Path, out: Path) -> None:
         assert exported[k[len("net."):]].equal(v), k
 
 
+def check_own_eval(ckpt: Path, extra: list[str], metrics: dict, out: Path) -> None:
+    """framework.eval in one process, with the row's encoders, held-out images, metric networks and settings."""
+    keys = ("sample.vae", "sample.text_encoder", "eval.real", "eval.inception", "eval.clip", "eval.bootstrap")
+    given = [e.split(".", 1)[1] for e in extra if e.split("=", 1)[0] in keys]
+    proc = zygote.run([sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={out}", "seeds=1", "steps=2",
+                       "device=cpu", *given], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    alone = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("fid", "clip_score", "num_images", "num_real"):
+        assert alone[key] == pytest.approx(metrics[key], rel=1e-4), (key, alone, metrics)
+
+
 # 2-rank rows whose other rank Lightning's launcher starts, as on a user's machine; the other 2-rank rows start
 # both ranks at once (as srun / torchrun do), which spares one interpreter start in turn.
 LIGHTNING_LAUNCHER = {"ddp-2-none-sequence_parallel", "fsdp-2-wandb"}
@@ -133,6 +151,13 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         source = request.getfixturevalue("growth_source")
         extra = [e.replace("{growth_source}", str(source)) for e in extra]
     data, env_extra = request.getfixturevalue("pairs_shards" if pairs else "digits_shards"), None
+    own = "{own}" in extra
+    if own:
+        own_data, nets = request.getfixturevalue("own_data"), request.getfixturevalue("metric_nets")
+        data = own_data["data"]
+        extra = [e for e in extra if e != "{own}"] + [
+            f"sample.vae={own_data['vae']}", f"sample.text_encoder={own_data['text']}", f"eval.real={nets['real']}",
+            f"eval.inception={nets['inception']}", f"eval.clip={nets['clip']}"]
     if "{s3}" in extra:
         data, env_extra = f"s3://{S3_BUCKET}/digits", request.getfixturevalue("s3")
         extra = [e for e in extra if e != "{s3}"]
@@ -141,12 +166,16 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
     # One summary, from rank 0, ending with the metrics line.
     last = stdout.strip().splitlines()[-1]
     metrics = json.loads(last)
-    headline = "pair_accuracy" if pairs else "prompt_accuracy"
-    assert 0.0 <= metrics[headline] <= 1.0 and metrics["fd"] >= 0.0
-    assert metrics["num_images"] == (100 if pairs else 10 + 30)  # every ordered pair; digits + held-out phrasings
-    assert sum(line.startswith(f"{headline} ") for line in stdout.splitlines()) == 1
     assert json.loads((run_dir / "eval" / "metrics.json").read_text()) == metrics
-    assert (run_dir / "eval" / "judged.png").is_file()
+    if own:  # the 2-rank evaluation equals framework.eval's in one process on the final checkpoint
+        assert (metrics["num_real"], metrics["num_images"]) == (10, 10) and metrics["fid"] >= 0
+        check_own_eval(run_dir / "checkpoints" / "last.ckpt", extra, metrics, tmp_path / "eval1")
+    else:
+        headline = "pair_accuracy" if pairs else "prompt_accuracy"
+        assert 0.0 <= metrics[headline] <= 1.0 and metrics["fd"] >= 0.0
+        assert metrics["num_images"] == (100 if pairs else 10 + 30)  # every ordered pair; digits + held-out phrasings
+        assert sum(line.startswith(f"{headline} ") for line in stdout.splitlines()) == 1
+        assert (run_dir / "eval" / "judged.png").is_file()
     assert sorted(p.name for p in (run_dir / "samples").glob("*.png")) == ["step0000002.png", "step0000004.png"]
     last_ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert last_ckpt.exists()

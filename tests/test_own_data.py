@@ -209,6 +209,73 @@ def test_diffusers_export_of_sana_needs_a_dc_ae(own_data, tmp_path):
     assert not (tmp_path / "pipe").exists()
 
 
+def test_diffusers_export_of_sana_with_a_dc_ae_samples_like_framework_sample(own_data, tmp_path, capsys):
+    """sana on the latents of a DC-AE (32 px images, 16x16 latents): the exported SanaPipeline, asked to encode the
+    prompt as it is (without the Gemma instruction prefix stock SANA adds), draws framework.sample's image from the
+    same noise, guided by the empty caption."""
+    from diffusers import DiffusionPipeline
+
+    from data_prep.precompute import precompute
+    from framework.export import ExportCommand, export
+    from framework.inference.pipeline import Pipeline, noise_seeds
+    from tests.conftest import make_tiny_dc_ae
+
+    dcae = make_tiny_dc_ae(tmp_path / "dcae")
+    data = precompute({"source": {"name": "folder", "path": str(make_image_folder(tmp_path / "images", n=12, size=40))},
+                       "vae": str(dcae), "text_encoder": str(own_data["text"]), "resolution": 32,
+                       "out": str(tmp_path / "latents"), "progress": False})
+    encoders = dict(vae=str(dcae), text_encoder=str(own_data["text"]))
+    out = train(compose_cfg(["model=sana_debug", f"data.path={data}", "data.batch_size=4", f"run.dir={tmp_path / 'run'}",
+                             "trainer.max_steps=2", "trainer.enable_progress_bar=false", "logger=none", "eval.at_end=false",
+                             "sample.every_n_steps=0", "sample.per_prompt=1", "sample.steps=2",
+                             f"sample.vae={dcae}", f"sample.text_encoder={own_data['text']}"]))
+    folder = export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers", **encoders))
+    assert "complex_human_instruction=None" in capsys.readouterr().out  # how to prompt the stock pipeline
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    assert type(pipe).__name__ == "SanaPipeline" and type(pipe.vae).__name__ == "AutoencoderDC"
+    assert pipe.scheduler.config.prediction_type == "flow_prediction"
+
+    prompt, seed, steps, guidance = "a random picture number 2", 7, 4, 3.0
+    expected = Pipeline.from_checkpoint(out["checkpoint"], **encoders).generate([prompt], steps, guidance, "dpm++", seed)
+    (s,) = noise_seeds(seed, 1)
+    latents = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(s))[None]  # framework.sample's noise
+    got = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents, height=32, width=32,
+               use_resolution_binning=False, complex_human_instruction=None, max_sequence_length=64,  # the tiny BERT: 128
+               output_type="pt").images
+    assert got.shape == expected.shape == (1, 3, 32, 32)
+    torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
+
+
+def test_diffusers_export_of_an_sd2_unet_samples_like_framework_sample_unguided(own_data, tmp_path, capsys):
+    """unet (SD2's v objective): the exported StableDiffusionPipeline, given the caption's own token embeddings, draws
+    framework.sample's image from the same noise. Unguided: with guidance, stock SD pads the caption and the empty one
+    to one length and attends to the padding (it passes no mask); the export says so."""
+    from diffusers import DiffusionPipeline
+
+    from framework.export import ExportCommand, export
+    from framework.inference.pipeline import Pipeline, noise_seeds
+
+    encoders = dict(vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
+    out = train(compose_cfg(_run(own_data, "sd2", "model=sd2_unet_debug", "objective=v", "trainer.max_steps=2",
+                                 "trainer.checkpoint_every_n_steps=2", "sample.every_n_steps=0",
+                                 f"sample.vae={own_data['vae']}", f"sample.text_encoder={own_data['text']}")))
+    folder = export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers", **encoders))
+    assert "attends to the padding" in capsys.readouterr().out
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    assert type(pipe).__name__ == "StableDiffusionPipeline" and hasattr(pipe, "unet")
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+
+    prompt, seed, steps = "a random picture number 2", 7, 4
+    ours = Pipeline.from_checkpoint(out["checkpoint"], **encoders)
+    expected = ours.generate([prompt], steps, 1.0, "dpm++", seed)  # (1, 3, 16, 16) in [-1, 1]
+    (embeds,) = ours.encode([prompt])  # (L, D): the caption's own tokens, as training saw them
+    (s,) = noise_seeds(seed, 1)
+    latents = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(s))[None]
+    got = pipe(prompt_embeds=embeds[None], num_inference_steps=steps, guidance_scale=1.0, latents=latents, height=16,
+               width=16, output_type="pt").images
+    torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
+
+
 # --------------------------------------------------------------------------------------------
 # Evaluation on one's own data: fid and clip_score against held-out real images
 # --------------------------------------------------------------------------------------------
