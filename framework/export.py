@@ -58,13 +58,13 @@ def export(cmd: ExportCommand) -> Path:
     from safetensors.torch import save_file
 
     from framework.models.backbones import ModelConfig, build_denoiser
-    from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint
+    from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
 
     ckpt = read_checkpoint(cmd.ckpt)
     model_cfg = ModelConfig(**ckpt[CKPT_KEY]["config"]["model"])
     denoiser = build_denoiser(model_cfg)
     # load_state_dict(strict) fails on any mismatch, so the file always fits its own config.
-    denoiser.load_state_dict(model_weights(ckpt, cmd.weights))
+    denoiser.load_state_dict(model_weights(ckpt, weights_used(ckpt, cmd.weights)))
     out = Path(cmd.out)
     if cmd.format == "diffusers":
         return save_pipeline(denoiser, ckpt, cmd, out)

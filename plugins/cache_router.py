@@ -14,8 +14,10 @@ One training step (the `TrainingLoss` hook of framework/training/registry.py):
      step to x_k, then the frozen model at t_k;
   3. student: the model at t_k where every branch returns beta * fresh + (1 - beta) * cached, cached
      being that branch's output at t_{k-1} before its adaLN gate;
-  4. loss = MSE(student, teacher) + sparsity * sum(beta_k): the penalty pushes beta down wherever the
-     cache costs the prediction little.
+  4. loss = MSE(student, teacher) + sparsity * sum(cost * beta_k): the penalty pushes beta down wherever the
+     cache costs the prediction little. `cost` weighs each branch by its share of the model's work
+     (`plugins.cache_router.cost`: its forward FLOPs, or its measured time on this device; mean 1), so the
+     router does not buy a cheap cross-attention with an expensive MLP; `none` weighs them alike (the paper's).
 Captions and labels are dropped as in training, so both halves of classifier-free guidance are learned.
 The schedule recomputes branch (k, block, branch) of a cache step when beta > threshold; it is written to
 run.dir/cache_schedule.json (with a heat map, cache_schedule.png) at every checkpoint and at the end,
@@ -41,6 +43,7 @@ from framework.models.objectives import DEFAULT_SAMPLER, SAMPLERS, check_sampler
 from framework.training.registry import register_plugin
 
 TRAINABLE_SAMPLERS = ("ddim", "flow_euler")  # one step of these is a function of (x, t, prediction) alone
+COSTS = ("flops", "time", "none")
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,6 +65,9 @@ class CacheRouterConfig:
     """A branch is recomputed at a step when its beta > threshold."""
     init_logit: float = 2.0
     """Starting router logit (sigmoid(2) = 0.88: the student starts close to the full model)."""
+    cost: str = "flops"
+    """Weight of each branch's beta in the penalty: flops (its share of the forward FLOPs, counted), time (its share
+    of the forward time on this device, measured once and kept in the checkpoint) or none (all alike)."""
     out: str | None = None
     """Where the schedule is written; null: run.dir/cache_schedule.json (the heat map beside it, .png)."""
 
@@ -72,6 +78,8 @@ class CacheRouterConfig:
             raise ValueError(f"plugins.cache_router.sparsity={self.sparsity} must be >= 0")
         if not 0 < self.threshold < 1:
             raise ValueError(f"plugins.cache_router.threshold={self.threshold} must lie in (0, 1)")
+        if self.cost not in COSTS:
+            raise ValueError(f"plugins.cache_router.cost={self.cost!r}: choose one of {COSTS}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +105,9 @@ class Router(nn.Module):
         for i, kinds in enumerate(branches):
             present[i, : len(kinds)] = True
         self.register_buffer("present", present, persistent=False)  # (blocks, width)
+        # (blocks, width) weight of each branch in the sparsity penalty, mean 1 over the present ones; kept in the
+        # checkpoint, so a resumed run weighs as the run it continues (a measured time would differ)
+        self.register_buffer("cost", present.float() * present.numel() / present.sum())
 
     def beta(self, step: int) -> torch.Tensor:
         """(blocks, width) mixing weights of a cache step; absent branches 0 (never used)."""
@@ -121,6 +132,69 @@ class Router(nn.Module):
                    for s, step in enumerate(b)]
         return CacheSchedule(sampler, cfg.steps, signature, compute, kind="learned", beta=b,
                              threshold=cfg.threshold, source=source)
+
+
+# --------------------------------------------------------------------------------------------
+# What each branch costs
+# --------------------------------------------------------------------------------------------
+
+
+def _example(model: nn.Module) -> tuple:
+    """A batch of 2 shaped like the model's inputs (16 caption tokens), for counting and timing a forward."""
+    cfg = model.cfg
+    h, w = cfg.latent_hw
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cfg.in_channels, h, w, generator=g)
+    text = torch.randn(2, 16, cfg.text_dim or 1, generator=g) if cfg.text_dim else None
+    mask = torch.ones(2, 16, dtype=torch.bool) if cfg.text_dim else None
+    labels = torch.zeros(2, dtype=torch.long) if cfg.num_classes is not None else None
+    device = next(model.parameters()).device
+    move = lambda t: None if t is None else t.to(device)
+    return move(x), torch.full((2,), 500.0, device=device), move(text), move(mask), move(labels)
+
+
+def branch_costs(model: nn.Module, how: str) -> torch.Tensor:
+    """(blocks, width) cost of each residual branch of `model` in one forward: counted FLOPs or measured seconds
+    (the median of 3 timed forwards; the GPU synchronised around each branch); 0 for absent branches."""
+    import statistics
+    import time
+
+    from framework.models.blocks import block_views
+    from framework.models.flops import forward_flops_by_module
+
+    views = block_views(model)
+    width = max(len(v.branches) for v in views)
+    cost = torch.zeros(len(views), width, dtype=torch.float64)
+    args = _example(model)
+    if how == "flops":
+        counts = forward_flops_by_module(model, *args)
+        for i, v in enumerate(views):
+            for j, b in enumerate(v.branches):
+                cost[i, j] = counts.get(f"{type(model).__name__}.net.{v.name}.{b.attr}", 0)
+        return cost
+    sync = torch.cuda.synchronize if args[0].is_cuda else (lambda: None)
+    times: dict[tuple[int, int], list[float]] = {}
+    hooks = []
+    for i, v in enumerate(views):
+        for j, b in enumerate(v.branches):
+            def before(*_: Any, key=(i, j)) -> None:
+                sync()
+                times.setdefault(key, []).append(-time.perf_counter())
+
+            def after(*_: Any, key=(i, j)) -> None:
+                sync()
+                times[key][-1] += time.perf_counter()
+            hooks += [b.module.register_forward_pre_hook(before), b.module.register_forward_hook(after)]
+    try:
+        with torch.no_grad():
+            for _ in range(4):  # the first warms up and is dropped
+                model(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+    for (i, j), ts in times.items():
+        cost[i, j] = statistics.median(ts[1:])
+    return cost
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +253,12 @@ class CacheRouterStage(pl.Callback):
                              f"blocks; the cache router handles {families_with(lambda p: p.stack)}")
         model.requires_grad_(False)  # frozen: no gradients, so no optimizer state either
         branches = model_signature(model, self.objective_name)["branches"]
-        pl_module.router = Router(self.cfg.steps, branches, self.cfg.init_logit)  # trained, checkpointed, DDP-synced
+        router = Router(self.cfg.steps, branches, self.cfg.init_logit)  # trained, checkpointed, DDP-synced
+        if self.cfg.cost != "none":
+            cost = branch_costs(model, self.cfg.cost).float()
+            cost = trainer.strategy.broadcast(cost, 0)  # a measured time differs between ranks: rank 0's for all
+            router.cost.copy_(cost / cost[router.present].mean() * router.present)
+        pl_module.router = router
         self.runner = BranchRunner(model)
         rank_zero_info(f"cache_router: backbone frozen ({sum(p.numel() for p in model.parameters()):,} parameters); "
                        f"router {pl_module.router.logits.numel()} logits for {self.sampler}, {self.cfg.steps} steps")
@@ -191,7 +270,7 @@ class CacheRouterStage(pl.Callback):
         g = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=pl_module.step_generator())))
         k = router.cache_steps[int(torch.randint(len(router.cache_steps), (1,), generator=g))]
         mse, beta = self.distill(pl_module, k, x0, noise, text, text_mask, labels)
-        loss = mse + self.cfg.sparsity * beta.sum()
+        loss = mse + self.cfg.sparsity * (router.cost * beta).sum()
         pl_module.log_dict({"cache/distill_mse": mse.detach(), "cache/beta_mean": beta.detach().sum() / router.present.sum(),
                             "cache/computed": router.computed_fraction(self.cfg.threshold)},
                            on_step=True, batch_size=x0.shape[0], sync_dist=pl_module.trainer.world_size > 1)

@@ -34,9 +34,11 @@ from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from framework.distributed.dtensor import full_tensor, local_tensor
+from framework.inference.checkpoint import MIN_EMA_PROGRESS
 from framework.training.registry import register_plugin
 from framework.distributed.fsdp import reshard
 
@@ -127,6 +129,7 @@ class EMA(pl.Callback):
         self.num_updates = 0
         self._trainer: pl.Trainer | None = None
         self._swapped = False
+        self._said_early = False
 
     # ---- the average ------------------------------------------------------------------------
 
@@ -177,6 +180,14 @@ class EMA(pl.Callback):
         if self.ema is None or self._swapped:
             yield
             return
+        if self.progress() < MIN_EMA_PROGRESS:  # still mostly its starting point: grids and evaluations use the weights
+            if not self._said_early:
+                rank_zero_warn(f"plugins.ema: the EMA has moved only {self.progress():.1%} of the way from its start "
+                               f"(decay {self.cfg.step_decay} over {self.last_step - self.start} steps); grids and "
+                               "evaluations use the trained weights until it passes 50%")
+                self._said_early = True
+            yield
+            return
         model = pl_module.model
         self._swap(model)
         try:
@@ -207,17 +218,22 @@ class EMA(pl.Callback):
         if state["started"] and self.ema is None:
             raise RuntimeError("plugins.ema: the checkpoint's EMA had started but its tensors were not found in it")
 
+    def progress(self) -> float:
+        """How far the EMA has moved from the weights it started from: 1 - decay^(steps averaged)."""
+        return 1.0 - self.cfg.step_decay ** max(self.last_step - self.start, 0)
+
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self.ema is None:
             return
+        from framework.inference.checkpoint import CKPT_KEY
+
+        checkpoint.setdefault(CKPT_KEY, {})["ema_progress"] = self.progress()  # commands prefer the trained weights below 0.5
         if self._swapped:  # the model holds the EMA right now: its state dict would be the wrong weights
             raise RuntimeError("plugins.ema: a checkpoint was saved while the EMA was swapped into the model")
         if _sharded_save(trainer):
             # Into the DCP state: each rank writes its own shards (DTensors), with the model's.
             checkpoint["state_dict"].update({f"{EMA_KEY}.{n}": t for n, t in self.ema.items()})
             return
-        from framework.inference.checkpoint import CKPT_KEY
-
         # One file: the denoiser's full state dict with the averaged tensors in it. The other
         # entries are the very tensors of checkpoint['state_dict'], which torch.save writes once.
         full = {n: full_tensor(t).detach().cpu() for n, t in self.ema.items()}  # collective under fsdp

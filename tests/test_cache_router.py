@@ -191,7 +191,7 @@ def test_router_training_lowers_the_distillation_loss_and_leaves_the_backbone_bi
         "optimizer.lr=0.3"), steps=24, run="stage")))
     run_dir = Path(out["run_dir"])
     trained = torch.load(out["checkpoint"], weights_only=True)
-    assert set(k for k in trained["state_dict"] if not k.startswith("model.")) == {"router.logits"}
+    assert set(k for k in trained["state_dict"] if not k.startswith("model.")) == {"router.logits", "router.cost"}
     before, after = backbone(sources[name]), backbone(Path(out["checkpoint"]))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not any(len(s["state"]) and s["state"].keys() - {0} for s in trained["optimizer_states"])
@@ -233,6 +233,28 @@ def test_router_training_lowers_the_distillation_loss_and_leaves_the_backbone_bi
         metrics = evaluate(pipe, EvalCommand(ckpt=out["checkpoint"], seeds=1, phrasings=1, steps=4,
                                              cache_schedule=str(run_dir / "cache_schedule.json")))
         assert metrics["cache_schedule"] == "learned" and metrics["branches_computed"] == schedule.computed_fraction
+
+
+def test_the_sparsity_penalty_weighs_each_branch_by_its_cost():
+    """cost=flops: a branch's weight is its share of the counted forward FLOPs (mean 1): PixArt's MLP (two 4x-wide
+    linears) outweighs its cross-attention over 16 caption tokens; cost=time measures positive shares; the
+    stage's loss is the MSE plus sparsity * sum(cost * beta)."""
+    from framework.models.backbones import build_denoiser, load_preset
+    from plugins.cache_router import Router, branch_costs
+
+    model = build_denoiser(load_preset("pixart_debug", num_layers=2)).eval()
+    flops = branch_costs(model, "flops")  # (blocks, branches: self_attn, cross_attn, mlp)
+    assert flops.shape == (2, 3) and torch.equal(flops[0], flops[1])
+    # A batch of 2; pixart_debug: 128 wide, 4x MLP, 4 x 4 = 16 latent tokens (8x8, patch 2), 16 caption tokens
+    # (projected to the width before the blocks); 2 FLOPs per multiply-add
+    B, W, T, L = 2, 128, 16, 16
+    mlp = 2 * B * T * W * 4 * W * 2  # two linears
+    cross = 2 * B * (T * W * W * 2 + L * W * W * 2 + T * L * W * 2)  # q, out; k, v; scores and their average
+    assert flops[0, 2] == mlp and flops[0, 1] == cross
+    timed = branch_costs(model, "time")
+    assert (timed > 0).all()
+    router = Router(4, [["self_attn", "cross_attn", "mlp"]] * 2, 0.0)
+    assert torch.allclose(router.cost, torch.ones(2, 3))  # cost=none: all alike
 
 
 def test_the_stage_resumes_after_a_kill_like_an_uninterrupted_run(tmp_path, digits_shards, sources, monkeypatch):

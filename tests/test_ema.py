@@ -166,6 +166,24 @@ def test_swapping_in_and_out_leaves_training_bit_identical(tmp_path, digits_shar
         assert torch.equal(p, before[n]) and torch.equal(ema.ema[n], averaged[n])
 
 
+def test_an_ema_that_has_not_caught_up_is_not_used_silently(tmp_path, digits_shards, recorder, capsys):
+    """decay 0.99 over 4 steps has moved 3.9% of the way: the final evaluation, sampling and export use the trained
+    weights and say so; the checkpoint still holds the EMA and its progress."""
+    from framework.export import ExportCommand, export
+    from framework.inference.checkpoint import model_weights, read_checkpoint, weights_used
+    from safetensors.torch import load_file
+
+    out = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *ema_plugin(decay=0.99, start=0), "eval.at_end=true",
+                                            "eval.seeds=1", "eval.phrasings=1", "eval.steps=1", steps=4)))
+    ckpt = read_checkpoint(out["checkpoint"])
+    assert ckpt["latentforge"]["ema_progress"] == pytest.approx(1 - 0.99**4)
+    assert weights_used(ckpt, "ema") == "train" and "moved only 3.9%" in capsys.readouterr().out
+    trained = model_weights(ckpt, "train")
+    assert not torch.equal(model_weights(ckpt, "ema")["net.proj_out.weight"], trained["net.proj_out.weight"])
+    exported = load_file(str(export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "w.safetensors")))))
+    assert all(torch.equal(exported[k[len("net."):]], v) for k, v in trained.items() if k.startswith("net."))
+
+
 def test_grids_and_the_final_evaluation_use_the_averaged_weights(tmp_path, digits_shards, recorder, monkeypatch):
     """What the sampler sees when the final grid and the end-of-training evaluation run: the EMA weights
     (the checkpoint's ema_state), not the training weights, which are back in the model afterwards."""
@@ -189,8 +207,9 @@ def test_grids_and_the_final_evaluation_use_the_averaged_weights(tmp_path, digit
 
     monkeypatch.setattr(Pipeline, "generate", recording_generate)
     monkeypatch.setattr(eval_lib, "evaluate", recording_evaluate)
-    # A slow average (decay 0.9 from step 0) of 4 steps at lr 1e-3: the EMA is far from the trained weights.
-    fields = [*ema_plugin(decay=0.9, start=0), "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "eval.at_end=true",
+    # A slow average (decay 0.8 from step 0: 59% of the way after 4 steps) at lr 1e-3: the EMA is far from the
+    # trained weights.
+    fields = [*ema_plugin(decay=0.8, start=0), "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "eval.at_end=true",
               "eval.seeds=1", "eval.phrasings=1", "eval.steps=1"]
     out = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *fields, steps=4)))
     assert [tag for tag, _ in seen][:2] == ["generate", "evaluate"], [tag for tag, _ in seen]  # the final grid, then eval

@@ -54,14 +54,43 @@ def test_grown_model_computes_the_source_function(name, init):
     ref = _outputs(src, cfg)
     torch.testing.assert_close(_outputs(grown, cfg), ref, rtol=0, atol=1e-6)
     assert ref.abs().max() > 0.1
-    # The copied blocks are the source's; the silenced ones still carry (non-zero) weights to train.
+    # The copied blocks are the source's, except what makes a new block the identity: the output projections and
+    # the block's own adaLN table (pixart, sana), or the adaLN-Zero modulation (dit, whose projections keep their
+    # weights so that its gates get gradients). Every new block still carries non-zero weights to train.
+    zeroed = ("norm1.linear",) if cfg.family == "dit" else (
+        "attn1.to_out", "attn2.to_out", "ff.net.2", "ff.conv_point", "scale_shift_table")
     views = block_views(grown)
     for j, (s, silenced) in enumerate(plan):
+        block = views[j].module.state_dict()
         if s is not None:
             for k, v in src.net.transformer_blocks[s].state_dict().items():
-                if not (silenced and any(k.startswith(b) for b in ("attn1.to_out", "attn2.to_out", "ff.net.2", "ff.conv_point"))):
-                    assert torch.equal(views[j].module.state_dict()[k], v), (j, k)
+                if not (silenced and k.startswith(zeroed)):
+                    assert torch.equal(block[k], v), (j, k)
+        if silenced:
+            assert all(not v.any() for k, v in block.items() if k.startswith(zeroed)), j
         assert views[j].branches[0].module.to_q.weight.abs().sum() > 0
+        if cfg.family == "dit":
+            assert all(b.out_proj.weight.abs().sum() > 0 for b in views[j].branches)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fresh_blocks_are_initialised_as_sanas_code_does(name):
+    """init=constant's fresh blocks: linear weights N(0, 0.02) (checked on their statistics), biases 0, norm weights 1;
+    the same seed gives the same blocks."""
+    cfg, src = _source(name)
+    state, plan = grow(src.state_dict(), cfg, 4, "constant", zero_gate=False, seed=3)
+    again, _ = grow(src.state_dict(), cfg, 4, "constant", zero_gate=False, seed=3)
+    assert all(torch.equal(state[k], again[k]) for k in state)
+    fresh = [j for j, (s, _) in enumerate(plan) if s is None]
+    assert fresh == [2, 3]
+    block = _grown_net(cfg, state, 4).net.transformer_blocks[2]
+    weights = torch.cat([m.weight.flatten() for m in block.modules() if isinstance(m, torch.nn.Linear)])
+    assert abs(weights.std().item() - 0.02) < 0.002 and abs(weights.mean().item()) < 0.002
+    for m in block.modules():
+        if isinstance(m, torch.nn.Linear) and m.bias is not None:
+            assert not m.bias.any()
+        if isinstance(m, torch.nn.LayerNorm) and m.weight is not None:
+            assert torch.equal(m.weight, torch.ones_like(m.weight))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -132,6 +161,41 @@ def test_grown_run_starts_at_the_source_models_loss_and_its_ema_at_the_grown_wei
     ema = model_weights(read_checkpoint(grown["checkpoint"]), "ema")
     for k, v in expected.items():
         torch.testing.assert_close(ema[k], v, rtol=0, atol=1e-6)
+
+
+def test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks(tmp_path, digits_shards, small_ckpt):
+    """optimizer.schedule_start / schedule_steps continue the small run's cosine schedule; the new blocks' group runs
+    at new_lr_scale times it, ramped over new_warmup_steps (hand-computed lr per group and step); each new block's
+    output-projection norm and block importance are logged at every logging step."""
+    import csv
+    import math
+
+    from framework.train import train
+
+    grown = train(compose_cfg(cheap(
+        tmp_path, digits_shards, "plugins=[growth]", f"plugins.growth.ckpt={small_ckpt}", "plugins.growth.init=cyclic",
+        "plugins.growth.new_lr_scale=2.0", "plugins.growth.new_warmup_steps=4", "model.num_layers=6",
+        "optimizer.lr=1e-3", "optimizer.warmup_steps=2", "optimizer.schedule=cosine", "optimizer.min_lr_ratio=0.1",
+        "optimizer.schedule_steps=10", "optimizer.schedule_start=3", steps=3)))
+    with open(Path(grown["run_dir"]) / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+
+    def schedule(step: int) -> float:  # the 10-step plan entered at its step 3: warm-up (2 steps) long over
+        progress = (step + 3 - 2) / (10 - 2)
+        return 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    kept = {int(r["step"]): float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")}
+    new = {int(r["step"]): float(r["lr-AdamW/pg2"]) for r in rows if r.get("lr-AdamW/pg2")}
+    assert sorted(kept) == sorted(new) == [0, 1, 2]
+    for step in range(3):
+        assert kept[step] == pytest.approx(schedule(step), rel=1e-6)
+        assert new[step] == pytest.approx(2.0 * schedule(step) * (step + 1) / 4, rel=1e-6)
+    # cyclic 4 -> 6: blocks 4 and 5 are the new ones (repeats of 0 and 1)
+    logged = {k for r in rows for k, v in r.items() if v and k.startswith("growth/")}
+    assert logged == {"growth/out_norm_4", "growth/out_norm_5", "growth/bi_4", "growth/bi_5"}
+    norms = [float(r["growth/out_norm_4"]) for r in rows if r.get("growth/out_norm_4")]
+    assert len(norms) == 3 and norms[0] > 0  # trained away from zero from the first step
+    assert all(0.0 <= float(r["growth/bi_5"]) <= 2.0 for r in rows if r.get("growth/bi_5"))
 
 
 def crash_and_resume(tmp_path, digits_shards, args: list[str], monkeypatch) -> tuple[dict, dict]:
@@ -247,3 +311,47 @@ def test_growth_report_by_hand(tmp_path):
     assert r["final_fd"] == {"small": 10, "grown": 4, "scratch": 5}
     assert r["steps_to_scratch_final_fd"] == {"grown_total": 40, "scratch": 40}
     assert r["loss_around_growth"] == {"small_last": pytest.approx(1.9 / 3), "grown_first": pytest.approx(0.95 / 3)}
+
+
+def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digits_shards, monkeypatch):
+    """plugins.growth.study on a 4-step plan (2 + 2), 2 seeds: the arms run once (a second pass keeps them); the
+    grown and control runs start from the small model's function (their first fd is the small run's last) at the
+    small run's FLOPs; the large model's step costs more; the comparison gives seed means inside their intervals."""
+    import json
+
+    from plugins.growth import study
+    from tests import zygote
+
+    launched: list[list[str]] = []
+
+    def run(argv, env=None):  # the arms' train commands, forked from the test zygote
+        launched.append(argv)
+        return zygote.run(argv, env=env, timeout=600)
+
+    monkeypatch.setattr(study.subprocess, "run", run)
+    cmd = study.StudyCommand(
+        base="quickstart", seeds=[0, 1], inits=["cyclic"], small_layers=2, large_layers=3, small_steps=2,
+        total_steps=4, eval_every=2, new_warmup_steps=2, out=str(tmp_path / "study"),
+        overrides=[f"data.path={digits_shards}", f"data.local={tmp_path / 'cache'}", "data.batch_size=16",
+                   "eval.seeds=1", "eval.phrasings=1", "eval.steps=2", "trainer.enable_progress_bar=false"])
+    for _ in range(2):  # the second pass finds every run complete
+        for seed in cmd.seeds:
+            for arm in study.arms(cmd):
+                study.train_arm(cmd, arm, seed)
+    assert len(launched) == 2 * 4
+    fd = study.compare(cmd, "fd")
+    small_ckpt_flops = study.flops_per_step(study.run_dir(cmd, "small", 0)) * 2
+    assert study.flops_per_step(study.run_dir(cmd, "scratch", 0)) > small_ckpt_flops / 2  # 3 blocks cost more than 2
+    for seed in ("0", "1"):
+        small_last = fd["curves"]["small"][seed][-1]
+        for arm in ("control", "grown_cyclic"):
+            first = fd["curves"][arm][seed][0]
+            assert first[0] == pytest.approx(small_ckpt_flops) and first[1] == pytest.approx(small_last[1], rel=1e-6)
+        assert [x for x, _ in fd["curves"]["scratch"][seed]] == pytest.approx([0, fd["scratch_total_flops"] / 2,
+                                                                               fd["scratch_total_flops"]])
+    for arm, final in fd["final"].items():
+        assert final["low"] <= final["mean"] <= final["high"], arm
+    assert len(fd["flops_fraction_to_reach_scratch_final"]["grown_cyclic"]) == 2
+    path = study.plot(cmd, {"fd": fd}, tmp_path / "growth.png")
+    assert path.stat().st_size > 10_000
+    json.dumps(fd)  # what growth.json holds

@@ -88,8 +88,21 @@ def model_weights(ckpt: dict[str, Any], weights: str = "ema") -> dict[str, torch
     return {**trained, **averaged}
 
 
+MIN_EMA_PROGRESS = 0.5
+"""An EMA that has moved less than this fraction of the way from the weights it started from (1 - decay^steps:
+0.9999 over 1,000 steps is 9.5%) is still mostly its starting point: commands use the trained weights instead."""
+
+
 def weights_used(ckpt: dict[str, Any], weights: str = "ema") -> str:
-    """Which weights model_weights(ckpt, weights) returns: "ema" when asked for and the checkpoint has them,
-    else "train"."""
+    """Which weights a command should read (model_weights(ckpt, weights_used(...))): "ema" when asked for, the
+    checkpoint has them and they have caught up (MIN_EMA_PROGRESS; else said, and "train"), else "train"."""
     has_ema = bool(ckpt[CKPT_KEY].get("ema_state")) or any(k.startswith("ema_state.") for k in ckpt["state_dict"])
-    return "ema" if weights == "ema" and has_ema else "train"
+    if weights != "ema" or not has_ema:
+        return "train"
+    progress = ckpt[CKPT_KEY].get("ema_progress")
+    if progress is not None and progress < MIN_EMA_PROGRESS:
+        print(f"weights: the checkpoint's EMA has moved only {progress:.1%} of the way from its start (step "
+              f"{ckpt.get('global_step')}; a decay too slow for this run's length); using the trained weights. "
+              "Train longer or with a smaller plugins.ema.decay for an EMA worth using.")
+        return "train"
+    return "ema"

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint
+from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
 from framework.inference.caching import BranchRunner, CacheSchedule, ScheduledSampling, resolve_schedule
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser
 from framework.models.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig, sample_latents
@@ -87,7 +87,7 @@ class Pipeline:
         extra = ckpt[CKPT_KEY]
         cfg = extra["config"]
         model = build_denoiser(ModelConfig(**cfg["model"]))
-        missing, unexpected = model.load_state_dict(model_weights(ckpt, weights), strict=False)
+        missing, unexpected = model.load_state_dict(model_weights(ckpt, weights_used(ckpt, weights)), strict=False)
         if missing or unexpected:
             raise ValueError(f"ckpt={path} does not fit its own model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
         objective = Objective(ObjectiveConfig(**cfg["objective"]))

@@ -62,3 +62,11 @@ def count_train_flops_per_sample(denoiser: Denoiser, batch_example: dict[str, An
         for p, grad in zip(params, saved):
             p.grad = grad
     return int(counter.get_total_flops() // n)
+
+
+def forward_flops_by_module(module: torch.nn.Module, *args: Any) -> dict[str, int]:
+    """FLOPs of one no-grad forward `module(*args)` per submodule, under FlopCounterMode's names
+    (`ClassName.path.to.sub`), CPU attention included."""
+    with torch.no_grad(), flop_counter.FlopCounterMode(display=False, depth=None, custom_mapping=_CUSTOM) as counter:
+        module(*args)
+    return {name: int(sum(counts.values())) for name, counts in counter.get_flop_counts().items()}

@@ -19,8 +19,8 @@ from framework.inference.checkpoint import CKPT_KEY
 from framework.models.conditioning import drop_captions
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
 from framework.models.objectives import Objective, ObjectiveConfig
-from framework.training.optim import OptimizerConfig, build_optimizer, lr_lambda
-from framework.training.registry import training_loss_hook
+from framework.training.optim import OptimizerConfig, build_optimizer, group_lambda, lr_lambda
+from framework.training.registry import param_groups_hook, training_loss_hook
 from framework.distributed.mesh import ParallelDims
 
 MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
@@ -184,8 +184,14 @@ class DiffusionModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         # Every trainable parameter of the module: the backbone's, or a stage's own (a frozen backbone + router).
         params = [p for p in self.parameters() if p.requires_grad]
-        opt = build_optimizer(params, self.optimizer_cfg)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.optimizer_cfg, self.max_steps))
+        hook = param_groups_hook(self.trainer) if self._trainer is not None else None
+        groups = hook.param_groups(self, params) if hook is not None else [{"params": params}]
+        if sorted(map(id, params)) != sorted(id(p) for g in groups for p in g["params"]):
+            raise RuntimeError(f"{type(hook).__name__}.param_groups must return each trainable parameter once")
+        cfg = self.optimizer_cfg
+        opt = build_optimizer([{"params": g["params"], "lr": cfg.lr * g.get("lr_scale", 1.0)} for g in groups], cfg)
+        base = lr_lambda(self.optimizer_cfg, self.max_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [group_lambda(base, g.get("warmup_steps", 0)) for g in groups])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- the training step --------------------------------------------------------------
@@ -225,8 +231,8 @@ class DiffusionModule(pl.LightningModule):
         for i in range(B):
             g.manual_seed(hash((self.seed, micro, r + i * W)) & 0x7FFF_FFFF_FFFF)
             torch.randn(n + 2, generator=g, out=z[i])
-        p = self.objective.cfg.caption_dropout
-        drop = torch.special.ndtr(z[:, n + 1]) < p  # (B,) on the host: whether any row drops needs no device read
+        # (B,) on the host: whether any row drops needs no device read
+        drop = torch.special.ndtr(z[:, n + 1]) < self.objective.cfg.caption_dropout
         z = z.to(x0.device, non_blocking=True)
         return z[:, :n].reshape(x0.shape), self.objective.levels(z[:, n]), drop
 

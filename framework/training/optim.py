@@ -42,6 +42,12 @@ class OptimizerConfig:
     """After warm-up: constant, cosine or linear decay to min_lr_ratio * lr at trainer.max_steps."""
     min_lr_ratio: float = 0.0
     """Final learning rate of the cosine/linear decay, as a fraction of lr."""
+    schedule_steps: int | None = None
+    """Length of the warm-up + decay schedule in optimizer steps; null: trainer.max_steps. A run that is the first
+    part of a longer plan (the small model of a growth experiment) gives the plan's total."""
+    schedule_start: int = 0
+    """The schedule's step at this run's step 0: a run that continues another run's schedule (a grown model after
+    the small one's steps) starts where that one stopped, with no second warm-up."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -52,6 +58,9 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.schedule={self.schedule!r}: expected constant, cosine or linear")
         if self.warmup_steps < 0:
             raise ValueError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.schedule_start < 0 or (self.schedule_steps is not None and self.schedule_steps < 1):
+            raise ValueError(f"optimizer.schedule_start={self.schedule_start} must be >= 0 and optimizer.schedule_steps="
+                             f"{self.schedule_steps} >= 1 (or null)")
         # Checks that only make sense for one optimizer live next to it (a plugin registers its own).
         if self.name in OPTIMIZER_CHECKS:
             OPTIMIZER_CHECKS[self.name](self)
@@ -86,15 +95,28 @@ def build_optimizer(params: Iterable, cfg: OptimizerConfig) -> torch.optim.Optim
 
 
 def lr_lambda(cfg: OptimizerConfig, max_steps: int) -> Callable[[int], float]:
-    """Multiplier of the peak lr at each optimizer step: linear warm-up, then the chosen decay."""
+    """Multiplier of the peak lr at each optimizer step: linear warm-up, then the chosen decay, over
+    cfg.schedule_steps (default max_steps) steps, entered at cfg.schedule_start."""
+    total = cfg.schedule_steps or max_steps
 
-    def f(step: int) -> float:
+    def f(run_step: int) -> float:
+        step = run_step + cfg.schedule_start
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant" or max_steps <= cfg.warmup_steps:
+        if cfg.schedule == "constant" or total <= cfg.warmup_steps:
             return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / (max_steps - cfg.warmup_steps))
+        progress = min(1.0, (step - cfg.warmup_steps) / (total - cfg.warmup_steps))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return f
+
+
+def group_lambda(base: Callable[[int], float], warmup_steps: int = 0) -> Callable[[int], float]:
+    """A parameter group's multiplier: the run's schedule ramped in over the group's own `warmup_steps` (new
+    blocks of a grown model warm up while the kept ones go on at the schedule's lr)."""
+    def f(step: int) -> float:
+        ramp = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+        return base(step) * ramp
 
     return f

@@ -7,7 +7,9 @@ surgery belongs in the callback's `setup()` hook: Lightning calls it before `con
 
 A callback can also provide a hook the framework calls: a `WeightAverager` (below) offers averaged
 weights, which sample grids and the end-of-training evaluation then use; a `TrainingLoss` replaces the
-denoising loss of the training step (a distillation stage such as plugins/cache_router.py).
+denoising loss of the training step (a distillation stage such as plugins/cache_router.py); `ParamGroups`
+splits the trainable parameters into groups with their own lr scale and warm-up (the new blocks of a grown
+model, plugins/growth).
 """
 
 from __future__ import annotations
@@ -74,11 +76,8 @@ class WeightAverager(Protocol):
 def averaged_weights(trainer: pl.Trainer, pl_module: pl.LightningModule) -> AbstractContextManager[None]:
     """The averaged weights of the run's WeightAverager callback in `pl_module` for a `with` block; the
     training weights (nothing to do) when no plugin averages them."""
-    found = [cb for cb in trainer.callbacks if isinstance(cb, WeightAverager)]
-    if len(found) > 1:
-        names = ", ".join(type(cb).__name__ for cb in found)
-        raise ValueError(f"plugins: {names} each keep averaged weights; select one of them")
-    return found[0].averaged_weights(pl_module) if found else nullcontext()
+    found = _the_one(trainer, WeightAverager, "keep averaged weights")
+    return found.averaged_weights(pl_module) if found is not None else nullcontext()
 
 
 @runtime_checkable
@@ -95,10 +94,29 @@ class TrainingLoss(Protocol):
                       labels: Any) -> Any: ...
 
 
-def training_loss_hook(trainer: pl.Trainer) -> TrainingLoss | None:
-    """The run's TrainingLoss callback, or None for the ordinary denoising loss."""
-    found = [cb for cb in trainer.callbacks if isinstance(cb, TrainingLoss)]
+def _the_one(trainer: pl.Trainer, hook: type, does: str) -> Any:
+    """The run's one callback providing `hook`, or None; two of them are refused (they would compete)."""
+    found = [cb for cb in trainer.callbacks if isinstance(cb, hook)]
     if len(found) > 1:
         names = ", ".join(type(cb).__name__ for cb in found)
-        raise ValueError(f"plugins: {names} each replace the training loss; select one of them")
+        raise ValueError(f"plugins: {names} each {does}; select one of them")
     return found[0] if found else None
+
+
+def training_loss_hook(trainer: pl.Trainer) -> TrainingLoss | None:
+    """The run's TrainingLoss callback, or None for the ordinary denoising loss."""
+    return _the_one(trainer, TrainingLoss, "replace the training loss")
+
+
+@runtime_checkable
+class ParamGroups(Protocol):
+    """A callback that splits the optimizer's parameters into groups: `param_groups(pl_module, params)` returns
+    dicts with "params" (together exactly `params`), and optionally "lr_scale" (times optimizer.lr and its
+    schedule) and "warmup_steps" (the group's own linear ramp from its first step)."""
+
+    def param_groups(self, pl_module: pl.LightningModule, params: list[Any]) -> list[dict[str, Any]]: ...
+
+
+def param_groups_hook(trainer: pl.Trainer) -> ParamGroups | None:
+    """The run's ParamGroups callback, or None for one group."""
+    return _the_one(trainer, ParamGroups, "split the optimizer's parameters")

@@ -7,16 +7,28 @@ small one learned. Three initialisations of the grown stack, named as in SANA's 
     cyclic        block j copies source block j mod N
     block_expand  each source block repeated in place: block j copies source block floor(j * N / target)
 
-With `zero_gate` (default) every block that is not the first copy of a source block (the fresh blocks
-of `constant`, the repeats of the others) has the output projection of each residual branch zeroed
-(framework.models.blocks.silence_block): it adds nothing, so the grown model computes the source's function
-(tests/test_growth.py checks equal outputs for every family and init). Its other weights are kept, so
-the first optimizer step already gives those projections gradients. `drop_last > 0` drops the last
-source blocks as SANA does: then the function changes (said at run time).
+The new blocks are those that are not the first copy of a source block: the fresh blocks of `constant`,
+the repeats of the others. Fresh blocks are initialised as SANA's code does: linear and convolution
+weights N(0, 0.02), biases 0, norms' weights 1, the per-block adaLN table N(0, 0.02). With `zero_gate`
+(default) every new block starts as the identity, so the grown model computes the source's function
+(tests/test_growth.py checks equal outputs for every family and init), in the way its family allows
+gradients to reach it at the first step:
+    pixart, sana  each residual branch's output projection zeroed, and the block's own adaLN scale-shift
+                  table zeroed (a repeat then takes its modulation from the shared timestep embedding
+                  alone, not its source's); the branch inputs keep their weights
+    dit           the adaLN-Zero modulation (norm1.linear) zeroed: every gate 0, as DiT initialises its
+                  blocks; the output projections keep their weights, so the gates get gradients
+`drop_last > 0` drops the last source blocks as SANA does: then the function changes (said at run time).
 
-Fresh blocks are those of `build_denoiser(target)` under `seed`. The unet has no stack of blocks and
-is refused. Framework hooks used: `DiffusionModule.start_from` (whole weights before sharding; under
-fsdp each rank keeps its rows) and the registry's plugin callback.
+Training a grown model (the callback): `new_lr_scale` multiplies the new blocks' learning rate and
+`new_warmup_steps` ramps it in, while the kept blocks go on at the schedule's lr (with
+optimizer.schedule_start / schedule_steps the grown run continues the small run's schedule). On logging
+steps the run logs each new block's output-projection norm (`growth/out_norm_<j>`) and its block
+importance on the training batch (`growth/bi_<j>`, 1 - cos(block input, block output), as plugins.prune).
+
+The unet has no stack of blocks and is refused. Framework hooks used: `DiffusionModule.start_from` (whole
+weights before sharding; under fsdp each rank keeps its rows), the registry's plugin callback and its
+ParamGroups hook.
 """
 
 from __future__ import annotations
@@ -59,6 +71,10 @@ class GrowthConfig:
     """ema (the source's EMA weights when it has them, else its trained ones) or train."""
     seed: int | None = None
     """Seed of the fresh blocks' random init; null: the run's seed."""
+    new_lr_scale: float = 1.0
+    """The new blocks' learning rate as a multiple of the run's (its schedule included)."""
+    new_warmup_steps: int = 0
+    """A linear ramp of the new blocks' learning rate over their first steps (0: none)."""
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -69,6 +85,9 @@ class GrowthConfig:
             raise ValueError(f"drop_last={self.drop_last} applies to init=constant only (init={self.init})")
         if self.weights not in ("ema", "train"):
             raise ValueError(f"weights={self.weights!r}: expected ema or train")
+        if self.new_lr_scale <= 0 or self.new_warmup_steps < 0:
+            raise ValueError(f"new_lr_scale={self.new_lr_scale} must be > 0 and new_warmup_steps="
+                             f"{self.new_warmup_steps} >= 0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +108,40 @@ def layer_plan(n_source: int, n_target: int, init: str, drop_last: int = 0) -> l
         src = [j * n_source // n_target for j in range(n_target)]
         return [(s, j > 0 and src[j - 1] == s) for j, s in enumerate(src)]
     raise ValueError(f"init={init!r}: choose one of {INITS}")
+
+
+def fresh_init(block: torch.nn.Module, generator: torch.Generator) -> None:
+    """SANA's initialisation of a new block: linear / convolution weights N(0, 0.02), biases 0, norm weights 1,
+    other parameters of its own (the adaLN table) N(0, 0.02)."""
+    with torch.no_grad():
+        for module in block.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                module.weight.normal_(0.0, 0.02, generator=generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or "RMSNorm" in type(module).__name__:
+                if getattr(module, "weight", None) is not None:
+                    module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+        for param in block.parameters(recurse=False):
+            param.normal_(0.0, 0.02, generator=generator)
+
+
+def make_identity(view: Any) -> None:
+    """Start a new block as the identity, keeping a path for gradients (module docstring): a block with its own
+    adaLN-Zero modulation (DiT's) gets zero gates; the others zero output projections and their adaLN table."""
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    norm = getattr(view.module, "norm1", None)
+    if isinstance(norm, AdaLayerNormZero):  # every gate 0, the projections kept
+        torch.nn.init.zeros_(norm.linear.weight)
+        torch.nn.init.zeros_(norm.linear.bias)
+        return
+    silence_block(view)
+    table = getattr(view.module, "scale_shift_table", None)
+    if table is not None:
+        torch.nn.init.zeros_(table)
 
 
 def check_growable(source: ModelConfig, target: ModelConfig) -> None:
@@ -125,11 +178,14 @@ def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int
     missing, unexpected = target.load_state_dict(copied, strict=False)
     fresh = {j for j, (src, _) in enumerate(plan) if src is None}
     assert not unexpected and all(int(k.split(".")[2]) in fresh for k in missing), (missing[:3], unexpected[:3])
+    views = block_views(target)
+    g = torch.Generator().manual_seed(seed)
+    for j in sorted(fresh):
+        fresh_init(views[j].module, g)
     if zero_gate:
-        views = block_views(target)
-        for j, (_, silenced) in enumerate(plan):
-            if silenced:
-                silence_block(views[j])
+        for j, (_, new) in enumerate(plan):
+            if new:
+                make_identity(views[j])
     return target.state_dict(), plan
 
 
@@ -147,7 +203,7 @@ def grow_checkpoint(path: str, n_target: int, cfg: GrowthConfig, seed: int,
     record = {"command": "growth", "source": str(path), "source_step": ckpt.get("global_step"), "weights": used,
               "init": cfg.init, "drop_last": cfg.drop_last, "zero_gate": cfg.zero_gate, "seed": seed,
               "from_layers": source_cfg.num_layers, "to_layers": n_target,
-              "plan": [{"source": s, "silenced": bool(z and cfg.zero_gate)} for s, z in plan]}
+              "plan": [{"source": s, "new": bool(z), "silenced": bool(z and cfg.zero_gate)} for s, z in plan]}
     return state, ckpt, record
 
 
@@ -172,24 +228,83 @@ class Growth(pl.Callback):
     """Replaces the module's starting weights with the grown source in setup(): before sharding and before
     the optimizer exists. A resumed run (any checkpoint to resume from) keeps its checkpoint's weights.
 
-    The optimizer and the learning-rate schedule start fresh (warm-up included: optimizer.warmup_steps
-    from step 0, as in any new run); an EMA (plugins.ema) starts from the grown weights at step 0.
+    The optimizer starts fresh, with the new blocks in a parameter group of their own (new_lr_scale,
+    new_warmup_steps); the lr schedule is the run's (optimizer.*: warm-up from step 0 unless it continues the
+    source's schedule with optimizer.schedule_start); an EMA (plugins.ema) starts from the grown weights at step 0.
     """
 
     def __init__(self, cfg: GrowthConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
         self.record: dict[str, Any] | None = None
+        self.new_blocks: list[int] = []  # indices of the grown stack's new blocks
+        self._hooks: list[Any] = []
+        self._bi: dict[int, list[torch.Tensor]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        target = to_model_config(pl_module.model_cfg)
         if trainer.ckpt_path:
             rank_zero_info(f"growth: resuming from {trainer.ckpt_path}; its weights are used, not a new growth")
+            from framework.inference.checkpoint import CKPT_KEY, read_checkpoint
+
+            n_source = read_checkpoint(self.cfg.ckpt)[CKPT_KEY]["config"]["model"]["num_layers"]
+            plan = layer_plan(n_source, target.num_layers, self.cfg.init, self.cfg.drop_last)
+        else:
+            state, _, self.record = grow_checkpoint(self.cfg.ckpt, target.num_layers, self.cfg, self.seed, target)
+            pl_module.start_from(state)
+            (rank_zero_info if same_function(self.record) else rank_zero_warn)(describe(self.record))
+            plan = [(r["source"], r["new"]) for r in self.record["plan"]]
+        self.new_blocks = [j for j, (_, new) in enumerate(plan) if new]
+
+    # ---- the new blocks' parameter group (framework.training.registry.ParamGroups) ----------------
+
+    def param_groups(self, pl_module: pl.LightningModule, params: list[Any]) -> list[dict[str, Any]]:
+        views = block_views(pl_module.model)
+        new = {id(p) for j in self.new_blocks for p in views[j].module.parameters()}
+        groups = [{"params": [p for p in params if id(p) not in new]},
+                  {"params": [p for p in params if id(p) in new], "lr_scale": self.cfg.new_lr_scale,
+                   "warmup_steps": self.cfg.new_warmup_steps}]
+        return [g for g in groups if g["params"]]
+
+    # ---- what the new blocks do, on logging steps -------------------------------------------------
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self.new_blocks or not pl_module._logging_step() or self._hooks:
             return
-        target = to_model_config(pl_module.model_cfg)
-        state, _, self.record = grow_checkpoint(self.cfg.ckpt, target.num_layers, self.cfg, self.seed, target)
-        pl_module.start_from(state)
-        (rank_zero_info if same_function(self.record) else rank_zero_warn)(describe(self.record))
+        views = block_views(pl_module.model)
+        for j in self.new_blocks:
+            self._hooks.append(views[j].module.register_forward_hook(self._recorder(j), with_kwargs=True))
+
+    def _recorder(self, j: int) -> Any:
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            x = args[0] if args else kwargs["hidden_states"]  # (B, N, D)
+            y = output[0] if isinstance(output, tuple) else output
+            cos = torch.nn.functional.cosine_similarity(x.detach().float().flatten(0, -2),
+                                                        y.detach().float().flatten(0, -2), dim=-1)
+            self._bi.setdefault(j, []).append(1.0 - cos.mean())
+        return hook
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self._hooks:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        views = block_views(pl_module.model)
+        for j in self.new_blocks:
+            norm = sum(_full(b.out_proj.weight).float().norm() for b in views[j].branches)
+            pl_module.log(f"growth/out_norm_{j}", norm, on_step=True, on_epoch=False)
+            if self._bi.get(j):
+                pl_module.log(f"growth/bi_{j}", torch.stack(self._bi[j]).mean(), on_step=True, on_epoch=False,
+                              sync_dist=trainer.world_size > 1)
+        self._bi = {}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (an FSDP2 shard is gathered: every rank calls this on logging steps)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def build(cfg: GrowthConfig, run_cfg: Any) -> Growth:
