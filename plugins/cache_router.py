@@ -7,18 +7,22 @@ step. Here it is a training stage of any stack family (PixArt, SANA, DiT): the b
 (cache step, block, branch). beta = sigmoid(logit). As in the paper, the cache steps are every other
 step (1, 3, 5, ...) and the steps between them compute everything, so a reused output is one step old.
 
-One training step (the `TrainingLoss` hook of framework/training/registry.py):
-  1. draw a cache step k (the odd steps; each follows a full step) and noise the batch to the sampler's
-     timestep t_{k-1};
-  2. teacher, full: the frozen model at t_{k-1} (every branch output kept as the cache), one sampler
+One training step (the `TrainingLoss` hook of framework/training/registry.py), as sampling runs:
+  1. draw a cache step k (the odd steps; each follows a full step) and the state the sampler is in before step
+     k-1: `start=trajectory` (the default) samples from the batch's noise with the full model, guided as in
+     sampling, for steps 0 .. k-2; `start=data` noises the batch's latents to t_{k-1} (cheaper; the states a
+     sampler visits differ from forward-noised data, most at the first steps);
+  2. teacher, full: the frozen model at t_{k-1} (every branch output kept as the cache), one guided sampler
      step to x_k, then the frozen model at t_k;
   3. student: the model at t_k where every branch returns beta * fresh + (1 - beta) * cached, cached
-     being that branch's output at t_{k-1} before its adaLN gate;
-  4. loss = MSE(student, teacher) + sparsity * sum(cost * beta_k): the penalty pushes beta down wherever the
-     cache costs the prediction little. `cost` weighs each branch by its share of the model's work
+     being that branch's output at t_{k-1} before its adaLN gate (`hard=true`: the decision beta > threshold
+     in the forward and beta's gradient in the backward, straight through);
+  4. loss = MSE(student, teacher) + sparsity * sum(cost * beta_k) on the guided predictions (uncond +
+     guidance * (cond - uncond), both halves in one batch sharing one cache, as in sampling): the penalty
+     pushes beta down wherever the cache costs the sampled image little. `cost` weighs each branch by its share of the model's work
      (`plugins.cache_router.cost`: its forward FLOPs, or its measured time on this device; mean 1), so the
      router does not buy a cheap cross-attention with an expensive MLP; `none` weighs them alike (the paper's).
-Captions and labels are dropped as in training, so both halves of classifier-free guidance are learned.
+Captions and labels are dropped as in training; a dropped caption's guided prediction is the unconditional one.
 The schedule recomputes branch (k, block, branch) of a cache step when beta > threshold; it is written to
 run.dir/cache_schedule.json (with a heat map, cache_schedule.png) at every checkpoint and at the end,
 and `cache_schedule=PATH` in framework.sample / framework.eval samples with it (framework/inference/caching.py).
@@ -26,6 +30,7 @@ and `cache_schedule=PATH` in framework.sample / framework.eval samples with it (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,7 @@ from framework.training.registry import register_plugin
 
 TRAINABLE_SAMPLERS = ("ddim", "flow_euler")  # one step of these is a function of (x, t, prediction) alone
 COSTS = ("flops", "time", "none")
+STARTS = ("trajectory", "data")
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,6 +74,15 @@ class CacheRouterConfig:
     cost: str = "flops"
     """Weight of each branch's beta in the penalty: flops (its share of the forward FLOPs, counted), time (its share
     of the forward time on this device, measured once and kept in the checkpoint) or none (all alike)."""
+    guidance: float | None = None
+    """Classifier-free guidance of the distilled prediction and of the sampler steps; null: the run's eval.guidance
+    (the guidance the schedule will sample with); 1: the conditional prediction alone (one forward per step)."""
+    start: str = "trajectory"
+    """Where step k's state comes from: trajectory (full-model sampling from the batch's noise, as at sampling
+    time) or data (the batch's latents noised to t_{k-1}; k-2 fewer forwards)."""
+    hard: bool = False
+    """Straight-through: the student's forward uses the schedule's decision (beta > threshold), its backward beta's
+    gradient, so training sees exactly the cached forward that sampling will run."""
     out: str | None = None
     """Where the schedule is written; null: run.dir/cache_schedule.json (the heat map beside it, .png)."""
 
@@ -80,6 +95,10 @@ class CacheRouterConfig:
             raise ValueError(f"plugins.cache_router.threshold={self.threshold} must lie in (0, 1)")
         if self.cost not in COSTS:
             raise ValueError(f"plugins.cache_router.cost={self.cost!r}: choose one of {COSTS}")
+        if self.start not in STARTS:
+            raise ValueError(f"plugins.cache_router.start={self.start!r}: choose one of {STARTS}")
+        if self.guidance is not None and self.guidance < 1:
+            raise ValueError(f"plugins.cache_router.guidance={self.guidance} must be >= 1 (1: unguided)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,27 +296,69 @@ class CacheRouterStage(pl.Callback):
         return loss
 
     def distill(self, pl_module: pl.LightningModule, k: int, x0: torch.Tensor, noise: torch.Tensor,
-                text: torch.Tensor, text_mask: torch.Tensor,
+                text: torch.Tensor | None, text_mask: torch.Tensor | None,
                 labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MSE(student, teacher), beta of step k) for sampling step k of a batch (x0: clean scaled latents)."""
-        model, objective, runner = pl_module.model, pl_module.objective, self.runner
+        """(MSE(student, teacher), beta of step k) for sampling step k of a batch (x0: clean scaled latents;
+        noise: the sampler's starting noise with start=trajectory, the forward noise with start=data)."""
+        model, runner = pl_module.model, self.runner
         model.eval()  # the teacher is deterministic (no dropout), and so the student
-        scheduler = objective.sampler(self.sampler)
-        scheduler.set_timesteps(self.cfg.steps, device=x0.device)
-        t_prev, t_k = scheduler.timesteps[k - 1], scheduler.timesteps[k]
-        B = x0.shape[0]
-        x_prev = objective.noise_to(x0, noise, t_prev)  # (B, C, h, w): where the trajectory is at step k-1
+        predict = self.guided(pl_module, text, text_mask, labels)
         with runner.installed():
-            with torch.no_grad():
-                pred_prev = model(x_prev, t_prev.expand(B).float(), text, text_mask, labels)  # fills the cache
-                # A fresh scheduler takes one step from t_prev (DDIM and flow-Euler need no history).
-                x_k = scheduler.step(pred_prev.float(), t_prev, x_prev.float()).prev_sample.to(x0.dtype)
+            x_k, t_k = self.state(pl_module, k, x0, noise, predict)  # the cache holds step k-1's branch outputs
             beta = pl_module.router.beta(k)  # (blocks, branches)
-            with runner.mix(beta):
-                student = model(x_k, t_k.expand(B).float(), text, text_mask, labels)  # (B, C, h, w)
+            mixed = beta
+            if self.cfg.hard:  # forward: the schedule's 0 / 1; backward: d/d beta (straight through)
+                mixed = beta + ((beta > self.cfg.threshold).to(beta) - beta).detach()
+            with runner.mix(mixed):
+                student = predict(x_k, t_k)  # (B, C, h, w)
         with torch.no_grad():
-            teacher = model(x_k, t_k.expand(B).float(), text, text_mask, labels)  # the full model at step k
-        return F.mse_loss(student.float(), teacher.float()), beta
+            teacher = predict(x_k, t_k)  # the full model at step k
+        return F.mse_loss(student, teacher), beta
+
+    def guided(self, pl_module: pl.LightningModule, text: torch.Tensor | None, text_mask: torch.Tensor | None,
+               labels: torch.Tensor | None) -> Any:
+        """predict(x, t) -> the prediction the sampler uses (float32): with guidance g != 1, conditional and
+        unconditional halves in one batch (one branch cache, as framework/inference/pipeline.py samples) and
+        uncond + g * (cond - uncond)."""
+        from framework.models.conditioning import drop_captions
+
+        model, g = pl_module.model, self.cfg.guidance or 1.0
+        if g != 1:
+            B = next(v for v in (text, labels) if v is not None).shape[0]
+            if text is not None:
+                drop = torch.arange(2 * B, device=text.device) >= B
+                text, text_mask = drop_captions(text.repeat(2, 1, 1), text_mask.repeat(2, 1),
+                                                pl_module.empty_text.to(text), drop)
+            if labels is not None:
+                labels = torch.cat([labels, model.null_labels(B).to(labels)])
+
+        def predict(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            if g == 1:
+                return model(x, t.expand(x.shape[0]).float(), text, text_mask, labels).float()
+            pred = model(x.repeat(2, 1, 1, 1), t.expand(2 * x.shape[0]).float(), text, text_mask, labels).float()
+            cond, uncond = pred.chunk(2)
+            return uncond + g * (cond - uncond)
+
+        return predict
+
+    def state(self, pl_module: pl.LightningModule, k: int, x0: torch.Tensor, noise: torch.Tensor,
+              predict: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_k, t_k): the sampler's state at step k, reached with full-model steps from where `start` puts it;
+        the last of them (step k-1) leaves every branch's output in the runner's cache."""
+        objective = pl_module.objective
+        scheduler = objective.sampler(self.sampler)  # a fresh one: DDIM and flow-Euler need no history
+        scheduler.set_timesteps(self.cfg.steps, device=x0.device)
+        ts = scheduler.timesteps
+        if self.cfg.start == "trajectory":
+            first, x = 0, noise.float() * getattr(scheduler, "init_noise_sigma", 1.0)
+        else:
+            first, x = k - 1, objective.noise_to(x0, noise, ts[k - 1]).float()
+        with torch.no_grad():
+            for i in range(first, k):
+                x_in = scheduler.scale_model_input(x, ts[i]) if hasattr(scheduler, "scale_model_input") else x
+                x = scheduler.step(predict(x_in.to(x0.dtype), ts[i]), ts[i], x).prev_sample
+        x_k = scheduler.scale_model_input(x, ts[k]) if hasattr(scheduler, "scale_model_input") else x
+        return x_k.to(x0.dtype), ts[k]
 
     # ---- the schedule on disk -----------------------------------------------------------
 
@@ -306,7 +367,8 @@ class CacheRouterStage(pl.Callback):
         if router is None or trainer.global_rank != 0:
             return None
         source = {"init_from": str(self.init_from), "router_step": trainer.global_step,
-                  "sparsity": self.cfg.sparsity}
+                  "sparsity": self.cfg.sparsity, "guidance": self.cfg.guidance, "start": self.cfg.start,
+                  "hard": self.cfg.hard, "cost": self.cfg.cost}
         schedule = router.schedule(self.cfg, self.sampler, model_signature(pl_module.model, self.objective_name), source)
         schedule.save(self.out)
         plot_schedule(schedule, self.out.with_suffix(".png"))
@@ -343,6 +405,8 @@ def build(cfg: CacheRouterConfig, run_cfg: Any) -> CacheRouterStage:
         ok = [s for s in TRAINABLE_SAMPLERS if objective in SAMPLERS[s]]
         raise ValueError(f"plugins.cache_router.sampler={sampler}: the router trains for one of {TRAINABLE_SAMPLERS} "
                          f"(a multistep solver's step depends on earlier steps); set plugins.cache_router.sampler={ok[0]}")
+    if cfg.guidance is None:  # the guidance the schedule will be sampled with
+        cfg = dataclasses.replace(cfg, guidance=float(run_cfg.eval.guidance))
     out = Path(cfg.out) if cfg.out else Path(run_cfg.run.dir) / SCHEDULE_FILE
     return CacheRouterStage(cfg, sampler, objective, out.resolve(), run_cfg.init_from)
 

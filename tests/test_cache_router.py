@@ -278,3 +278,180 @@ def test_the_stage_refuses_what_it_cannot_do(tmp_path, digits_shards, sources):
     for i, (args, message) in enumerate(cases):
         with pytest.raises(ValueError, match=message):
             train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=1, run=f"bad{i}")))
+
+
+# --------------------------------------------------------------------------------------------
+# Distillation as sampling runs: the sampler's own states, the guided prediction, straight through
+# --------------------------------------------------------------------------------------------
+
+
+def recorded_sampling(name: str, digits_shards: Path, steps: int, guidance: float):
+    """A family's pipeline (DiT: eps and DDIM) sampling two prompts, with the model's inputs at every call recorded:
+    (pipe, sampler, [(x, t, text, mask, labels) per step], both CFG halves in each)."""
+    from framework.models.objectives import Objective, ObjectiveConfig
+
+    pipe = family_pipeline(name, digits_shards)
+    objective, sampler = SAMPLING[name]
+    pipe.objective = Objective(ObjectiveConfig(name=objective))
+    calls = []
+    hook = pipe.model.register_forward_pre_hook(lambda _, args: calls.append([a if a is None else a.clone() for a in args]))
+    try:
+        labels = [3, 7] if pipe.model.cfg.num_classes is not None else None
+        pipe.generate(PROMPTS[:2], steps=steps, guidance=guidance, sampler=sampler, seed=5, labels=labels, batch_size=2)
+    finally:
+        hook.remove()
+    assert len(calls) == steps
+    return pipe, sampler, calls
+
+
+def stage_for(pipe, sampler: str, steps: int, **cfg):
+    """A CacheRouterStage and the module fields distill() reads, outside a run."""
+    from framework.inference.caching import BranchRunner
+    from plugins.cache_router import CacheRouterConfig, CacheRouterStage, Router
+
+    stage = CacheRouterStage(CacheRouterConfig(steps=steps, **cfg), sampler, pipe.objective.cfg.name, Path("unused.json"), "")
+    stage.runner = BranchRunner(pipe.model)
+    router = Router(steps, model_signature(pipe.model, pipe.objective.cfg.name)["branches"], 0.0)
+    with torch.no_grad():
+        router.logits.normal_(0, 2, generator=torch.Generator().manual_seed(1))
+    return stage, SimpleNamespace(model=pipe.model, objective=pipe.objective, router=router, empty_text=pipe.empty_text)
+
+
+def conditioning(call: list, b: int) -> tuple:
+    """The conditional half of a recorded call: (text, mask, labels)."""
+    _, _, text, mask, labels = call
+    return (None if text is None else text[:b], None if mask is None else mask[:b], None if labels is None else labels[:b])
+
+
+@pytest.mark.parametrize("name", ["pixart_debug", "dit_debug"])
+def test_the_distillation_starts_where_guided_sampling_is_and_distils_the_guided_prediction(name, digits_shards):
+    """start=trajectory: the state at step k is the one framework.sample's guided sampler reaches from the same noise
+    (recorded at every model call). The loss is the MSE of the guided predictions at step k, student against teacher,
+    computed here by hand with each CFG half run on its own, its branch cache from its own step k-1."""
+    steps, g, b = 6, 3.0, 2
+    pipe, sampler, calls = recorded_sampling(name, digits_shards, steps, g)
+    stage, module = stage_for(pipe, sampler, steps, guidance=g)
+    text, mask, labels = conditioning(calls[0], b)
+    noise = calls[0][0][:b]  # step 0's input is the noise (init_noise_sigma 1 for both samplers)
+    predict = stage.guided(module, text, mask, labels)
+    for k in (1, 3, 5):
+        with stage.runner.installed():
+            x_k, t_k = stage.state(module, k, noise, noise, predict)
+        assert torch.allclose(x_k, calls[k][0][:b], atol=1e-5) and float(t_k) == float(calls[k][1][0])
+
+    k, runner, model = 3, stage.runner, pipe.model
+    beta = module.router.beta(k).detach()
+    halves = [(h, *call[2:]) for h in (slice(0, b), slice(b, 2 * b)) for call in [calls[k - 1]]]
+    student, teacher = [], []
+    with runner.installed():
+        for h, text_h, mask_h, labels_h in halves:
+            cut = lambda v: None if v is None else v[h]
+            runner.reset()
+            with torch.no_grad():
+                model(calls[k - 1][0][h], calls[k - 1][1][h], cut(text_h), cut(mask_h), cut(labels_h))  # fills the cache
+                with runner.mix(beta):
+                    student.append(model(calls[k][0][h], calls[k][1][h], cut(text_h), cut(mask_h), cut(labels_h)))
+    with torch.no_grad():
+        for h, text_h, mask_h, labels_h in halves:
+            cut = lambda v: None if v is None else v[h]
+            teacher.append(model(calls[k][0][h], calls[k][1][h], cut(text_h), cut(mask_h), cut(labels_h)))
+    guided = lambda cond, uncond: uncond + g * (cond - uncond)
+    expected = torch.nn.functional.mse_loss(guided(*student), guided(*teacher))
+    with torch.no_grad():
+        mse, _ = stage.distill(module, k, noise, noise, text, mask, labels)
+    assert expected > 1e-6 and torch.allclose(mse, expected, rtol=1e-4), (float(mse), float(expected))
+
+    # start=data: step k-1's state is the data noised to t_{k-1}, not the sampler's
+    data_stage, _ = stage_for(pipe, sampler, steps, guidance=g, start="data")
+    with data_stage.runner.installed():
+        x_data, _ = data_stage.state(module, k, torch.zeros_like(noise), noise, predict)
+    assert not torch.allclose(x_data, calls[k][0][:b], atol=1e-3)
+
+
+def test_straight_through_trains_on_the_forward_that_sampling_runs(digits_shards):
+    """hard=true: the student is the cached forward of the schedule (beta > threshold computes, the rest reuse step
+    k-1), so its loss equals the scheduled forward's error, and beta still gets a gradient."""
+    steps, g, b, k = 4, 2.0, 2, 3
+    pipe, sampler, calls = recorded_sampling("pixart_debug", digits_shards, steps, g)
+    stage, module = stage_for(pipe, sampler, steps, guidance=g, hard=True)
+    text, mask, labels = conditioning(calls[0], b)
+    noise = calls[0][0][:b]
+    mse, beta = stage.distill(module, k, noise, noise, text, mask, labels)
+    mse.backward()
+    assert module.router.logits.grad[(k - 1) // 2].abs().sum() > 0
+
+    predict = stage.guided(module, text, mask, labels)
+    runner = stage.runner
+    with runner.installed(), torch.no_grad():
+        x_k, t_k = stage.state(module, k, noise, noise, predict)
+        runner.compute = (beta > stage.cfg.threshold).tolist()  # reuse step k-1's cache where beta <= threshold
+        scheduled = predict(x_k, t_k)
+        runner.compute = None
+        teacher = predict(x_k, t_k)
+    expected = torch.nn.functional.mse_loss(scheduled, teacher)
+    assert (beta > 0.5).any() and not (beta > 0.5).all()  # some branches cached, some computed
+    assert torch.allclose(mse.detach(), expected, rtol=1e-4), (float(mse), float(expected))
+
+
+# --------------------------------------------------------------------------------------------
+# The quality-vs-speed curve (python -m framework.bench cache_curve)
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps(tmp_path, digits_shards, sources):
+    """A router trained by the command itself (a child framework.train), read at two thresholds; uniform:K at each
+    learned schedule's count of computed branches; fewer steps. The full sampler is the paired error's reference
+    (0 for itself), every interval holds its estimate, and a re-thresholded schedule computes what its betas say."""
+    from framework.bench.suite_cache_curve import CacheCurveBench, at_threshold, run
+
+    source = sources["pixart_debug"]
+    train_args = [a for a in cheap(tmp_path, digits_shards, *family_overrides("pixart_debug"), run="unused")
+                  if not a.startswith(("run.dir", "trainer.max_steps"))]
+    cfg = CacheCurveBench(ckpt=str(source), sparsities=[3e-3], thresholds=[0.5, 0.9], router_steps=2,
+                          router_overrides=train_args, uniform=[2.0], fewer=[2], steps=4, seeds=1, phrasings=1,
+                          batch_size=32, time_images=10, repeats=1, bootstrap=20, weights="train", device="cpu",
+                          out=str(tmp_path / "curve" / "cache_curve.json"))
+    rows = {r["variant"]: r for r in run(cfg)}
+    router_dir = tmp_path / "curve" / "router_sparsity0.003"
+    learned = CacheSchedule.load(router_dir / "cache_schedule.json")
+    assert learned.source["guidance"] == 4.0 and learned.source["start"] == "trajectory"
+    assert {"full", "learned s=0.003 t=0.5", "learned s=0.003 t=0.9", "uniform:2", "fewer:2"} <= rows.keys()
+    for t in (0.5, 0.9):
+        row = rows[f"learned s=0.003 t={t:g}"]
+        betas = [v for step in learned.beta for block in step for v in block]  # full steps: beta 1
+        assert row["branches_computed"] == pytest.approx(sum(v > t for v in betas) / len(betas))
+        assert at_threshold(learned, t).threshold == t
+        assert any(r["kind"] == "uniform" and abs(r["branches_computed"] - row["branches_computed"]) <= 0.125 + 1e-9
+                   for r in rows.values())  # the matched uniform:K (whole full steps: 1/4 granularity at 4 steps)
+    assert rows["full"]["paired_error"] == 0 and rows["full"]["speedup"] == 1.0 and rows["fewer:2"]["paired_error"] > 0
+    for r in rows.values():
+        for key in ("accuracy", "paired_error"):  # (fd's bootstrap is biased upward: its estimate may lie below)
+            assert r[f"{key}_ci"][0] - 1e-9 <= r[key] <= r[f"{key}_ci"][1] + 1e-9, (r["variant"], key)
+        assert r["fd_ci"][0] <= r["fd_ci"][1] and r["fd"] > 0
+        assert r["num_images"] == rows["full"]["num_images"] > 0
+    assert (tmp_path / "curve" / "cache_curve.png").is_file()
+    # a finished router is kept: a second call trains nothing (the schedule file is not rewritten)
+    stamp = (router_dir / "cache_schedule.json").stat().st_mtime_ns
+    run(dataclasses.replace(cfg, thresholds=[0.5], fewer=[], uniform=[]))
+    assert (router_dir / "cache_schedule.json").stat().st_mtime_ns == stamp
+
+
+def test_the_cache_curve_calls_a_win_only_at_equal_speed_beyond_the_intervals():
+    from framework.bench.suite_cache_curve import compare
+
+    def row(variant, kind, speed, fd):
+        return {"variant": variant, "kind": kind, "images_per_s": speed, "fd": fd[0], "fd_ci": fd,
+                "paired_error": 0.1, "paired_error_ci": [0.05, 0.15]}
+
+    rows = [row("learned", "learned", 100.0, [9.0, 10.0]), row("uniform:2", "uniform", 102.9, [10.5, 11.0]),
+            row("uniform:3", "uniform", 110.0, [20.0, 21.0]), row("fewer:10", "fewer", 97.5, [9.5, 10.6]),
+            row("fewer:9", "fewer", 104.0, [30.0, 31.0])]
+    compare(rows)
+    learned = rows[0]
+    assert [c["variant"] for c in learned["vs_uniform"]] == ["uniform:2"]  # 110 is 10% faster: not compared
+    assert [c["variant"] for c in learned["vs_fewer"]] == ["fewer:10"]  # 104 is 4% faster: not compared
+    assert learned["vs_uniform"][0]["beats_fd"] and not learned["vs_fewer"][0]["beats_fd"]  # 10.0 vs 9.5: overlap
+    assert not learned["goal"] and not learned["vs_uniform"][0]["beats_paired_error"]
+    rows[3]["fd_ci"] = [10.2, 10.6]
+    compare(rows)
+    assert rows[0]["goal"]

@@ -13,6 +13,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
   norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
   cache      cached sampling (framework/inference/caching.py): images/s, accuracy and fd of full sampling, a learned
              schedule, uniform:K at the same cost and fewer steps at the same latency
+  cache_curve  quality (fd, accuracy, paired error to the full sampler, bootstrap intervals) against measured speed:
+             routers trained per sparsity and read at several thresholds, uniform:K, fewer steps; cache_curve.png
   decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
              doing both (split_ranks), and denoising / decoding ranks (decode_ranks)
   checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
@@ -33,7 +35,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench import (suite_cache, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_init_memory,
+from framework.bench import (suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_init_memory,
                              suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_sequence, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
@@ -48,6 +50,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "ema": (suite_ema.EMABench, suite_ema.run),
     "norm": (suite_norm.NormBench, suite_norm.run),
     "cache": (suite_cache.CacheBench, suite_cache.run),
+    "cache_curve": (suite_cache_curve.CacheCurveBench, suite_cache_curve.run),
     "decode": (suite_decode.DecodeBench, suite_decode.run),
     "overhead": (suite_overhead.OverheadBench, suite_overhead.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),

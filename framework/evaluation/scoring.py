@@ -32,32 +32,41 @@ def real_reference(kind: str) -> torch.Tensor:
     return as_images(images)
 
 
+def per_image_correct(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> dict[str, np.ndarray]:
+    """Per image (P * per_prompt,): whether the classifier reads what was asked. digits: {"digit"}; pairs: {"left",
+    "right", "both"}."""
+    from framework.evaluation.metrics import digit_scorer
+
+    scorer = digit_scorer()
+    targets = np.array([x for x in ps.targets for _ in range(per_prompt)])
+    if ps.kind == "digits":
+        return {"digit": scorer.predict(images) == targets}
+    left, right = images.chunk(2, dim=-1)
+    ok_l, ok_r = scorer.predict(left) == targets[:, 0], scorer.predict(right) == targets[:, 1]
+    return {"left": ok_l, "right": ok_r, "both": ok_l & ok_r}
+
+
 def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> dict[str, Any]:
     """Metrics of `images` ((P * per_prompt, C, H, W), each prompt's kept images together)."""
     from framework.evaluation.metrics import digit_scorer, frechet_distance
 
     scorer = digit_scorer()
-    rep = lambda xs: [x for x in xs for _ in range(per_prompt)]
     heldout = np.repeat(ps.heldout, per_prompt)
     mean = lambda mask: float(mask.mean()) if mask.size else float("nan")
+    ok = per_image_correct(ps, images, per_prompt)
     out: dict[str, Any] = {}
     if ps.kind == "digits":
-        targets = np.array(rep(ps.targets))
-        right = scorer.predict(images) == targets
+        targets = np.array([x for x in ps.targets for _ in range(per_prompt)])
+        right = ok["digit"]
         out["prompt_accuracy"] = mean(right[~heldout])
         out["heldout_phrasing_accuracy"] = mean(right[heldout])
         out["per_digit_accuracy"] = {str(d): mean(right[~heldout & (targets == d)]) for d in range(10)}
         cells = 1
     else:
-        targets = np.array(rep(ps.targets)).reshape(-1, 2)
-        left, right_half = images.chunk(2, dim=-1)
-        ok_l = scorer.predict(left) == targets[:, 0]
-        ok_r = scorer.predict(right_half) == targets[:, 1]
-        both = ok_l & ok_r
         for prefix, mask in (("", ~heldout), ("heldout_", heldout)):
-            out[f"{prefix}pair_accuracy"] = mean(both[mask])
-            out[f"{prefix}left_accuracy"] = mean(ok_l[mask])
-            out[f"{prefix}right_accuracy"] = mean(ok_r[mask])
+            out[f"{prefix}pair_accuracy"] = mean(ok["both"][mask])
+            out[f"{prefix}left_accuracy"] = mean(ok["left"][mask])
+            out[f"{prefix}right_accuracy"] = mean(ok["right"][mask])
         cells = 2
     out["fd"] = frechet_distance(real_reference(ps.kind), images, scorer.featurizer(cells))
     out["classifier_heldout_accuracy"] = scorer.heldout_accuracy
