@@ -256,6 +256,21 @@ def test_the_sparsity_penalty_weighs_each_branch_by_its_cost():
     router = Router(4, [["self_attn", "cross_attn", "mlp"]] * 2, 0.0)
     assert torch.allclose(router.cost, torch.ones(2, 3))  # cost=none: all alike
 
+    # The stage's loss: the distillation MSE (stubbed to 0.25 here) plus sparsity * sum(cost * beta_k)
+    from plugins.cache_router import CacheRouterConfig, CacheRouterStage
+
+    router.cost.copy_(flops / flops.mean())
+    with torch.no_grad():
+        router.logits.normal_(generator=torch.Generator().manual_seed(0))
+    stage = CacheRouterStage(CacheRouterConfig(steps=4, sparsity=0.5), "flow_euler", "flow", Path("unused.json"), "")
+    drawn = []
+    stage.distill = lambda module, k, *rest: (drawn.append(k) or torch.tensor(0.25), router.beta(k))
+    module = SimpleNamespace(router=router, step_generator=lambda: torch.Generator().manual_seed(3),
+                             log_dict=lambda *a, **kw: None, trainer=SimpleNamespace(world_size=1))
+    loss = stage.training_loss(module, torch.zeros(2, 1, 8, 8), None, None, None, None)
+    beta = torch.sigmoid(router.logits[(drawn[0] - 1) // 2])
+    assert torch.allclose(loss, 0.25 + 0.5 * (flops / flops.mean() * beta).sum().float())
+
 
 def test_the_stage_resumes_after_a_kill_like_an_uninterrupted_run(tmp_path, digits_shards, sources, monkeypatch):
     full, resumed = crash_and_resume(tmp_path, digits_shards, stage_args("pixart_debug", sources["pixart_debug"]),

@@ -85,7 +85,7 @@ class CacheCurveBench:
 # --------------------------------------------------------------------------------------------
 
 
-def train_routers(cfg: CacheCurveBench, sampler: str) -> list[Path]:
+def train_routers(cfg: CacheCurveBench, sampler: str, objective: str) -> list[Path]:
     """The schedule file of each sparsity's router, trained in a child process unless its run finished earlier."""
     paths = []
     for s in cfg.sparsities:
@@ -95,7 +95,8 @@ def train_routers(cfg: CacheCurveBench, sampler: str) -> list[Path]:
             args = [f"experiment={cfg.experiment}", f"init_from={cfg.ckpt}", f"run.dir={run}", "resume=auto",
                     f"plugins.cache_router.sparsity={s}", f"plugins.cache_router.steps={cfg.steps}",
                     f"trainer.max_steps={cfg.router_steps}", f"eval.guidance={cfg.guidance}", "eval.at_end=false",
-                    "logger=csv", f"plugins.cache_router.sampler={sampler}", *cfg.router_overrides]
+                    "logger=csv", f"objective={objective}", f"plugins.cache_router.sampler={sampler}",
+                    *cfg.router_overrides]
             print(f"[cache_curve] router sparsity={s:g}: python -m framework.train {' '.join(args)}", flush=True)
             proc = subprocess.run([sys.executable, "-m", "framework.train", *args])
             if proc.returncode != 0:
@@ -196,7 +197,7 @@ def run(cfg: CacheCurveBench) -> list[dict[str, Any]]:
 
     # variant name -> (series, kind, steps, schedule)
     variants: dict[str, tuple[str, str, int, CacheSchedule | None]] = {"full": ("full", "full", cfg.steps, None)}
-    for path in train_routers(cfg, sampler):
+    for path in train_routers(cfg, sampler, pipe.objective.cfg.name):
         learned = pipe.schedule(CacheSchedule.load(path), sampler, cfg.steps)  # refuses another model / sampler / steps
         name = f"learned s={learned.source.get('sparsity', '?'):g}" if learned.source else f"learned {path.parent.name}"
         for t in cfg.thresholds:
