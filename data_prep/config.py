@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -39,6 +39,9 @@ class PrecomputeConfig:
     text_encoder: str = "minilm"  # "minilm" or a local transformers text-encoder folder
     resolution: int = 8  # images are resized (shorter side) and center-cropped to this square size
     width: Optional[int] = None  # non-square output (resolution x width, e.g. digit pairs 8x16); null = square
+    # aspect-ratio buckets (data_prep/buckets.py): pixart_256 | pixart_512 | pixart_1024 | sdxl | [[h, w], ...]; each
+    # image is encoded at the size of nearest aspect ratio instead of a square crop; null = resolution x width
+    buckets: Optional[Any] = None
     out: str = "data/digits"  # output dataset folder (index.json + dataset.json + shards)
     image_mode: Optional[str] = None  # pixel codec: "L" or "RGB"; null = the source's own (digits: L)
     posterior: str = "mean"  # KL VAEs: store the posterior "mean" or a "sample" (recorded in dataset.json)
@@ -67,6 +70,9 @@ class PrecomputeConfig:
             raise ValueError(f"max_bad_fraction={self.max_bad_fraction}: must be in [0, 1].")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1.")
+        if self.buckets is not None and self.width is not None:
+            raise ValueError(f"buckets={self.buckets} and width={self.width}: the buckets set every image's size; "
+                             "drop width.")
 
 
 def register_configs() -> None:

@@ -5,6 +5,8 @@ Layout of the output folder (every rank writes its own sub-folder, also when the
     out/precompute.json          config fingerprint, written FIRST (refuses a different config later)
     out/rank_00000/...           this rank's MDS shards + index.json + done.json (rank finished)
     out/index.json               merged index (streaming.base.util.merge_index)
+    out/bucket_<h>x<w>/...       with `buckets=`: one MDS folder per aspect-ratio bucket instead (its rank_* folders
+                                 and merged index.json), latents at the bucket's shape (data_prep/buckets.py)
     out/empty_caption.safetensors  the "" caption's embedding, for train-time caption dropout
     out/dataset.json             written LAST: the completion marker the trainer reads
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import time
@@ -77,6 +80,8 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
         content["width"] = cfg.width
     if cfg.prompts:  # only when given: datasets built without them keep their fingerprints
         content["prompts"] = list(cfg.prompts)
+    if cfg.buckets is not None:  # likewise
+        content["buckets"] = cfg.buckets if isinstance(cfg.buckets, str) else [list(map(int, s)) for s in cfg.buckets]
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "config": content}
 
@@ -98,8 +103,8 @@ def _world() -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_pixels(image: Any, mode: str, resolution: int, width: int | None = None) -> torch.Tensor:
-    """bytes / path / uint8 array -> (C, resolution, width or resolution) float32 in [-1, 1]; raises on bad input."""
+def open_image(image: Any, mode: str) -> Image.Image:
+    """bytes / path / uint8 array -> a decoded PIL image in `mode`; raises on bad input."""
     if image is None:
         raise ValueError("no image in the record")
     if isinstance(image, np.ndarray):
@@ -107,17 +112,31 @@ def load_pixels(image: Any, mode: str, resolution: int, width: int | None = None
     else:
         img = Image.open(io.BytesIO(image) if isinstance(image, bytes) else image)
         img.load()  # decode now: truncated files raise here, not later inside the encoder
-    img = img.convert(mode)
-    out_h, out_w = resolution, width or resolution
-    if img.size != (out_w, out_h):  # scale to cover the output size, then center crop
-        w, h = img.size
-        s = max(out_w / w, out_h / h)
-        img = img.resize((max(out_w, round(w * s)), max(out_h, round(h * s))), Image.BICUBIC)
-        w, h = img.size
-        left, top = (w - out_w) // 2, (h - out_h) // 2
-        img = img.crop((left, top, left + out_w, top + out_h))
-    arr = np.asarray(img, dtype=np.float32).reshape(out_h, out_w, -1)  # (H, W, C)
-    return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0  # (C, H, W)
+    return img.convert(mode)
+
+
+def cover_crop(img: Image.Image, out_h: int, out_w: int) -> tuple[Image.Image, int, int]:
+    """Scale to cover out_h x out_w, then centre-crop to it: (image, crop top, crop left), the crop's corner in the
+    scaled image (SDXL's crop coordinates)."""
+    if img.size == (out_w, out_h):
+        return img, 0, 0
+    w, h = img.size
+    s = max(out_w / w, out_h / h)
+    img = img.resize((max(out_w, round(w * s)), max(out_h, round(h * s))), Image.BICUBIC)
+    w, h = img.size
+    left, top = (w - out_w) // 2, (h - out_h) // 2
+    return img.crop((left, top, left + out_w, top + out_h)), top, left
+
+
+def to_tensor(img: Image.Image) -> torch.Tensor:
+    """(C, H, W) float32 in [-1, 1]."""
+    arr = np.asarray(img, dtype=np.float32).reshape(img.size[1], img.size[0], -1)  # (H, W, C)
+    return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0
+
+
+def load_pixels(image: Any, mode: str, resolution: int, width: int | None = None) -> torch.Tensor:
+    """bytes / path / uint8 array -> (C, resolution, width or resolution) float32 in [-1, 1]; raises on bad input."""
+    return to_tensor(cover_crop(open_image(image, mode), resolution, width or resolution)[0])
 
 
 def _batches(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
@@ -152,51 +171,80 @@ class CaptionCache:
 
 
 def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEncoder, mode: str,
-                rank_dir: Path, rank: int, world: int) -> dict:
-    """Encode this rank's share (records i with i % world == rank) into rank_dir; returns its stats."""
+                rank_dir: Path, rank: int, world: int, buckets: list[tuple[int, int]] | None = None) -> dict:
+    """Encode this rank's share (records i with i % world == rank) into rank_dir (with buckets: into each
+    bucket's folder, out/bucket_<h>x<w>/rank_<r>); returns its stats."""
+    from contextlib import ExitStack
+
     from streaming import MDSWriter
     from tqdm import tqdm
+
+    from data_prep.buckets import bucket_dir, nearest_bucket
 
     columns = {"latents": "ndarray:float16", "text_embeds": "ndarray:float16", "caption": "str", "key": "str"}
     if source.num_classes is not None:
         columns["label"] = "int"
+    if buckets is not None:  # SDXL-style micro-conditioning needs the source size and the crop
+        columns.update({"bucket": "int", "original_size": "ndarray:int32", "crop_top_left": "ndarray:int32"})
     captions = CaptionCache(text, cfg.batch_size)
-    stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": []}
+    stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": [],
+             "bucket_rows": {}}
     total = source.size()
     bar = tqdm(total=None if total is None else -(-total // world) if world > 1 else total,
                disable=not cfg.progress, desc=f"encode rank {rank}", unit="img")
     start = time.perf_counter()
     mine = (r for i, r in enumerate(source.records()) if i % world == rank)
-    with MDSWriter(out=str(rank_dir), columns=columns, compression=cfg.compression, hashes=["xxh64"],
-                   size_limit=cfg.shard_size) as writer:
+    with ExitStack() as stack:
+        writers: dict[int, Any] = {}
+
+        def writer(b: int):  # one per bucket (b = -1 without buckets), opened at its first image
+            if b not in writers:
+                out = rank_dir if b < 0 else rank_dir.parent / bucket_dir(buckets[b]) / rank_dir.name
+                writers[b] = stack.enter_context(MDSWriter(out=str(out), columns=columns, compression=cfg.compression,
+                                                           hashes=["xxh64"], size_limit=cfg.shard_size))
+            return writers[b]
+
+        if buckets is None:
+            writer(-1)  # the single folder exists even when every record is bad (the error below names them)
         for batch in _batches(mine, cfg.batch_size):
-            good, pixels = [], []
+            groups: dict[int, list[tuple[Record, torch.Tensor, dict]]] = {}
             for r in batch:
                 if not r.captions:
                     stats["missing_captions"] += 1
                     stats["examples"].append(f"{r.key}: missing caption")
                     continue
                 try:
-                    pixels.append(load_pixels(r.image, mode, cfg.resolution, cfg.width))
-                    good.append(r)
+                    img = open_image(r.image, mode)
+                    if buckets is None:
+                        b, (h, w) = -1, (cfg.resolution, cfg.width or cfg.resolution)
+                    else:
+                        b = nearest_bucket(img.size[1], img.size[0], buckets)
+                        h, w = buckets[b]
+                    extra = {"bucket": b, "original_size": np.array([img.size[1], img.size[0]], dtype=np.int32)}
+                    img, top, left = cover_crop(img, h, w)
+                    extra["crop_top_left"] = np.array([top, left], dtype=np.int32)
+                    groups.setdefault(b, []).append((r, to_tensor(img), extra))
                 except Exception as err:  # unreadable/truncated: skip, count, report
                     stats["bad_images"] += 1
                     stats["examples"].append(f"{r.key}: unreadable image ({type(err).__name__}: {err})")
             bar.update(len(batch))
-            if not good:
-                continue
-            latents = codec.encode(torch.stack(pixels)).cpu().numpy().astype(np.float16)  # (B, c, h, w)
-            for r, lat in zip(good, latents):
-                if len(stats["first_captions"]) < GRID_PROMPTS and r.captions[0] not in stats["first_captions"]:
-                    stats["first_captions"].append(r.captions[0])
-                for j, (caption, emb) in enumerate(zip(r.captions, captions(r.captions))):
-                    row = {"latents": lat, "text_embeds": emb, "caption": caption, "key": f"{r.key}#{j}"}
-                    if "label" in columns:
-                        row["label"] = int(r.label)
-                    writer.write(row)
-                    stats["rows"] += 1
-            stats["images"] += len(good)
-            stats.setdefault("latent_shape", list(latents.shape[1:]))
+            for b, group in sorted(groups.items()):
+                latents = codec.encode(torch.stack([g[1] for g in group])).cpu().numpy().astype(np.float16)  # (B, c, h, w)
+                for (r, _, extra), lat in zip(group, latents):
+                    if len(stats["first_captions"]) < GRID_PROMPTS and r.captions[0] not in stats["first_captions"]:
+                        stats["first_captions"].append(r.captions[0])
+                    for j, (caption, emb) in enumerate(zip(r.captions, captions(r.captions))):
+                        row = {"latents": lat, "text_embeds": emb, "caption": caption, "key": f"{r.key}#{j}"}
+                        if "label" in columns:
+                            row["label"] = int(r.label)
+                        if buckets is not None:
+                            row.update(extra)
+                        writer(b).write(row)
+                        stats["rows"] += 1
+                        stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
+                stats["images"] += len(group)
+                stats.setdefault("latent_shapes", {})[str(b)] = list(latents.shape[1:])
+                stats.setdefault("latent_shape", list(latents.shape[1:]))
     bar.close()
     stats["seconds"] = time.perf_counter() - start
     seen = stats["images"] + stats["bad_images"] + stats["missing_captions"]
@@ -234,20 +282,53 @@ def _wait_for_ranks(out: Path, world: int, timeout: float) -> list[dict]:
     return [json.loads(p.read_text()) for p in done]
 
 
-def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
-           out: Path, world: int) -> dict:
-    from safetensors.torch import save_file
+def _merge(root: Path, world: int) -> None:
+    """root/index.json from the ranks' root/rank_*/index.json (a rank with no rows there has none)."""
     from streaming.base.util import merge_index
 
+    (root / "index.json").unlink(missing_ok=True)  # a stale merge from an interrupted run; merge_index won't overwrite
+    parts = [root / f"rank_{r:05d}" / "index.json" for r in range(world)]
+    merge_index([str(p) for p in parts if p.is_file()], str(root))
+
+
+def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: int) -> list[dict]:
+    """dataset.json's `buckets`: each size, its folder, latent size and row / image counts (every rank's)."""
+    from data_prep.buckets import bucket_dir
+
+    rows = lambda b: sum(s["bucket_rows"].get(str(b), 0) for s in stats)
+    return [{"size": [h, w], "dir": bucket_dir((h, w)), "latent_size": [h // downsample, w // downsample],
+             "num_samples": rows(b)} for b, (h, w) in enumerate(buckets)]
+
+
+def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
+           out: Path, world: int, buckets: list[tuple[int, int]] | None = None) -> dict:
+    from safetensors.torch import save_file
+
     stats = _wait_for_ranks(out, world, cfg.merge_timeout_s)
-    (out / "index.json").unlink(missing_ok=True)  # a stale merge from an interrupted run; merge_index won't overwrite
-    merge_index([str(out / f"rank_{r:05d}" / "index.json") for r in range(world)], str(out))
+    if buckets is None:
+        _merge(out, world)
+    else:
+        table = bucket_table(stats, buckets, codec.downsample)
+        for row in table:
+            if row["num_samples"]:
+                _merge(out / row["dir"], world)
     empty = text.encode([""])[0].to(torch.float16).contiguous()  # (L0, D)
     save_file({"text_embeds": empty}, str(out / EMPTY_CAPTION_FILE))
     prompts = list(cfg.prompts or source.grid_prompts() or stats[0]["first_captions"])
     save_file({str(i): e.to(torch.float16).contiguous() for i, e in enumerate(text.encode(prompts))},
               str(out / PROMPTS_FILE))
     latent_shape = stats[0]["latent_shape"]
+    extra: dict[str, Any] = {}
+    if buckets is not None:
+        # The model's base size (its sample_size): the square bucket's side (PixArt's 256 / 512 / 1024), or that of
+        # the square as large as the bucket nearest 1:1, in latents, even (2x2 patches).
+        h, w = min(buckets, key=lambda s: abs(math.log(s[0] / s[1])))
+        base = 2 * max(1, round(math.sqrt(h * w) / (2 * codec.downsample)))
+        latent_shape = [latent_shape[0], base, base]
+        extra = {"buckets": table, "bucket_spec": cfg.buckets if isinstance(cfg.buckets, str) else "list",
+                 "columns_bucketed": ["bucket", "original_size", "crop_top_left"]}
+        log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
+            + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     info = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fp["fingerprint"],
@@ -261,7 +342,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         "posterior": codec.posterior,
         "text_dim": text.dim,
         "image_mode": mode,
-        "resolution": cfg.resolution,
+        "resolution": cfg.resolution if buckets is None else latent_shape[1] * codec.downsample,
         **({"width": cfg.width} if cfg.width is not None else {}),
         "num_samples": sum(s["rows"] for s in stats),
         "num_images": sum(s["images"] for s in stats),
@@ -274,6 +355,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         "latents_scaled": False,  # trainer applies (x - shift_factor) * scaling_factor exactly once
         "source": {"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},
         "world_size": world,
+        **extra,
     }
     _write_json(out / DATASET_FILE, info)  # LAST: marks the dataset complete
     return info
@@ -329,8 +411,13 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
     mode = cfg.image_mode or (source.default_image_mode if cfg.vae == "pixel" else "RGB")
     codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior)
     for key, side in (("resolution", cfg.resolution), ("width", cfg.width)):
-        if side is not None and side % codec.downsample:
+        if side is not None and side % codec.downsample and cfg.buckets is None:
             raise ValueError(f"{key}={side} is not a multiple of the VAE's downsample factor {codec.downsample}.")
+    buckets = None
+    if cfg.buckets is not None:
+        from data_prep.buckets import resolve_buckets
+
+        buckets = resolve_buckets(cfg.buckets, 2 * codec.downsample)
     text = load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens)
 
     rank_dir = out / f"rank_{rank:05d}"
@@ -338,13 +425,16 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
         log(f"rank {rank}: {rank_dir} already finished; skipping to merge.")
     else:
         shutil.rmtree(rank_dir, ignore_errors=True)  # an interrupted run restarts this rank from scratch
-        stats = encode_rank(cfg, source, codec, text, mode, rank_dir, rank, world)
+        for stale in out.glob(f"bucket_*/{rank_dir.name}"):
+            shutil.rmtree(stale, ignore_errors=True)
+        stats = encode_rank(cfg, source, codec, text, mode, rank_dir, rank, world, buckets)
+        rank_dir.mkdir(parents=True, exist_ok=True)  # with buckets it holds no shards, only this marker
         _write_json(rank_dir / RANK_DONE_FILE, stats)
         log(f"rank {rank}: {stats['images']} images -> {stats['rows']} rows in {stats['seconds']:.1f}s "
             f"({stats['images'] / max(stats['seconds'], 1e-9):.1f} images/s, {device})")
     if rank != 0:
         return out
-    info = finish(cfg, fp, source, codec, text, mode, out, world)
+    info = finish(cfg, fp, source, codec, text, mode, out, world, buckets)
     log(f"wrote {info['num_samples']} samples to {out} (latents {info['latent_channels']}x"
         f"{info['latent_size'][0]}x{info['latent_size'][1]}, text dim {info['text_dim']})")
     return out

@@ -189,6 +189,27 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     return info
 
 
+def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:
+    """A dataset of aspect-ratio buckets needs a model that takes any latent height and width, and a sequence-parallel
+    split that divides every bucket's tokens: refuse one that does not, naming the bucket."""
+    import dataclasses
+
+    if cfg.model.family == "dit":
+        raise ValueError(f"data.path={cfg.data.path} holds aspect-ratio buckets, but model.family=dit (diffusers' "
+                         "DiTTransformer2DModel) only unpatchifies square latents: use a PixArt, SANA or UNet model, or "
+                         "a dataset precomputed without buckets")
+    if cfg.strategy.sequence_parallel > 1:
+        from framework.distributed.sequence import check
+
+        for b in buckets:
+            h, w = b["latent_size"]
+            try:
+                check(dataclasses.replace(cfg.model, sample_size=h, sample_width=w), cfg.strategy.sequence_parallel,
+                      cfg.strategy.sequence_parallel_head_groups)
+            except ValueError as err:
+                raise ValueError(f"aspect-ratio bucket {b['size'][0]}x{b['size'][1]} (latents {h}x{w}): {err}") from None
+
+
 def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
     """Grids decode with the VAE, and prompts the dataset did not encode need the text encoder (so do the
     built-in evaluations): check now, naming sample.vae / sample.text_encoder, rather than at the first grid."""
@@ -285,6 +306,8 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     cfg = config_lib.to_object(dcfg)
     if info is not None:
         check_encoders(cfg, info.summary())
+        if info.buckets:
+            check_buckets(cfg, info.buckets)
     run_dir = Path(cfg.run.dir).resolve()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         # A sweep (-m) gives each job its own folder, run.dir/<job number> (hydra.sweep in

@@ -224,3 +224,84 @@ def test_cli_hydra_app(tmp_path, tiny_text_encoder_dir):
         res = zygote.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr[-2000:]
         assert expect in res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Aspect-ratio buckets
+# ---------------------------------------------------------------------------------------------
+
+MIXED_SIZES = [(40, 90), (40, 80), (80, 40), (90, 40), (60, 60), (50, 56), (30, 61), (64, 64)]  # (h, w) per image
+BUCKETS = [[8, 16], [12, 12], [16, 8]]
+
+
+def make_mixed_folder(root: Path, sizes=MIXED_SIZES, seed: int = 0) -> Path:
+    """RGB PNGs of the given (height, width), each with a caption naming its layout."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"img{i:03d}.png")
+        layout = "landscape" if w > h else "portrait" if h > w else "square"
+        (root / f"img{i:03d}.txt").write_text(f"a {layout} picture number {i}")
+    return root
+
+
+def test_buckets_put_each_image_at_its_nearest_aspect_ratio_with_its_crop_recorded(tmp_path):
+    """Each image lands in the bucket of nearest aspect ratio, its latents at that shape; the stored pixels are the
+    image scaled to cover the bucket and centre-cropped (done here with PIL by hand), and the source size and the
+    crop's corner are recorded; dataset.json lists the buckets and their counts; the digits keep their fingerprint."""
+    from PIL import Image
+
+    from data_prep.precompute import as_config, fingerprint
+    from tests.conftest import digits_config
+
+    src = make_mixed_folder(tmp_path / "imgs")
+    out = precompute(folder_config(src, tmp_path / "ds", "minilm", buckets=BUCKETS), rank=0, world_size=1)
+    info = json.loads((out / "dataset.json").read_text())
+    # ratios h/w: 0.44 0.5 2 2.25 1 0.89 0.49 1 -> 8x16: 3 images, 12x12: 3, 16x8: 2
+    assert [(b["size"], b["num_samples"], b["dir"]) for b in info["buckets"]] == [
+        ([8, 16], 3, "bucket_8x16"), ([12, 12], 3, "bucket_12x12"), ([16, 8], 2, "bucket_16x8")]
+    assert info["num_samples"] == 8 and info["latent_size"] == [12, 12]  # the square bucket's
+    assert not (out / "index.json").exists()
+    seen = 0
+    for b in info["buckets"]:
+        for row in read_rows(out / b["dir"]):
+            i = int(row["key"].split("#")[0][3:6])
+            h, w = MIXED_SIZES[i]
+            assert list(row["original_size"]) == [h, w] and list(row["latents"].shape) == [3, *b["size"]]
+            bh, bw = b["size"]
+            s = max(bw / w, bh / h)
+            scaled = Image.open(src / f"img{i:03d}.png").convert("RGB").resize((max(bw, round(w * s)), max(bh, round(h * s))),
+                                                                              Image.BICUBIC)
+            top, left = (scaled.size[1] - bh) // 2, (scaled.size[0] - bw) // 2
+            assert list(row["crop_top_left"]) == [top, left]
+            expect = np.asarray(scaled.crop((left, top, left + bw, top + bh)), dtype=np.float32).transpose(2, 0, 1) / 127.5 - 1
+            np.testing.assert_allclose(row["latents"].astype(np.float32), expect, atol=1e-2)
+            seen += 1
+    assert seen == 8
+    assert list(read_rows(out / "bucket_16x8")[0]["crop_top_left"]) in ([0, 0], [1, 0], [2, 0])
+    # the same config again: nothing to do; a different bucket list is refused
+    precompute(folder_config(src, tmp_path / "ds", "minilm", buckets=BUCKETS), rank=0, world_size=1)
+    with pytest.raises(FileExistsError, match="buckets"):
+        precompute(folder_config(src, tmp_path / "ds", "minilm", buckets=BUCKETS[:2]), rank=0, world_size=1)
+    # datasets built without buckets keep their fingerprints (pinned before buckets existed)
+    assert fingerprint(as_config(digits_config(tmp_path / "x")))["fingerprint"] == "932367f7a4550c03"
+
+
+def test_buckets_refuse_bad_specs_and_know_the_presets():
+    from data_prep.buckets import nearest_bucket, resolve_buckets, sdxl_sizes
+
+    pixart = resolve_buckets("pixart_1024", 16)
+    assert len(pixart) == 33 and (1024, 1024) in pixart and (512, 2048) in pixart and (2048, 512) in pixart
+    assert all(abs(h * w / 1024**2 - 1) < 0.16 for h, w in pixart)
+    sdxl = sdxl_sizes()
+    for size in ((1024, 1024), (832, 1216), (1216, 832), (768, 1344), (576, 1664), (512, 2048)):  # in SDXL's table
+        assert size in sdxl
+    assert (832, 1280) not in sdxl and (640, 1472) not in sdxl  # more than 1024^2 pixels, fewer than 90% of it
+    assert all(h % 64 == 0 and w % 64 == 0 and 0.25 <= h / w <= 4 for h, w in sdxl)
+    assert nearest_bucket(1080, 1920, pixart) == pixart.index((768, 1344))  # 16:9 -> 0.57
+    with pytest.raises(ValueError, match="not positive multiples of 16"):
+        resolve_buckets([[256, 250]], 16)
+    with pytest.raises(ValueError, match="use one of pixart_256"):
+        resolve_buckets("pixart_2048", 16)

@@ -113,6 +113,9 @@ class DatasetInfo:
     downsample: int = 1
     posterior: str = "none"
     raw: dict = field(default_factory=dict)  # the whole dataset.json
+    # aspect-ratio buckets (data_prep/buckets.py): [{"size": [h, w], "dir", "latent_size", "num_samples"}]; empty:
+    # every latent is latent_size
+    buckets: list = field(default_factory=list)
     prompt_embeds: dict[str, torch.Tensor] = field(default_factory=dict)  # grid prompt -> (L, D) fp16, precomputed
 
     def summary(self) -> dict:
@@ -213,6 +216,7 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         image_mode=raw.get("image_mode", "RGB"), resolution=int(raw["resolution"]), path=str(file),
         num_samples=int(raw["num_samples"]), empty_text_embeds=empty, downsample=int(raw.get("downsample", 1)),
         posterior=raw.get("posterior", "none"), raw=raw, prompt_embeds=prompt_embeds,
+        buckets=[b for b in raw.get("buckets", []) if b["num_samples"] > 0],
     )
 
 
@@ -322,6 +326,7 @@ class LatentDataModule(L.LightningDataModule):
         self.prepare_data_per_node = False
         self.info: Optional[DatasetInfo] = None
         self.dataset = None
+        self.buckets: list[dict] = []  # the aspect-ratio buckets read (setup)
 
     def prepare_data(self) -> None:
         build_missing(self.cfg)  # a no-op when framework.train built it before the model
@@ -338,6 +343,7 @@ class LatentDataModule(L.LightningDataModule):
         self.info = read_dataset_info(self.cfg.path, self.cfg.local)
         world = self.trainer.world_size if self.trainer is not None else 1
         global_batch = self.cfg.batch_size * max(world // self.replication, 1)
+        self.buckets = self._usable_buckets(global_batch) if self.info.buckets else []
         if self.cfg.drop_last and self.info.num_samples < global_batch:
             # Streaming would deal every rank less than one batch and the run would end at step 0, silently.
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, fewer than "
@@ -349,6 +355,29 @@ class LatentDataModule(L.LightningDataModule):
                              f"than data.num_canonical_nodes={ncn} (Streaming's partitions): lower "
                              f"data.num_canonical_nodes (a number the node counts you will run on divide)")
         self.dataset = self._build_dataset()
+
+    def _usable_buckets(self, global_batch: int) -> list[dict]:
+        """The buckets training reads. Every global batch comes from one bucket (Streaming's per-stream batching),
+        so each epoch leaves out the remainder of each bucket's samples modulo the global batch, and a bucket smaller
+        than one global batch entirely; both are said here rather than dropped in silence."""
+        from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+        used = [b for b in self.info.buckets if b["num_samples"] >= global_batch]
+        small = [b for b in self.info.buckets if b["num_samples"] < global_batch]
+        name = lambda b: f"{b['size'][0]}x{b['size'][1]}"
+        if not used:
+            raise ValueError(f"every aspect-ratio bucket of {self.cfg.path} has fewer samples than one global batch "
+                             f"({global_batch}): " + ", ".join(f"{name(b)}: {b['num_samples']}" for b in small)
+                             + "; lower data.batch_size or precompute with fewer buckets")
+        if small:
+            lost = sum(b["num_samples"] for b in small)
+            rank_zero_warn(f"data: {len(small)} aspect-ratio buckets have fewer samples than a global batch ({global_batch}) "
+                           f"and are left out ({lost} of {self.info.num_samples} samples): "
+                           + ", ".join(f"{name(b)}: {b['num_samples']}" for b in small))
+        remainder = sum(b["num_samples"] % global_batch for b in used)
+        rank_zero_info(f"data: {len(used)} aspect-ratio buckets, each global batch from one; each epoch leaves about "
+                       f"{remainder} samples out (each bucket's count modulo {global_batch}), different ones each epoch")
+        return used
 
     def _build_dataset(self):
         from framework.data.shards import ShardDataset  # a StreamingDataset whose failures are raised
@@ -362,14 +391,25 @@ class LatentDataModule(L.LightningDataModule):
         cache = Path(cfg.local).expanduser() if cfg.local else None
         if cache is not None and dataset is not None and cache.resolve() == dataset.resolve():
             cache = None  # data.local = data.path: read in place
-        check_shards(dataset, cache, cfg.path, cfg.validate)
+        # With buckets: one Streaming stream per bucket folder, batches drawn per stream.
+        subdirs = [b["dir"] for b in self.buckets] or [None]
+        join = lambda root, sub: root if sub is None or root is None else f"{str(root).rstrip('/')}/{sub}"
+        for sub in subdirs:
+            check_shards(None if dataset is None else Path(join(dataset, sub)),
+                         None if cache is None else Path(join(cache, sub)), cfg.path, cfg.validate)
         removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
         if removed:
             logging.getLogger(__name__).warning("removed %d shared-memory segments left by a dead Streaming dataset: %s",
                                                 len(removed), ", ".join(removed[:6]))
         try:
+            where: dict[str, Any] = {"remote": remote, "local": str(Path(local).expanduser()) if local else local}
+            if self.buckets:
+                from streaming import Stream
+
+                where = {"streams": [Stream(remote=join(remote, sub), local=join(where["local"], sub)) for sub in subdirs],
+                         "batching_method": "per_stream"}
             return ShardDataset(
-                remote=remote, local=str(Path(local).expanduser()) if local else local,
+                **where,
                 batch_size=cfg.batch_size, shuffle=cfg.shuffle,
                 shuffle_seed=self.seed if cfg.shuffle_seed is None else cfg.shuffle_seed,
                 predownload=cfg.predownload, cache_limit=cfg.cache_limit,

@@ -1,0 +1,98 @@
+"""Aspect-ratio buckets in training: every batch from one bucket, the same global batches on 1 and 2 ranks, an exact
+resume, a bucket too small for a global batch reported, and non-square latents through each family that takes them.
+(Precompute's side, bucket by bucket: tests/test_data_prep.py.)"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_data_prep import folder_config, make_mixed_folder
+from tests.test_distributed import probe, run_train, same_updates
+from tests.test_train import losses
+
+BUCKETS = [[4, 32], [8, 16], [12, 12], [16, 8]]
+# (h, w): 20 landscape (-> 8x16), 20 square (-> 12x12), 12 portrait (-> 16x8), 3 very wide (-> 4x32: fewer than a
+# global batch of 8, so left out)
+SIZES = [(40, 80 + i) for i in range(20)] + [(60 + i, 60 + i) for i in range(20)] + [(90, 44 + i) for i in range(12)] + \
+    [(10, 90 + i) for i in range(3)]
+MODEL = ["model.in_channels=3", "model.sample_size=12", "model.text_dim=384", "data.num_workers=0"]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def bucketed(tmp_path_factory) -> Path:
+    from data_prep.precompute import precompute
+
+    root = tmp_path_factory.mktemp("buckets")
+    src = make_mixed_folder(root / "imgs", SIZES)
+    return precompute(folder_config(src, root / "data", "minilm", buckets=BUCKETS), rank=0, world_size=1)
+
+
+def bucket_of(key: str) -> int:
+    """The bucket an image of the fixture went to, from its key (img<i>.png#<caption>)."""
+    h, w = SIZES[int(key.split("#")[0][3:6])]
+    return 0 if w / h > 4 else 1 if w > h else 2 if w == h else 3
+
+
+def test_the_data_module_reads_each_batch_from_one_bucket_and_reports_what_it_leaves_out(bucketed, tmp_path, caplog):
+    from framework.data.datamodule import DataConfig, LatentDataModule
+
+    info = json.loads((bucketed / "dataset.json").read_text())
+    assert [b["num_samples"] for b in info["buckets"]] == [3, 20, 20, 12]
+    dm = LatentDataModule(DataConfig(path=str(bucketed), local=str(tmp_path / "cache"), batch_size=8), seed=0)
+    with pytest.warns(UserWarning, match=r"1 aspect-ratio buckets have fewer samples than a global batch \(8\) and are "
+                                         r"left out \(3 of 55 samples\): 4x32: 3"):
+        dm.setup("fit")
+    assert [b["size"] for b in dm.buckets] == [[8, 16], [12, 12], [16, 8]]
+    batches = list(dm.train_dataloader())
+    shapes = {tuple(b["latents"].shape[2:]) for b in batches}
+    assert shapes == {(8, 16), (12, 12), (16, 8)}
+    for b in batches:
+        assert len({bucket_of(k) for k in b["key"]}) == 1 and b["latents"].shape[0] == 8
+    # 20 // 8 + 20 // 8 + 12 // 8 = 5 full batches; the rest of each bucket is left out this epoch
+    assert len(batches) == 5 and len({k for b in batches for k in b["key"]}) == 40
+
+
+def test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly(bucketed, tmp_path):
+    """1 process x 8 and 2 ranks x 4 (ddp) see the same global batches, each from one bucket, and take the same
+    steps; 2 ranks stopped at step 2 and resumed finish like the uninterrupted run."""
+    ref, two, split = tmp_path / "ref", tmp_path / "two", tmp_path / "split"
+    common = [*MODEL, "trainer.checkpoint_every_n_steps=2"]
+    run_train(ref, bucketed, *common, "data.batch_size=8", f"trainer.max_steps={STEPS}")
+    ddp = [*common, "strategy=ddp", "trainer.devices=2", "data.batch_size=4"]
+    run_train(two, bucketed, *ddp, f"trainer.max_steps={STEPS}")
+    run_train(split, bucketed, *ddp, "trainer.max_steps=2")
+    run_train(split, bucketed, *ddp, f"trainer.max_steps={STEPS}")
+
+    keys = probe(ref)["keys"]
+    assert sorted(map(int, keys)) == list(range(STEPS))
+    assert len({bucket_of(k) for step in keys.values() for k in step}) >= 2  # the run crossed buckets
+    for step, batch in keys.items():
+        assert len({bucket_of(k) for k in batch}) == 1, (step, batch)
+        assert sorted(probe(two, 0)["keys"][step] + probe(two, 1)["keys"][step]) == sorted(batch)
+    a, b, c = losses(ref), losses(two), losses(split)
+    torch.testing.assert_close(torch.tensor([b[s] for s in range(STEPS)]), torch.tensor([a[s] for s in range(STEPS)]),
+                               rtol=1e-4, atol=1e-5)
+    assert [c[s] for s in range(STEPS)] == [b[s] for s in range(STEPS)]
+    same_updates(two, ref)
+    same_updates(split, two, init=two)
+
+
+@pytest.mark.parametrize("name", ["pixart_debug", "sana_debug", "sd2_unet_debug"])
+def test_non_square_latents_go_through_the_families_that_take_them(name):
+    """A model built for 12x12 latents denoises 8x16 and 16x8 ones (positional embeddings at the latent's own
+    height and width) into outputs of the input's shape."""
+    from framework.models.backbones import build_denoiser, load_preset
+
+    torch.manual_seed(0)
+    model = build_denoiser(load_preset(name, in_channels=3, sample_size=12, text_dim=32)).eval()
+    text, mask = torch.randn(1, 5, 32), torch.ones(1, 5, dtype=torch.bool)
+    for hw in ((8, 16), (16, 8), (12, 12)):
+        x = torch.randn(1, 3, *hw)
+        with torch.no_grad():
+            out = model(x, torch.full((1,), 500.0), text, mask, None)
+        assert out.shape == x.shape and torch.isfinite(out).all()
