@@ -18,10 +18,11 @@ from omegaconf import OmegaConf
 from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.inference.pipeline import Pipeline, save_grid, to_pil
 from framework.evaluation.prompts import prompt_labels
+from framework.evaluation.settings import ImageSize
 
 
 @dataclass
-class SampleCommand(RankSharing, EncoderPaths):
+class SampleCommand(RankSharing, EncoderPaths, ImageSize):
     """Arguments of `python -m framework.sample`."""
 
     ckpt: str = "???"
@@ -79,7 +80,8 @@ def run(cfg: SampleCommand) -> list[Path]:
     t0 = time.perf_counter()
     images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=prompt_labels(pipe, prompts),
                            candidates=cfg.best_of, progress=True, cache_schedule=cfg.cache_schedule,
-                           decode_ranks=cfg.decode_ranks, split_ranks=cfg.sequence_parallel > 1)
+                           decode_ranks=cfg.decode_ranks, split_ranks=cfg.sequence_parallel > 1,
+                           size=pipe.latent_size(cfg.height, cfg.width, cfg.aspect))
     seconds = time.perf_counter() - t0
     if images is None or not rank0:  # a rank that only helped (decode_ranks, sequence_parallel): rank 0 writes
         return []

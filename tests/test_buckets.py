@@ -96,3 +96,34 @@ def test_non_square_latents_go_through_the_families_that_take_them(name):
         with torch.no_grad():
             out = model(x, torch.full((1,), 500.0), text, mask, None)
         assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def test_sample_draws_a_trained_bucket_by_size_or_aspect_and_refuses_others(bucketed, tmp_path, digits_shards):
+    """framework.sample height= width= / aspect=W:H on a model trained on buckets: the image has that shape (the
+    pixel codec: latents are pixels); a size it was not trained at, or an aspect for a square-only model, is refused."""
+    from PIL import Image
+
+    from framework.sample import SampleCommand
+    from framework.sample import run as sample
+    from framework.train import train
+    from tests.test_train import cheap, compose_cfg
+
+    ckpt = train(compose_cfg(cheap(tmp_path, bucketed, *MODEL, "data.batch_size=8", "model=pixart_debug",
+                                   "sample.every_n_steps=0", steps=2, run="bucketed")))["checkpoint"]
+    run = lambda **kw: sample(SampleCommand(ckpt=ckpt, out=str(tmp_path / "s"), steps=2, prompts=["a landscape picture"],
+                                            device="cpu", **kw))
+    for kw, (h, w) in (({"height": 8, "width": 16}, (8, 16)), ({"aspect": "1:2"}, (16, 8)), ({"aspect": "16:9"}, (8, 16)),
+                       ({}, (12, 12)), ({"aspect": "8:1"}, (8, 16))):  # 4x32: left out of training, so the next
+
+        paths = run(**kw)
+        with Image.open(paths[0]) as im:
+            assert im.size[0] * h == im.size[1] * w, (kw, im.size)
+    with pytest.raises(ValueError, match=r"not trained at that size; its sizes nearest that aspect ratio are 12x12"):
+        run(height=10, width=10)
+    with pytest.raises(ValueError, match="not trained at that size"):
+        run(height=4, width=32)  # in the dataset, but too few samples to train on
+    with pytest.raises(ValueError, match="write it as width:height"):
+        run(aspect="wide")
+    square = train(compose_cfg(cheap(tmp_path, digits_shards, steps=1, run="digits")))["checkpoint"]
+    with pytest.raises(ValueError, match="trained at 8x8 only"):
+        sample(SampleCommand(ckpt=square, out=str(tmp_path / "d"), steps=2, aspect="16:9", device="cpu"))

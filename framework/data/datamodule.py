@@ -126,6 +126,7 @@ class DatasetInfo:
             "shift_factor": self.shift_factor, "num_classes": self.num_classes,
             "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
             "prompts": list(self.prompt_embeds), "prompt_embeds": dict(self.prompt_embeds),
+            "downsample": self.downsample, "buckets": [list(b["latent_size"]) for b in self.buckets],
         }
 
 
@@ -343,7 +344,9 @@ class LatentDataModule(L.LightningDataModule):
         self.info = read_dataset_info(self.cfg.path, self.cfg.local)
         world = self.trainer.world_size if self.trainer is not None else 1
         global_batch = self.cfg.batch_size * max(world // self.replication, 1)
-        self.buckets = self._usable_buckets(global_batch) if self.info.buckets else []
+        if self.info.buckets:
+            self.buckets = self._usable_buckets(global_batch)
+            self.info.buckets = self.buckets  # what the checkpoint records as the sizes the model was trained at
         if self.cfg.drop_last and self.info.num_samples < global_batch:
             # Streaming would deal every rank less than one batch and the run would end at step 0, silently.
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, fewer than "

@@ -163,14 +163,15 @@ def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None,
     if not (settings.inception or settings.clip):
         raise ValueError("evaluation on one's own data needs a feature network and/or CLIP: eval.inception=PATH "
                          "(fid) and/or eval.clip=PATH (clip_score)")
-    probe = pipe.decode(torch.zeros(1, *pipe_latent_shape(pipe)))  # (1, C, H, W): the size images come out at
+    size = pipe.latent_size(settings.height, settings.width, settings.aspect)
+    probe = pipe.decode(torch.zeros(1, pipe.model.cfg.in_channels, *size))  # (1, C, H, W): the size images come out at
     real, captions = real_images(settings.real, probe.shape[-2], probe.shape[-1])
     prompts = eval_prompts(settings.prompts, captions)
     drawn = [p for p in prompts for _ in range(settings.seeds)]
     t0 = time.perf_counter()
     images = pipe.generate(drawn, settings.steps, settings.guidance, settings.sampler, seed=0,
                            batch_size=settings.batch_size, split_ranks=split_ranks, progress=progress,
-                           cache_schedule=settings.cache_schedule)
+                           cache_schedule=settings.cache_schedule, size=size)
     metrics: dict[str, Any] = {"num_images": len(images), "num_real": len(real), "num_prompts": len(prompts),
                                "images_per_s": len(images) / (time.perf_counter() - t0), "bootstrap": settings.bootstrap}
     if settings.inception:
@@ -195,12 +196,6 @@ def check_real_eval(settings: Any) -> None:
         value = getattr(settings, key)
         if value and not (Path(value).expanduser().is_dir() if want_dir else Path(value).expanduser().is_file()):
             raise FileNotFoundError(f"eval.{key}={value}: no such {'folder' if want_dir else 'file'} on this machine")
-
-
-def pipe_latent_shape(pipe: Any) -> tuple[int, int, int]:
-    """(C, h, w) of the latents the pipeline's model draws."""
-    cfg = pipe.model.cfg
-    return cfg.in_channels, cfg.sample_size, cfg.sample_width or cfg.sample_size
 
 
 def real_summary(metrics: dict[str, Any]) -> str:

@@ -83,7 +83,8 @@ def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n
     labels = ps.labels if pipe.model.cfg.num_classes is not None else None
     images = pipe.generate(ps.prompts, settings.steps, settings.guidance, settings.sampler, seed=0, labels=labels,
                            batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n, progress=progress,
-                           cache_schedule=settings.cache_schedule, decode_ranks=decode_ranks)
+                           cache_schedule=settings.cache_schedule, decode_ranks=decode_ranks,
+                           size=pipe.latent_size(settings.height, settings.width, settings.aspect))
     seconds = time.perf_counter() - t0
     rate = len(ps.prompts) * n / seconds
     return (None if images is None else images.view(len(ps.prompts), n, *images.shape[1:])), rate

@@ -8,7 +8,19 @@ from dataclasses import dataclass
 
 
 @dataclass
-class EvalSettings:
+class ImageSize:
+    """The size to generate at, for models trained on aspect-ratio buckets (data_prep/buckets.py)."""
+
+    height: int | None = None
+    """Image height in pixels (with width): one of the sizes the model was trained at; null: the model's own size."""
+    width: int | None = None
+    """Image width in pixels (with height)."""
+    aspect: str | None = None
+    """Instead of height / width: an aspect ratio W:H (16:9, 3:4); the trained size nearest it."""
+
+
+@dataclass
+class EvalSettings(ImageSize):
     """What is generated and how (shared by `python -m framework.eval` and the end-of-training eval)."""
 
     seeds: int = 4

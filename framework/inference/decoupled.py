@@ -72,7 +72,7 @@ def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: i
     denoisers, decoders = roles(world, decode_ranks)
     denoiser_of = lambda b: denoisers[b % len(denoisers)]
     decoder_of = lambda b: decoders[b % len(decoders)]
-    C, (H, W) = pipe.model.cfg.in_channels, pipe.model.cfg.latent_hw
+    C, (H, W) = pipe.model.cfg.in_channels, pipe._size or pipe.model.cfg.latent_hw
     images_group = _image_group()
     sends = []
     if rank in denoisers:

@@ -71,6 +71,40 @@ class Pipeline:
         self._text_encoder = None
         # The dataset's precomputed grid prompts: generating them loads no text encoder.
         self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
+        self._size: tuple[int, int] | None = None  # the latent size of the generate() call under way; None: the model's
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """The latent sizes the model was trained at: its aspect-ratio buckets, or its one size."""
+        return [tuple(b) for b in self.info.get("buckets") or []] or [tuple(self.model.cfg.latent_hw)]
+
+    def latent_size(self, height: int | None = None, width: int | None = None,
+                    aspect: str | None = None) -> tuple[int, int]:
+        """The latent (h, w) for an image of height x width pixels, or of aspect ratio "W:H" (the trained bucket nearest
+        it); the model's own size when neither is given. A size the model was not trained at is refused."""
+        ds, sizes = int(self.info.get("downsample", 1)), self.sizes()
+        pixels = lambda s: f"{s[0] * ds}x{s[1] * ds}"
+        if aspect is not None:
+            if height is not None or width is not None:
+                raise ValueError(f"aspect={aspect} with height / width: give one or the other")
+            try:
+                w, h = (float(v) for v in str(aspect).split(":"))
+                assert w > 0 and h > 0
+            except (ValueError, AssertionError):
+                raise ValueError(f"aspect={aspect}: write it as width:height, e.g. aspect=16:9") from None
+            if len(sizes) == 1:
+                raise ValueError(f"aspect={aspect}: this model was trained at {pixels(sizes[0])} only (its dataset has no "
+                                 "aspect-ratio buckets; precompute with buckets=... to train several shapes)")
+            return min(sizes, key=lambda s: abs(math.log(s[0] / s[1]) - math.log(h / w)))
+        if height is None and width is None:
+            return tuple(self.model.cfg.latent_hw)
+        if height is None or width is None or height % ds or width % ds:
+            raise ValueError(f"height={height} width={width}: give both, multiples of the VAE's downsampling {ds}")
+        size = (height // ds, width // ds)
+        if size not in sizes:
+            near = sorted(sizes, key=lambda s: abs(math.log(s[0] / s[1]) - math.log(size[0] / size[1])))[:3]
+            raise ValueError(f"height={height} width={width}: the model was not trained at that size; its sizes nearest "
+                             f"that aspect ratio are {', '.join(pixels(s) for s in near)} (or use aspect=W:H)")
+        return size
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", weights: str = "ema",
@@ -138,6 +172,7 @@ class Pipeline:
         cache_schedule: str | CacheSchedule | None = None,
         decode_ranks: int = 0,
         decode_on_rank0: bool = False,
+        size: tuple[int, int] | None = None,
     ) -> torch.Tensor | None:
         """Images (N * candidates, C, H, W) in [-1, 1], each prompt's candidates together.
 
@@ -157,7 +192,21 @@ class Pipeline:
         decode_ranks: inside a multi-process job, every rank calls this; the last `decode_ranks` ranks decode
         while the others denoise (framework/inference/decoupled.py). Rank 0 gets all images, the same ones plain
         sampling draws; the other ranks get None.
+        size: the latent (h, w) to generate at (`latent_size()`: one the model was trained at); None: the model's.
         """
+        if size is not None and tuple(size) not in self.sizes():
+            raise ValueError(f"size={tuple(size)}: the model was trained at latent sizes {self.sizes()}")
+        self._size = None if size is None else tuple(size)
+        try:
+            return self._generate_all(prompts, steps, guidance, sampler, seed, labels, batch_size, split_ranks,
+                                      candidates, progress, cache_schedule, decode_ranks, decode_on_rank0)
+        finally:
+            self._size = None
+
+    def _generate_all(self, prompts: Sequence[str], steps: int, guidance: float, sampler: str | None, seed: int,
+                      labels: Sequence[int | None] | None, batch_size: int, split_ranks: bool, candidates: int,
+                      progress: bool, cache_schedule: str | CacheSchedule | None, decode_ranks: int,
+                      decode_on_rank0: bool) -> torch.Tensor | None:
         if candidates < 1:
             raise ValueError(f"candidates={candidates} must be >= 1")
         if self.model.cfg.num_classes is not None and (labels is None or any(lbl is None for lbl in labels)):
@@ -278,7 +327,7 @@ class Pipeline:
         """Scaled latents (b, C, H, W) of one batch; both CFG halves in one forward, so they share one branch cache."""
         from framework.models.conditioning import drop_captions, pad_and_stack
 
-        C, (H, W) = self.model.cfg.in_channels, self.model.cfg.latent_hw
+        C, (H, W) = self.model.cfg.in_channels, self._size or self.model.cfg.latent_hw
         b = len(chunk)
         text, mask = pad_and_stack([e.to(self.device) for e in self.encode(chunk)])  # (b, L, D)
         drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(self.device)
