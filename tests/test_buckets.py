@@ -58,8 +58,8 @@ def test_the_data_module_reads_each_batch_from_one_bucket_and_reports_what_it_le
 
 
 def test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly(bucketed, tmp_path):
-    """1 process x 8 and 2 ranks x 4 (ddp) see the same global batches, each from one bucket, and take the same
-    steps; 2 ranks stopped at step 2 and resumed finish like the uninterrupted run."""
+    """1 process x 8 and 2 ranks x 4 (ddp, and fsdp) see the same global batches, each from one bucket, and take the
+    same steps; 2 ranks stopped at step 2 and resumed finish like the uninterrupted run."""
     ref, two, split = tmp_path / "ref", tmp_path / "two", tmp_path / "split"
     common = [*MODEL, "trainer.checkpoint_every_n_steps=2"]
     run_train(ref, bucketed, *common, "data.batch_size=8", f"trainer.max_steps={STEPS}")
@@ -67,6 +67,8 @@ def test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly(
     run_train(two, bucketed, *ddp, f"trainer.max_steps={STEPS}")
     run_train(split, bucketed, *ddp, "trainer.max_steps=2")
     run_train(split, bucketed, *ddp, f"trainer.max_steps={STEPS}")
+    sharded = tmp_path / "fsdp"  # FSDP2 over batches whose latent shape changes from step to step
+    run_train(sharded, bucketed, *[o for o in ddp if o != "strategy=ddp"], "strategy=fsdp", f"trainer.max_steps={STEPS}")
 
     keys = probe(ref)["keys"]
     assert sorted(map(int, keys)) == list(range(STEPS))
@@ -80,6 +82,10 @@ def test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly(
     assert [c[s] for s in range(STEPS)] == [b[s] for s in range(STEPS)]
     same_updates(two, ref)
     same_updates(split, two, init=two)
+    d = losses(sharded)
+    torch.testing.assert_close(torch.tensor([d[s] for s in range(STEPS)]), torch.tensor([a[s] for s in range(STEPS)]),
+                               rtol=1e-4, atol=1e-5)
+    same_updates(sharded, ref)
 
 
 @pytest.mark.parametrize("name", ["pixart_debug", "sana_debug", "sd2_unet_debug"])
