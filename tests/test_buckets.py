@@ -133,3 +133,45 @@ def test_sample_draws_a_trained_bucket_by_size_or_aspect_and_refuses_others(buck
     square = train(compose_cfg(cheap(tmp_path, digits_shards, steps=1, run="digits")))["checkpoint"]
     with pytest.raises(ValueError, match="trained at 8x8 only"):
         sample(SampleCommand(ckpt=square, out=str(tmp_path / "d"), steps=2, aspect="16:9", device="cpu"))
+
+
+def test_pixart_size_conditioning_feeds_each_batch_its_own_shape(bucketed, tmp_path):
+    """model.size_conditioning=true: PixArt's resolution / aspect-ratio embedding gets the latents' own size (in an 8x
+    VAE's pixels, as diffusers' PixArt pipeline passes them), so the same weights draw differently per shape; a run
+    on the buckets trains the embedding and samples by aspect."""
+    from framework.models.backbones import build_denoiser, load_preset
+    from framework.sample import SampleCommand
+    from framework.sample import run as sample
+    from framework.train import train
+    from tests.test_train import cheap, compose_cfg
+
+    torch.manual_seed(0)
+    model = build_denoiser(load_preset("pixart_debug", in_channels=3, sample_size=12, text_dim=32, head_dim=24, width=96,
+                                       size_conditioning=True)).eval()  # 4 heads x 24: a width 3 divides
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # the embedding's output layer starts at zero in diffusers
+    x, t = torch.randn(2, 3, 8, 16), torch.full((2,), 500.0)
+    text, mask = torch.randn(2, 5, 32), torch.ones(2, 5)
+
+    def direct(resolution, aspect):
+        return model.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask, return_dict=False,
+                         added_cond_kwargs={"resolution": torch.tensor([resolution] * 2),
+                                            "aspect_ratio": torch.tensor([[aspect]] * 2)})[0][:, :3]  # learned sigma off
+
+    with torch.no_grad():
+        ours = model(x, t, text, mask.bool(), None)
+        torch.testing.assert_close(ours, direct([64.0, 128.0], 0.5))
+        assert not torch.allclose(ours, direct([96.0, 96.0], 1.0), atol=1e-4)
+    with pytest.raises(ValueError, match="size_conditioning"):
+        load_preset("sana_debug", size_conditioning=True)
+    with pytest.raises(ValueError, match="width divisible by 3"):
+        load_preset("pixart_debug", size_conditioning=True)  # 128 wide
+
+    out = train(compose_cfg(cheap(tmp_path, bucketed, *MODEL, "data.batch_size=8", "model.size_conditioning=true",
+                                  "model.head_dim=24", "model.width=96", "sample.every_n_steps=0", steps=2, run="sized")))
+    state = torch.load(out["checkpoint"], weights_only=True)["state_dict"]
+    assert any("resolution_embedder" in k for k in state)
+    paths = sample(SampleCommand(ckpt=out["checkpoint"], out=str(tmp_path / "s"), steps=2, aspect="1:2", device="cpu",
+                                 prompts=["a portrait picture"]))
+    assert paths[-1].name == "grid.png"

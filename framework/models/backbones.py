@@ -83,6 +83,10 @@ class ModelConfig:
     # class count for the class-conditional dit; the label `num_classes` means "no class"
     attention: str = "sdpa"
     # "sdpa" (torch) | "xformers" (GPU + xformers package; only softmax attention is switched)
+    size_conditioning: bool = False
+    # pixart: PixArt-alpha-1024's resolution and aspect-ratio embedding (diffusers' use_additional_conditions), fed the
+    # size of each batch's latents in pixels of an 8x VAE (what diffusers' PixArt pipeline passes): with aspect-ratio
+    # buckets the model knows which shape it draws
     kwargs: dict[str, Any] = field(default_factory=dict)
     # extra diffusers constructor arguments of the family's class (e.g. sana's mlp_ratio, unet block types)
 
@@ -119,9 +123,16 @@ class ModelConfig:
                                  f"model.family={self.family}; set those fields instead.")
             if key not in allowed:
                 raise ValueError(f"model.kwargs.{key} is not an argument of {FAMILIES[self.family].__name__}.")
-        if self.family == "pixart" and self.kwargs.get("use_additional_conditions"):
-            raise ValueError("model.kwargs.use_additional_conditions=true is not supported: batches carry no "
-                             "resolution / aspect-ratio conditions. Remove it.")
+        if self.family == "pixart" and "use_additional_conditions" in self.kwargs:
+            raise ValueError("model.kwargs.use_additional_conditions is set from model.size_conditioning (the latents' "
+                             "own size is the condition); set that instead.")
+        if self.size_conditioning and self.family != "pixart":
+            raise ValueError(f"model.size_conditioning=true: model.family={self.family} has no resolution / aspect-ratio "
+                             "embedding here (PixArt only)")
+        if self.size_conditioning and self.num_heads and (self.num_heads * self.head_dim) % 3:
+            raise ValueError(f"model.size_conditioning=true needs a width divisible by 3 (PixArt splits it between the "
+                             f"height, width and aspect-ratio embeddings; 1152 = 3 x 384): model.num_heads x "
+                             f"model.head_dim = {self.num_heads * self.head_dim}")
 
     def _check_transformer(self) -> None:
         if not self.num_heads or self.num_heads <= 0:
@@ -201,7 +212,7 @@ def diffusers_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "pixart":
         # Captions are projected to the width before cross-attention, hence cross_attention_dim = width.
         args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size,
-                    use_additional_conditions=False)
+                    use_additional_conditions=cfg.size_conditioning)
     elif cfg.family == "sana":
         heads, dim = _sana_cross_heads(cfg)
         args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size,
@@ -300,9 +311,13 @@ class Denoiser(nn.Module):
             # diffusers wants a 1 = keep / 0 = drop mask and turns it into an additive -10000 bias itself.
             mask = None if text_mask is None else text_mask.to(x.dtype)  # (B, L)
             if family == "pixart":
+                sizes = {"resolution": None, "aspect_ratio": None}
+                if self.cfg.size_conditioning:  # (B, 2) height and width in an 8x VAE's pixels, (B, 1) height / width
+                    h, w = x.shape[-2:]
+                    sizes = {"resolution": x.new_tensor([[8.0 * h, 8.0 * w]]).expand(x.shape[0], 2),
+                             "aspect_ratio": x.new_tensor([[h / w]]).expand(x.shape[0], 1)}
                 out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
-                               added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-                               return_dict=False)[0]
+                               added_cond_kwargs=sizes, return_dict=False)[0]
             elif family == "sana":
                 out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
                                return_dict=False)[0]
