@@ -16,6 +16,7 @@ class SourceConfig:
     split: str = "train"  # digits: "train" (training set) or "heldout" (evaluation only)
     rows_per_image: int = 3  # digits, digit_pairs: rows written per image, rotating through the caption phrasings
     pairs_per_combination: int = 40  # digit_pairs: images of each of the 90 training pairs
+    scenes: int = 1200  # shapes: synthetic mixed-aspect scenes (a third each wide, tall, square)
     recursive: bool = True  # folder: search sub-folders too
     image_key: str = "image"  # manifest: column holding the image path
     caption_key: str = "caption"  # manifest: column holding the caption
@@ -24,6 +25,8 @@ class SourceConfig:
     def __post_init__(self) -> None:
         if self.pairs_per_combination < 1:
             raise ValueError(f"source.pairs_per_combination={self.pairs_per_combination}: must be >= 1.")
+        if self.scenes < 1:
+            raise ValueError(f"source.scenes={self.scenes}: must be >= 1.")
         if self.rows_per_image < 1:
             raise ValueError(f"source.rows_per_image={self.rows_per_image}: must be >= 1.")
         if self.split not in ("train", "heldout"):

@@ -68,8 +68,9 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
     """What determines the dataset's content. Batch size, device and progress bars do not."""
     resolve = lambda spec, builtin: spec if spec == builtin else str(Path(spec).expanduser().resolve())
     source = asdict(cfg.source)
-    if cfg.source.name != "digit_pairs":  # a field only that source reads: other datasets keep their fingerprints
-        source.pop("pairs_per_combination")
+    for field_, reader in (("pairs_per_combination", "digit_pairs"), ("scenes", "shapes")):
+        if cfg.source.name != reader:  # a field only that source reads: other datasets keep their fingerprints
+            source.pop(field_)
     content = {
         "source": source, "vae": resolve(cfg.vae, "pixel"),
         "text_encoder": resolve(cfg.text_encoder, "minilm"), "resolution": cfg.resolution,

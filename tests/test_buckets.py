@@ -175,3 +175,41 @@ def test_pixart_size_conditioning_feeds_each_batch_its_own_shape(bucketed, tmp_p
     paths = sample(SampleCommand(ckpt=out["checkpoint"], out=str(tmp_path / "s"), steps=2, aspect="1:2", device="cpu",
                                  prompts=["a portrait picture"]))
     assert paths[-1].name == "grid.png"
+
+
+# --------------------------------------------------------------------------------------------
+# The demonstration's scenes and detector (python -m framework.bench buckets)
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_shapes_detector_finds_the_named_blocks_and_a_square_crop_loses_them():
+    """On real scenes of every layout the detector finds both blocks where the caption puts them, and not when the
+    caption names other colours or the ends are swapped; a 24x24 centre crop of a wide or tall scene (the default
+    precompute) cuts both away, while a square scene keeps them."""
+    from data_prep.precompute import cover_crop
+    from data_prep.sources.shapes import Scene, draw_scene
+    from framework.evaluation.shapes import found_blocks, parse_scene
+    from PIL import Image
+
+    to_tensor = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
+    for i in range(30):
+        scene, img = draw_scene(i)
+        assert parse_scene(scene.caption) == scene
+        assert found_blocks(to_tensor(img), scene) == [True, True], scene.caption
+        assert found_blocks(to_tensor(img), Scene(scene.layout, scene.colours[::-1])) == [False, False]
+        cropped = to_tensor(cover_crop(Image.fromarray(img), 24, 24)[0])
+        assert found_blocks(cropped, scene) == ([True, True] if scene.layout == "square" else [False, False]), scene
+    with pytest.raises(ValueError, match="not a shapes caption"):
+        parse_scene("a handwritten 3")
+
+
+def test_the_bucket_demonstration_runs_end_to_end(tmp_path):
+    from framework.bench.suite_buckets import BucketsBench, run
+
+    rows = run(BucketsBench(scenes=48, steps=1, batch_size=8, eval_scenes=3, sample_steps=2, bootstrap=10,
+                            out=str(tmp_path / "demo" / "buckets.json")))
+    sizes = {(r["model"], r["layout"]): r["image_size"] for r in rows}
+    assert sizes[("buckets", "wide")] == "16x32" and sizes[("buckets", "tall")] == "32x16"
+    assert sizes[("square", "wide")] == "24x24" and sizes[("buckets", "square")] == "24x24"
+    assert all(0 <= r["both_found"] <= 1 and r["num_images"] == (3 if r["layout"] == "all" else 1) for r in rows)
+    assert (tmp_path / "demo" / "buckets.png").is_file()

@@ -73,6 +73,6 @@ def get_source(cfg: Any) -> ImageCaptionSource:
             raise
         raise ValueError(
             f"source={cfg.name}: no such source; add data_prep/sources/{cfg.name}.py or pick one of "
-            "digits, digit_pairs, folder, manifest, webdataset."
+            "digits, digit_pairs, shapes, folder, manifest, webdataset."
         ) from None
     return module.SOURCE(cfg)

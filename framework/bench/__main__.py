@@ -15,6 +15,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
              schedule, uniform:K at the same cost and fewer steps at the same latency
   cache_curve  quality (fd, accuracy, paired error to the full sampler, bootstrap intervals) against measured speed:
              routers trained per sparsity and read at several thresholds, uniform:K, fewer steps; cache_curve.png
+  buckets    aspect-ratio buckets against square crops on synthetic mixed-aspect scenes: whether the blocks a held-out
+             caption names near the edges are drawn (framework/evaluation/shapes.py); buckets.png
   decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
              doing both (split_ranks), and denoising / decoding ranks (decode_ranks)
   checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
@@ -35,7 +37,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench import (suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_init_memory,
+from framework.bench import (suite_buckets, suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_init_memory,
                              suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_sequence, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
@@ -51,6 +53,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "norm": (suite_norm.NormBench, suite_norm.run),
     "cache": (suite_cache.CacheBench, suite_cache.run),
     "cache_curve": (suite_cache_curve.CacheCurveBench, suite_cache_curve.run),
+    "buckets": (suite_buckets.BucketsBench, suite_buckets.run),
     "decode": (suite_decode.DecodeBench, suite_decode.run),
     "overhead": (suite_overhead.OverheadBench, suite_overhead.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),
