@@ -27,7 +27,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def compare(mesh: Mesh, family: str, head_groups: int) -> dict[str, float]:
+def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     # 4 heads (2 per rank, 2 groups of 1 per rank with head_groups=2); sana: 8 rows of tokens, 4 per rank
     overrides = {"num_heads": 4, "width": 128, "num_layers": 2}
@@ -42,7 +42,7 @@ def compare(mesh: Mesh, family: str, head_groups: int) -> dict[str, float]:
     model.net.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
     cfg = ref.cfg
     g = torch.Generator().manual_seed(1)
-    B, (H, W) = 3, cfg.latent_hw
+    B, (H, W) = 3, hw or cfg.latent_hw  # hw: a non-square latent (an aspect-ratio bucket's)
     x = torch.randn(B, cfg.in_channels, H, W, generator=g, dtype=torch.float64)
     t = torch.rand(B, generator=g, dtype=torch.float64) * 900
     text = torch.randn(B, 5, cfg.text_dim or 1, generator=g, dtype=torch.float64) if cfg.text_dim else None
@@ -100,6 +100,8 @@ def main(data: str, out: str) -> None:
     for family in ("pixart", "sana", "dit"):
         for head_groups in ((1, 2) if family != "sana" else (1,)):
             result[f"{family}/{head_groups}"] = compare(mesh, family, head_groups)
+    for family in ("pixart", "sana"):  # a model built for 8x8 latents, given 8x16 ones: split rows of another shape
+        result[f"{family}/wide"] = compare(mesh, family, 1, (8, 16))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
