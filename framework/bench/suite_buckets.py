@@ -10,15 +10,13 @@ beside it (.png: the rates and a few images of each model).
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from framework.bench.harness import print_table
+from framework.bench.harness import print_table, run_complete, train_child
 
 BUCKET_SIZES = [[16, 32], [24, 24], [32, 16]]
 SQUARE = 24
@@ -56,18 +54,14 @@ def prepare(cfg: BucketsBench, root: Path) -> dict[str, Path]:
 def train_arm(cfg: BucketsBench, root: Path, arm: str, data: Path) -> Path:
     run = root / arm
     ckpt = run / "checkpoints" / "last.ckpt"
-    if ckpt.exists() and (run / "done").exists():
+    if run_complete(run):
         print(f"[buckets] {arm}: trained, kept")
         return ckpt
     args = ["experiment=quickstart", "model=pixart_debug", f"data.path={data}", f"data.local={run / 'cache'}",
             f"run.dir={run}", f"trainer.max_steps={cfg.steps}", f"data.batch_size={cfg.batch_size}", "logger=csv",
             "resume=auto", "eval.at_end=false", "sample.every_n_steps=0", "trainer.enable_progress_bar=false",
             "data.num_workers=0", *cfg.train_overrides]
-    print(f"[buckets] {arm}: python -m framework.train {' '.join(args)}", flush=True)
-    proc = subprocess.run([sys.executable, "-m", "framework.train", *args])
-    if proc.returncode != 0:
-        raise RuntimeError(f"training the {arm} model failed (exit {proc.returncode}); its folder: {run}")
-    (run / "done").touch()
+    train_child(args, f"[buckets] training the {arm} model", run)
     return ckpt
 
 

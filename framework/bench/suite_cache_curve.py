@@ -19,8 +19,6 @@ their fd intervals (or paired-error intervals) do not overlap and its own is the
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +26,7 @@ from typing import Any
 
 import torch
 
-from framework.bench.harness import print_table
+from framework.bench.harness import print_table, run_complete, train_child
 from framework.cli import resolve_device
 from framework.inference.caching import SCHEDULE_FILE, CacheSchedule
 from framework.inference.pipeline import Pipeline
@@ -91,16 +89,13 @@ def train_routers(cfg: CacheCurveBench, sampler: str, objective: str) -> list[Pa
     for s in cfg.sparsities:
         run = Path(cfg.out).parent / f"router_sparsity{s:g}"
         schedule = run / SCHEDULE_FILE
-        if not (run / "checkpoints" / "last.ckpt").is_file() or not schedule.is_file():
+        if not run_complete(run) or not schedule.is_file():
             args = [f"experiment={cfg.experiment}", f"init_from={cfg.ckpt}", f"run.dir={run}", "resume=auto",
                     f"plugins.cache_router.sparsity={s}", f"plugins.cache_router.steps={cfg.steps}",
                     f"trainer.max_steps={cfg.router_steps}", f"eval.guidance={cfg.guidance}", "eval.at_end=false",
                     "logger=csv", f"objective={objective}", f"plugins.cache_router.sampler={sampler}",
                     *cfg.router_overrides]
-            print(f"[cache_curve] router sparsity={s:g}: python -m framework.train {' '.join(args)}", flush=True)
-            proc = subprocess.run([sys.executable, "-m", "framework.train", *args])
-            if proc.returncode != 0:
-                raise RuntimeError(f"the router run for sparsity={s:g} failed (exit {proc.returncode}); its folder: {run}")
+            train_child(args, f"[cache_curve] router sparsity={s:g}", run)
         paths.append(schedule)
     return paths + [Path(r) / SCHEDULE_FILE if Path(r).is_dir() else Path(r) for r in cfg.routers]
 

@@ -23,9 +23,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from framework.bench.harness import run_complete, train_child
 from framework.cli import quiet_hydra
 
 
@@ -96,19 +94,9 @@ def run_dir(cmd: StudyCommand, arm: str, seed: int) -> Path:
     return Path(cmd.out) / arm / f"seed{seed}"
 
 
-def complete(run: Path) -> bool:
-    """Whether the run reached its last step (its final checkpoint and evaluation are written)."""
-    from framework.training.checkpointing import checkpoint_step
-
-    last = run / "checkpoints" / "last.ckpt"
-    if not last.exists() or not (run / "config.yaml").exists():
-        return False
-    return checkpoint_step(last) == OmegaConf.load(run / "config.yaml").trainer.max_steps
-
-
 def train_arm(cmd: StudyCommand, arm: str, seed: int) -> Path:
     run = run_dir(cmd, arm, seed)
-    if complete(run):
+    if run_complete(run):
         print(f"[growth study] {arm} seed {seed}: complete, kept")
         return run
     small = run_dir(cmd, "small", seed) / "checkpoints" / "last.ckpt"
@@ -116,10 +104,7 @@ def train_arm(cmd: StudyCommand, arm: str, seed: int) -> Path:
             f"optimizer.schedule_steps={cmd.total_steps}", f"eval.every_n_steps={cmd.eval_every}", "eval.at_end=false",
             "sample.every_n_steps=0", f"trainer.checkpoint_every_n_steps={cmd.eval_every}", "trainer.keep_checkpoints=1",
             *arm_args(cmd, arm, small), *cmd.overrides]
-    print(f"[growth study] {arm} seed {seed}: python -m framework.train {' '.join(args)}", flush=True)
-    proc = subprocess.run([sys.executable, "-m", "framework.train", *args], env=os.environ.copy())
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {arm} run of seed {seed} failed (exit {proc.returncode}); its folder: {run}")
+    train_child(args, f"[growth study] {arm} seed {seed}", run)
     return run
 
 
