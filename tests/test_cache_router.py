@@ -470,3 +470,33 @@ def test_the_cache_curve_calls_a_win_only_at_equal_speed_beyond_the_intervals():
     rows[3]["fd_ci"] = [10.2, 10.6]
     compare(rows)
     assert rows[0]["goal"]
+
+
+def test_the_paired_bootstrap_sees_a_difference_that_separate_fd_intervals_hide():
+    """Two variants whose images differ by a little everywhere (same prompts and seeds: paired): fd's own bootstrap
+    intervals overlap, but the interval of the paired difference lies wholly on one side of 0, and it is 0 at 0 for
+    a variant against itself. The paired error's difference is checked by hand."""
+    from framework.bench.suite_cache_curve import compare, paired_difference
+    from framework.evaluation.realdata import fid_with_interval
+
+    g = torch.Generator().manual_seed(0)
+    real = torch.randn(300, 8, generator=g, dtype=torch.float64)
+    base = torch.randn(400, 8, generator=g, dtype=torch.float64)
+    a = {"real": real, "features": base * 1.02, "errors": torch.full((400,), 0.1, dtype=torch.float64)}
+    b = {"real": real, "features": base * 1.15 + 0.05, "errors": torch.full((400,), 0.3, dtype=torch.float64)}
+    fa, ia = fid_with_interval(real, a["features"], 100)
+    fb, ib = fid_with_interval(real, b["features"], 100)
+    assert fa < fb and ia[1] > ib[0]  # separate intervals overlap
+    diff = paired_difference(a, b, 100)
+    assert diff["fd"][1][1] < 0 and diff["fd"][0] == pytest.approx(fa - fb)
+    assert diff["paired_error"][0] == pytest.approx(-0.2) and diff["paired_error"][1] == pytest.approx([-0.2, -0.2])
+    same = paired_difference(a, a, 50)
+    assert same["fd"] == (0.0, [0.0, 0.0])
+
+    row = lambda variant, kind, fd, ci: {"variant": variant, "kind": kind, "images_per_s": 100.0, "fd": fd, "fd_ci": ci,
+                                         "paired_error": 0.1, "paired_error_ci": [0.1, 0.1]}
+    rows = [row("learned", "learned", fa, ia), row("uniform:2", "uniform", fb, ib), row("fewer:9", "fewer", fb, ib)]
+    compare(rows)
+    assert not rows[0]["goal"]  # by overlapping intervals: no win
+    compare(rows, {"learned": a, "uniform:2": b, "fewer:9": b}, 100)
+    assert rows[0]["goal"] and rows[0]["vs_uniform"][0]["beats_paired_error"]

@@ -10,10 +10,12 @@ Does a learned cache schedule pay? One figure and one JSON answer it for a check
 Quality, on the whole prompt set (seeds x phrasings: 2,000 images for the quickstart's digits at the defaults),
 same seeds for every variant: fd to the real held-out images and accuracy, each with a bootstrap interval
 (`bootstrap` resamples), and the paired error: each image's mean squared difference from the full sampler's image
-of the same prompt and seed. Speed: `time_images` images per round, the variants taking turns for `repeats`
+of the same prompt and seed. fd's bootstrap is biased upward (a resample repeats images), so its interval sits
+mostly above the estimate and two variants' intervals overlap even when one is better on every resample:
+comparisons therefore bootstrap the difference, resampling the same images for both variants. Speed: `time_images` images per round, the variants taking turns for `repeats`
 rounds after a warm-up round, best round kept. Written: `out` (one row per variant) and the curve beside it (.png).
-A learned point is compared with the uniform and fewer-step points within 3% of its speed; it "beats" one when
-their fd intervals (or paired-error intervals) do not overlap and its own is the lower.
+A learned point is compared with the uniform and fewer-step points within 3% of its speed; it "beats" one when the
+paired interval of the fd difference (or of the paired-error difference) lies wholly below 0.
 """
 
 from __future__ import annotations
@@ -118,35 +120,76 @@ def subset(ps: PromptSet, n: int) -> PromptSet:
     return PromptSet(ps.kind, ps.prompts[:n], ps.targets[:n], ps.heldout[:n], None if ps.labels is None else ps.labels[:n])
 
 
-def quality(ps: PromptSet, images: torch.Tensor, full: torch.Tensor, resamples: int) -> dict[str, Any]:
-    """fd, accuracy (seen phrasings / pairs) and paired error to `full`, each with its 95% bootstrap interval."""
-    from framework.evaluation.metrics import digit_scorer
+def quality(ps: PromptSet, images: torch.Tensor, full: torch.Tensor, resamples: int) -> tuple[dict[str, Any], dict]:
+    """fd, accuracy (seen phrasings / pairs) and paired error to `full`, each with its 95% bootstrap interval; and
+    what the paired comparisons need (the images' features and per-image errors)."""
     from framework.evaluation.realdata import fid_with_interval, mean_with_interval
     from framework.evaluation.scoring import per_image_correct, real_reference
 
-    featurize = digit_scorer().featurizer(1 if ps.kind == "digits" else 2)
-    with torch.no_grad():
-        feats = lambda x: torch.cat([featurize(x[i : i + 512].float()) for i in range(0, len(x), 512)]).double()
-        fd, fd_ci = fid_with_interval(feats(real_reference(ps.kind)), feats(images), resamples)
+    real, fake = features(ps, real_reference(ps.kind)), features(ps, images)
+    fd, fd_ci = fid_with_interval(real, fake, resamples)
     ok = per_image_correct(ps, images)
     right = torch.from_numpy(ok["digit" if ps.kind == "digits" else "both"][~ps.heldout]).double()
     accuracy, accuracy_ci = mean_with_interval(right, resamples)
-    error, error_ci = mean_with_interval((images.double() - full.double()).pow(2).mean((1, 2, 3)), resamples)
-    return {"fd": fd, "fd_ci": fd_ci, "accuracy": accuracy, "accuracy_ci": accuracy_ci,
-            "paired_error": error, "paired_error_ci": error_ci}
+    errors = (images.double() - full.double()).pow(2).mean((1, 2, 3))  # (N,)
+    error, error_ci = mean_with_interval(errors, resamples)
+    return ({"fd": fd, "fd_ci": fd_ci, "accuracy": accuracy, "accuracy_ci": accuracy_ci,
+             "paired_error": error, "paired_error_ci": error_ci}, {"real": real, "features": fake, "errors": errors})
 
 
-def compare(rows: list[dict[str, Any]]) -> None:
-    """On each learned row: the uniform and fewer-step rows within 3% of its speed, and whether it beats them."""
+def features(ps: PromptSet, images: torch.Tensor) -> torch.Tensor:
+    """(N, D) float64 features of the digit classifier fd is measured with."""
+    from framework.evaluation.metrics import digit_scorer
+
+    featurize = digit_scorer().featurizer(1 if ps.kind == "digits" else 2)
+    with torch.no_grad():
+        return torch.cat([featurize(images[i : i + 512].float()) for i in range(0, len(images), 512)]).double()
+
+
+def paired_difference(a: dict, b: dict, resamples: int, seed: int = 0) -> dict[str, tuple[float, list[float]]]:
+    """fd(a) - fd(b) and paired_error(a) - paired_error(b) with 95% intervals from one bootstrap that resamples the
+    same images (same prompts and seeds) for both, and the same real images: the variants' shared noise cancels, which
+    separate intervals of a biased statistic like fd do not show."""
+    from framework.evaluation.realdata import fid_from_features, percentile_interval
+
+    g = torch.Generator().manual_seed(seed)
+    n, m = len(a["features"]), len(a["real"])
+    fd_draws, err_draws = [], []
+    for _ in range(resamples):
+        r, i = torch.randint(m, (m,), generator=g), torch.randint(n, (n,), generator=g)
+        real = a["real"][r]
+        fd_draws.append(fid_from_features(real, a["features"][i]) - fid_from_features(real, b["features"][i]))
+        err_draws.append(float((a["errors"][i] - b["errors"][i]).mean()))
+    fd = fid_from_features(a["real"], a["features"]) - fid_from_features(b["real"], b["features"])
+    return {"fd": (fd, percentile_interval(fd_draws)),
+            "paired_error": (float((a["errors"] - b["errors"]).mean()), percentile_interval(err_draws))}
+
+
+def compare(rows: list[dict[str, Any]], measured: dict[str, dict] | None = None, resamples: int = 200) -> None:
+    """On each learned row: the uniform and fewer-step rows within 3% of its speed, and whether it beats them: with
+    `measured` (each variant's features and errors), when the paired bootstrap interval of the difference lies wholly
+    below 0; without, when the two rows' own intervals do not overlap."""
     below = lambda a, b, key: a[f"{key}_ci"][1] < b[f"{key}_ci"][0]  # a's interval wholly below b's
     for row in rows:
         if row["kind"] != "learned":
             continue
         for kind in ("uniform", "fewer"):
             near = [r for r in rows if r["kind"] == kind and abs(r["images_per_s"] / row["images_per_s"] - 1) <= EQUAL_SPEED]
-            row[f"vs_{kind}"] = [{"variant": r["variant"], "speed_ratio": r["images_per_s"] / row["images_per_s"],
-                                  "beats_fd": below(row, r, "fd"), "loses_fd": below(r, row, "fd"),
-                                  "beats_paired_error": below(row, r, "paired_error")} for r in near]
+            found = []
+            for r in near:
+                c = {"variant": r["variant"], "speed_ratio": r["images_per_s"] / row["images_per_s"]}
+                if measured is not None:
+                    diff = paired_difference(measured[row["variant"]], measured[r["variant"]], resamples)
+                    c.update(fd_difference=diff["fd"][0], fd_difference_ci=diff["fd"][1],
+                             paired_error_difference=diff["paired_error"][0],
+                             paired_error_difference_ci=diff["paired_error"][1],
+                             beats_fd=diff["fd"][1][1] < 0, loses_fd=diff["fd"][1][0] > 0,
+                             beats_paired_error=diff["paired_error"][1][1] < 0)
+                else:
+                    c.update(beats_fd=below(row, r, "fd"), loses_fd=below(r, row, "fd"),
+                             beats_paired_error=below(row, r, "paired_error"))
+                found.append(c)
+            row[f"vs_{kind}"] = found
         row["goal"] = all(any(c["beats_fd"] for c in row[f"vs_{kind}"]) for kind in ("uniform", "fewer"))
 
 
@@ -223,19 +266,20 @@ def run(cfg: CacheCurveBench) -> list[dict[str, Any]]:
 
     from tqdm import tqdm
 
-    images = {"full": generate(ps, "full")}
-    rows = []
+    full = generate(ps, "full")
+    rows, measured = [], {}
     for name in tqdm(variants, desc="cache_curve quality", unit="variant"):
         series, kind_, steps, _ = variants[name]
-        imgs = images["full"] if name == "full" else generate(ps, name)
+        imgs = full if name == "full" else generate(ps, name)
         schedule = schedules[name]
+        metrics, measured[name] = quality(ps, imgs, full, cfg.bootstrap)
         rows.append({"variant": name, "series": series, "kind": kind_, "steps": steps,
                      "branches_computed": schedule.computed_fraction if schedule else 1.0,
                      "threshold": schedule.threshold if schedule is not None and kind_ == "learned" else None,
                      "images_per_s": len(timed_ps.prompts) / best[name], "speedup": best["full"] / best[name],
-                     **quality(ps, imgs, images["full"], cfg.bootstrap), "num_images": len(ps.prompts),
-                     "dataset": kind, "sampler": sampler, "device": str(pipe.device)})
-    compare(rows)
+                     **metrics, "num_images": len(ps.prompts), "dataset": kind, "sampler": sampler,
+                     "device": str(pipe.device)})
+    compare(rows, measured, cfg.bootstrap)
     print_table(rows, ["variant", "branches_computed", "images_per_s", "speedup", "fd", "accuracy", "paired_error", "goal"])
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
