@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,3 +93,27 @@ def share_ranks(model: Any, cfg: RankSharing) -> bool:
 
         split_for_sampling(model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def run_complete(run: Path) -> bool:
+    """Whether a framework.train run reached its last step (its final checkpoint is written)."""
+    from omegaconf import OmegaConf
+
+    from framework.training.checkpointing import checkpoint_step
+
+    last = run / "checkpoints" / "last.ckpt"
+    if not last.exists() or not (run / "config.yaml").exists():
+        return False
+    return checkpoint_step(last) == OmegaConf.load(run / "config.yaml").trainer.max_steps
+
+
+def train_child(args: list[str], label: str, run: Path) -> None:
+    """`python -m framework.train ARGS` in a child process (its own memory, Streaming state and seed), printed first
+    under `label`; a failure raises naming the run folder."""
+    import subprocess
+    import sys
+
+    print(f"{label}: python -m framework.train {' '.join(args)}", flush=True)
+    proc = subprocess.run([sys.executable, "-m", "framework.train", *args])
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label} failed (exit {proc.returncode}); its folder: {run}")

@@ -41,30 +41,6 @@ def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
-def run_complete(run: Path) -> bool:
-    """Whether a framework.train run reached its last step (its final checkpoint is written)."""
-    from omegaconf import OmegaConf
-
-    from framework.training.checkpointing import checkpoint_step
-
-    last = run / "checkpoints" / "last.ckpt"
-    if not last.exists() or not (run / "config.yaml").exists():
-        return False
-    return checkpoint_step(last) == OmegaConf.load(run / "config.yaml").trainer.max_steps
-
-
-def train_child(args: list[str], label: str, run: Path) -> None:
-    """`python -m framework.train ARGS` in a child process (its own memory, Streaming state and seed), printed first
-    under `label`; a failure raises naming the run folder."""
-    import subprocess
-    import sys
-
-    print(f"{label}: python -m framework.train {' '.join(args)}", flush=True)
-    proc = subprocess.run([sys.executable, "-m", "framework.train", *args])
-    if proc.returncode != 0:
-        raise RuntimeError(f"{label} failed (exit {proc.returncode}); its folder: {run}")
-
-
 def write_json(rows: list[dict[str, Any]], out: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(rows, indent=2))

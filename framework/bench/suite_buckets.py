@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from framework.bench.harness import print_table, run_complete, train_child
+from framework.bench.harness import print_table
+from framework.cli import run_complete, train_child
 
 BUCKET_SIZES = [[16, 32], [24, 24], [32, 16]]
 SQUARE = 24

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from framework.bench.harness import print_table, run_complete, train_child
+from framework.bench.harness import print_table
+from framework.cli import run_complete, train_child
 from framework.cli import resolve_device
 from framework.inference.caching import SCHEDULE_FILE, CacheSchedule
 from framework.inference.pipeline import Pipeline

@@ -31,8 +31,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench.harness import run_complete, train_child
-from framework.cli import quiet_hydra
+from framework.cli import quiet_hydra, run_complete, train_child
 
 
 @dataclass
