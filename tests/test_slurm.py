@@ -53,13 +53,18 @@ if _REASON and os.environ.get("CI") == "true":
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 
 
-def tiny(run_dir: Path | str, data: Path, cache: str) -> list[str]:
-    """tests/test_distributed.py::run_train's tiny CPU training (without its probe), STEPS steps."""
+def tiny(run_dir: Path | str, data: Path, cache: str, paced: bool = False) -> list[str]:
+    """tests/test_distributed.py::run_train's tiny CPU training (without its probe), STEPS steps.
+
+    paced: a 50-step sample grid after every step. The losses are the same (grids draw from their own seeds), but the
+    40 steps take seconds rather than about one, so a test that warns the job once it has logged a step warns it
+    mid-run on a fast idle machine too (unpaced, the job could finish between two polls of the test)."""
+    grids = ["sample.every_n_steps=1", "sample.steps=50"] if paced else ["sample.every_n_steps=0", "sample.steps=1"]
     return [
         f"run.dir={run_dir}", f"data.path={data}", f"data.local={cache}", "model=pixart_debug",
         "model.in_channels=1", "model.sample_size=8", "model.text_dim=384", "trainer.accelerator=cpu",
         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "eval.at_end=false",
-        "sample.every_n_steps=0", "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]",
+        *grids, "sample.per_prompt=1", "sample.prompts=[a handwritten 3]",
         "data.batch_size=16", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every_n_steps=10", "resume=auto",
     ]
 
@@ -93,8 +98,14 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 def warn_mid_run(job_id: str, run_dir: Path, *scancel: str) -> None:
     """Slurm's warning once the job has trained a step (and while it still has steps to go)."""
-    wait_for(f"job {job_id} to train",
-             lambda: logged_steps(run_dir) or job(job_id).get("JobState", "PENDING") not in ("PENDING", "RUNNING"))
+    polls = iter(range(10**9))
+
+    def trained_or_ended() -> bool:  # the file every 0.05 s; scontrol (slower) every second
+        if logged_steps(run_dir):
+            return True
+        return next(polls) % 20 == 0 and job(job_id).get("JobState", "PENDING") not in ("PENDING", "RUNNING")
+
+    wait_for(f"job {job_id} to train", trained_or_ended, every=0.05)
     assert job(job_id)["JobState"] == "RUNNING" and len(logged_steps(run_dir)) < STEPS, "finished before the warning"
     subprocess.run(["scancel", *scancel, job_id], check=True)
 
@@ -147,7 +158,7 @@ def test_sbatch_job_saves_on_the_warning_requeues_itself_and_resumes(tmp_path, d
     strategy = ["strategy=fsdp", "data.batch_size=8", "data.num_workers=1"] if ntasks == 2 else []
     # The README's command, sized for this CPU node (no --gpus-per-node, one CPU per task).
     cmd = ["sbatch", "--parsable", f"--ntasks-per-node={ntasks}", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
-           "launch/train.sbatch", *tiny(run_dir, digits_shards, str(cache)), *strategy]
+           "launch/train.sbatch", *tiny(run_dir, digits_shards, str(cache), paced=True), *strategy]
     job_id = subprocess.run(cmd, cwd=ROOT, env=job_env(tmp_path), capture_output=True, text=True, check=True).stdout.strip()
     try:
         warn_mid_run(job_id, run_dir, "--signal=USR1", "--batch")
@@ -176,7 +187,7 @@ def test_submitit_sweep_job_saves_on_the_warning_and_submitit_requeues_it(tmp_pa
     root = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "framework.train", "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
            "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=30",
-           *tiny(root, digits_shards, "${hydra:runtime.output_dir}/cache"), "data.num_workers=0,1"]
+           *tiny(root, digits_shards, "${hydra:runtime.output_dir}/cache", paced=True), "data.num_workers=0,1"]
     activate = job_env(tmp_path)["LATENTFORGE_SETUP"]
     if activate:
         cmd.append(f"hydra.launcher.setup=[{activate!r}]")
