@@ -244,7 +244,6 @@ def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEnco
                         stats["rows"] += 1
                         stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
                 stats["images"] += len(group)
-                stats.setdefault("latent_shapes", {})[str(b)] = list(latents.shape[1:])
                 stats.setdefault("latent_shape", list(latents.shape[1:]))
     bar.close()
     stats["seconds"] = time.perf_counter() - start
@@ -293,7 +292,7 @@ def _merge(root: Path, world: int) -> None:
 
 
 def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: int) -> list[dict]:
-    """dataset.json's `buckets`: each size, its folder, latent size and row / image counts (every rank's)."""
+    """dataset.json's `buckets`: each size, its folder, latent size and row count (every rank's)."""
     from data_prep.buckets import bucket_dir
 
     rows = lambda b: sum(s["bucket_rows"].get(str(b), 0) for s in stats)
@@ -304,6 +303,8 @@ def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: 
 def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
            out: Path, world: int, buckets: list[tuple[int, int]] | None = None) -> dict:
     from safetensors.torch import save_file
+
+    from data_prep.buckets import nearest_bucket
 
     stats = _wait_for_ranks(out, world, cfg.merge_timeout_s)
     if buckets is None:
@@ -323,11 +324,10 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
     if buckets is not None:
         # The model's base size (its sample_size): the square bucket's side (PixArt's 256 / 512 / 1024), or that of
         # the square as large as the bucket nearest 1:1, in latents, even (2x2 patches).
-        h, w = min(buckets, key=lambda s: abs(math.log(s[0] / s[1])))
+        h, w = buckets[nearest_bucket(1, 1, buckets)]
         base = 2 * max(1, round(math.sqrt(h * w) / (2 * codec.downsample)))
         latent_shape = [latent_shape[0], base, base]
-        extra = {"buckets": table, "bucket_spec": cfg.buckets if isinstance(cfg.buckets, str) else "list",
-                 "columns_bucketed": ["bucket", "original_size", "crop_top_left"]}
+        extra = {"buckets": table, "bucket_spec": cfg.buckets if isinstance(cfg.buckets, str) else "list"}
         log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     info = {
@@ -352,7 +352,8 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         "num_classes": source.num_classes,
         "empty_caption": EMPTY_CAPTION_FILE,
         "prompts": {"file": PROMPTS_FILE, "texts": prompts},
-        "columns": ["latents", "text_embeds", "caption", "key"] + (["label"] if source.num_classes else []),
+        "columns": ["latents", "text_embeds", "caption", "key"] + (["label"] if source.num_classes else [])
+        + (["bucket", "original_size", "crop_top_left"] if buckets is not None else []),
         "latents_scaled": False,  # trainer applies (x - shift_factor) * scaling_factor exactly once
         "source": {"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},
         "world_size": world,

@@ -111,7 +111,6 @@ def train_child(args: list[str], label: str, run: Path) -> None:
     """`python -m framework.train ARGS` in a child process (its own memory, Streaming state and seed), printed first
     under `label`; a failure raises naming the run folder."""
     import subprocess
-    import sys
 
     print(f"{label}: python -m framework.train {' '.join(args)}", flush=True)
     proc = subprocess.run([sys.executable, "-m", "framework.train", *args])

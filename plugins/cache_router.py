@@ -320,24 +320,16 @@ class CacheRouterStage(pl.Callback):
         """predict(x, t) -> the prediction the sampler uses (float32): with guidance g != 1, conditional and
         unconditional halves in one batch (one branch cache, as framework/inference/pipeline.py samples) and
         uncond + g * (cond - uncond)."""
-        from framework.models.conditioning import drop_captions
+        from framework.models.conditioning import guidance_batch, guide
 
         model, g = pl_module.model, self.cfg.guidance or 1.0
         if g != 1:
-            B = next(v for v in (text, labels) if v is not None).shape[0]
-            if text is not None:
-                drop = torch.arange(2 * B, device=text.device) >= B
-                text, text_mask = drop_captions(text.repeat(2, 1, 1), text_mask.repeat(2, 1),
-                                                pl_module.empty_text.to(text), drop)
-            if labels is not None:
-                labels = torch.cat([labels, model.null_labels(B).to(labels)])
+            text, text_mask, labels = guidance_batch(model, text, text_mask, labels, pl_module.empty_text)
 
         def predict(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             if g == 1:
                 return model(x, t.expand(x.shape[0]).float(), text, text_mask, labels).float()
-            pred = model(x.repeat(2, 1, 1, 1), t.expand(2 * x.shape[0]).float(), text, text_mask, labels).float()
-            cond, uncond = pred.chunk(2)
-            return uncond + g * (cond - uncond)
+            return guide(model(x.repeat(2, 1, 1, 1), t.expand(2 * x.shape[0]).float(), text, text_mask, labels), g)
 
         return predict
 

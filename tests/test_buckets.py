@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -186,17 +185,16 @@ def test_the_shapes_detector_finds_the_named_blocks_and_a_square_crop_loses_them
     """On real scenes of every layout the detector finds both blocks where the caption puts them, and not when the
     caption names other colours or the ends are swapped; a 24x24 centre crop of a wide or tall scene (the default
     precompute) cuts both away, while a square scene keeps them."""
-    from data_prep.precompute import cover_crop
+    from data_prep.precompute import cover_crop, to_tensor
     from data_prep.sources.shapes import Scene, draw_scene
     from framework.evaluation.shapes import found_blocks, parse_scene
     from PIL import Image
 
-    to_tensor = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1
     for i in range(30):
         scene, img = draw_scene(i)
         assert parse_scene(scene.caption) == scene
-        assert found_blocks(to_tensor(img), scene) == [True, True], scene.caption
-        assert found_blocks(to_tensor(img), Scene(scene.layout, scene.colours[::-1])) == [False, False]
+        assert found_blocks(to_tensor(Image.fromarray(img)), scene) == [True, True], scene.caption
+        assert found_blocks(to_tensor(Image.fromarray(img)), Scene(scene.layout, scene.colours[::-1])) == [False, False]
         cropped = to_tensor(cover_crop(Image.fromarray(img), 24, 24)[0])
         assert found_blocks(cropped, scene) == ([True, True] if scene.layout == "square" else [False, False]), scene
     with pytest.raises(ValueError, match="not a shapes caption"):

@@ -328,7 +328,7 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
         launched.append(argv)
         return zygote.run(argv, env=env, timeout=600)
 
-    monkeypatch.setattr("subprocess.run", run)  # framework.bench.harness.train_child starts each arm through it
+    monkeypatch.setattr("subprocess.run", run)  # framework.cli.train_child starts each arm through it
     cmd = study.StudyCommand(
         base="quickstart", seeds=[0, 1], inits=["cyclic"], small_layers=2, large_layers=3, small_steps=2,
         total_steps=4, eval_every=2, new_warmup_steps=2, out=str(tmp_path / "study"),

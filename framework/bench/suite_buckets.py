@@ -143,10 +143,9 @@ def run(cfg: BucketsBench) -> list[dict[str, Any]]:
         for layout in ("wide", "tall", "square", "all"):
             mask = torch.tensor([layout in ("all", s.layout) for s in scenes])
             rate, ci = mean_with_interval(found[mask], cfg.bootstrap)
+            h, w = images[int(mask.nonzero()[0])].shape[-2:]  # the layout's first image ("all": the first image)
             rows.append({"model": arm, "layout": layout, "both_found": rate, "both_found_ci": ci,
-                         "num_images": int(mask.sum()), "image_size": f"{images[int(mask.nonzero()[0])].shape[-2]}x"
-                                                                      f"{images[int(mask.nonzero()[0])].shape[-1]}",
-                         "train_steps": cfg.steps})
+                         "num_images": int(mask.sum()), "image_size": f"{h}x{w}", "train_steps": cfg.steps})
     print_table(rows, ["model", "layout", "image_size", "num_images", "both_found", "both_found_ci"])
     png = plot(rows, examples, captions, Path(cfg.out).with_suffix(".png"))
     print(f"[buckets] wrote {png}")

@@ -121,13 +121,14 @@ def subset(ps: PromptSet, n: int) -> PromptSet:
     return PromptSet(ps.kind, ps.prompts[:n], ps.targets[:n], ps.heldout[:n], None if ps.labels is None else ps.labels[:n])
 
 
-def quality(ps: PromptSet, images: torch.Tensor, full: torch.Tensor, resamples: int) -> tuple[dict[str, Any], dict]:
-    """fd, accuracy (seen phrasings / pairs) and paired error to `full`, each with its 95% bootstrap interval; and
-    what the paired comparisons need (the images' features and per-image errors)."""
+def quality(ps: PromptSet, images: torch.Tensor, full: torch.Tensor, real: torch.Tensor,
+            resamples: int) -> tuple[dict[str, Any], dict]:
+    """fd (to the real images' `features`), accuracy (seen phrasings / pairs) and paired error to `full`, each with its
+    95% bootstrap interval; and what the paired comparisons need (the images' features and per-image errors)."""
     from framework.evaluation.realdata import fid_with_interval, mean_with_interval
-    from framework.evaluation.scoring import per_image_correct, real_reference
+    from framework.evaluation.scoring import per_image_correct
 
-    real, fake = features(ps, real_reference(ps.kind)), features(ps, images)
+    fake = features(ps, images)
     fd, fd_ci = fid_with_interval(real, fake, resamples)
     ok = per_image_correct(ps, images)
     right = torch.from_numpy(ok["digit" if ps.kind == "digits" else "both"][~ps.heldout]).double()
@@ -267,13 +268,16 @@ def run(cfg: CacheCurveBench) -> list[dict[str, Any]]:
 
     from tqdm import tqdm
 
+    from framework.evaluation.scoring import real_reference
+
     full = generate(ps, "full")
+    real = features(ps, real_reference(kind))  # the same for every variant
     rows, measured = [], {}
     for name in tqdm(variants, desc="cache_curve quality", unit="variant"):
         series, kind_, steps, _ = variants[name]
         imgs = full if name == "full" else generate(ps, name)
         schedule = schedules[name]
-        metrics, measured[name] = quality(ps, imgs, full, cfg.bootstrap)
+        metrics, measured[name] = quality(ps, imgs, full, real, cfg.bootstrap)
         rows.append({"variant": name, "series": series, "kind": kind_, "steps": steps,
                      "branches_computed": schedule.computed_fraction if schedule else 1.0,
                      "threshold": schedule.threshold if schedule is not None and kind_ == "learned" else None,

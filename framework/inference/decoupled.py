@@ -60,7 +60,7 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 
 def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: int,
-                       denoise: Callable[[dict[str, Any]], torch.Tensor],
+                       denoise: Callable[[dict[str, Any]], torch.Tensor], latent_shape: tuple[int, int, int],
                        on_batch: Callable[[int], None] | None = None) -> torch.Tensor | None:
     """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks (`pipe`: the
     framework.inference.pipeline.Pipeline that calls this; not imported here, it imports this module).
@@ -72,7 +72,7 @@ def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: i
     denoisers, decoders = roles(world, decode_ranks)
     denoiser_of = lambda b: denoisers[b % len(denoisers)]
     decoder_of = lambda b: decoders[b % len(decoders)]
-    C, (H, W) = pipe.model.cfg.in_channels, pipe._size or pipe.model.cfg.latent_hw
+    C, H, W = latent_shape  # of one image's latents: what `denoise` returns per image
     images_group = _image_group()
     sends = []
     if rank in denoisers:

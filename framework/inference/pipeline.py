@@ -71,7 +71,6 @@ class Pipeline:
         self._text_encoder = None
         # The dataset's precomputed grid prompts: generating them loads no text encoder.
         self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
-        self._size: tuple[int, int] | None = None  # the latent size of the generate() call under way; None: the model's
 
     def sizes(self) -> list[tuple[int, int]]:
         """The latent sizes the model was trained at: its aspect-ratio buckets, or its one size."""
@@ -94,7 +93,9 @@ class Pipeline:
             if len(sizes) == 1:
                 raise ValueError(f"aspect={aspect}: this model was trained at {pixels(sizes[0])} only (its dataset has no "
                                  "aspect-ratio buckets; precompute with buckets=... to train several shapes)")
-            return min(sizes, key=lambda s: abs(math.log(s[0] / s[1]) - math.log(h / w)))
+            from data_prep.buckets import nearest_bucket
+
+            return sizes[nearest_bucket(h, w, sizes)]
         if height is None and width is None:
             return tuple(self.model.cfg.latent_hw)
         if height is None or width is None or height % ds or width % ds:
@@ -196,17 +197,7 @@ class Pipeline:
         """
         if size is not None and tuple(size) not in self.sizes():
             raise ValueError(f"size={tuple(size)}: the model was trained at latent sizes {self.sizes()}")
-        self._size = None if size is None else tuple(size)
-        try:
-            return self._generate_all(prompts, steps, guidance, sampler, seed, labels, batch_size, split_ranks,
-                                      candidates, progress, cache_schedule, decode_ranks, decode_on_rank0)
-        finally:
-            self._size = None
-
-    def _generate_all(self, prompts: Sequence[str], steps: int, guidance: float, sampler: str | None, seed: int,
-                      labels: Sequence[int | None] | None, batch_size: int, split_ranks: bool, candidates: int,
-                      progress: bool, cache_schedule: str | CacheSchedule | None, decode_ranks: int,
-                      decode_on_rank0: bool) -> torch.Tensor | None:
+        hw = tuple(size) if size is not None else tuple(self.model.cfg.latent_hw)
         if candidates < 1:
             raise ValueError(f"candidates={candidates} must be >= 1")
         if self.model.cfg.num_classes is not None and (labels is None or any(lbl is None for lbl in labels)):
@@ -225,10 +216,10 @@ class Pipeline:
             if split_ranks:
                 raise ValueError("decode_ranks and split_ranks: choose one way to share generation between ranks")
             return self._generate_decoupled(prompts, labels, noise, steps, guidance, sampler, batch_size, progress,
-                                            schedule, decode_ranks)
+                                            schedule, decode_ranks, hw)
         world = _world_size() if split_ranks or sp is not None else 1
         if world == 1:
-            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, progress, schedule)
+            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, hw, progress, schedule)
         import torch.distributed as dist
 
         # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
@@ -244,7 +235,7 @@ class Pipeline:
         decode_here = not (decode_on_rank0 and shares > 1)
         leader = sp is None or sp.rank == 0  # a sequence-parallel group's copies are identical: one rank decodes
         mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
-                              steps, guidance, sampler, batch_size, progress and dist.get_rank() == 0,
+                              steps, guidance, sampler, batch_size, hw, progress and dist.get_rank() == 0,
                               schedule, decode=decode_here and leader).to(self.device)
         if decode_here and sp is not None and sp.size > 1:
             mine = _from_group_leader(mine, sp, leader)
@@ -270,9 +261,9 @@ class Pipeline:
         return resolve_schedule(spec, self.model, self.objective.cfg.name, name, steps)
 
     def _generate(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
-                  guidance: float, sampler: str | None, batch_size: int, progress: bool = False,
+                  guidance: float, sampler: str | None, batch_size: int, hw: tuple[int, int], progress: bool = False,
                   schedule: CacheSchedule | None = None, decode: bool = True) -> torch.Tensor:
-        """Images of the prompts in batches; decode=False: their scaled latents."""
+        """Images of the prompts in batches, from latents of size `hw`; decode=False: their scaled latents."""
         from tqdm import tqdm
 
         n, out = len(prompts), []
@@ -280,7 +271,7 @@ class Pipeline:
         with self._branch_runner(schedule) as runner:
             for i in range(0, n, batch_size):
                 z = self._denoise_batch(prompts[i : i + batch_size], labels[i : i + batch_size],
-                                        seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule)
+                                        seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule, hw)
                 out.append(self.decode(z) if decode else z)
                 bar.update(len(out[-1]))
         bar.close()
@@ -288,7 +279,7 @@ class Pipeline:
 
     def _generate_decoupled(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
                             guidance: float, sampler: str | None, batch_size: int, progress: bool,
-                            schedule: CacheSchedule | None, decode_ranks: int) -> torch.Tensor | None:
+                            schedule: CacheSchedule | None, decode_ranks: int, hw: tuple[int, int]) -> torch.Tensor | None:
         """The batches of _generate, denoised and decoded on separate ranks (framework/inference/decoupled.py)."""
         import torch.distributed as dist
         from tqdm import tqdm
@@ -305,9 +296,10 @@ class Pipeline:
 
             def denoise(batch: dict) -> torch.Tensor:
                 s = batch["slice"]
-                return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, runner, schedule)
+                return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, runner, schedule, hw)
 
-            images = generate_decoupled(self, batches, decode_ranks, denoise, bar.update)
+            images = generate_decoupled(self, batches, decode_ranks, denoise, (self.model.cfg.in_channels, *hw),
+                                        bar.update)
         bar.close()
         return images
 
@@ -323,19 +315,15 @@ class Pipeline:
 
     def _denoise_batch(self, chunk: list[str], labels: list[int | None], seeds: list[int], steps: int,
                        guidance: float, sampler: str | None, runner: BranchRunner | None,
-                       schedule: CacheSchedule | None) -> torch.Tensor:
-        """Scaled latents (b, C, H, W) of one batch; both CFG halves in one forward, so they share one branch cache."""
-        from framework.models.conditioning import drop_captions, pad_and_stack
+                       schedule: CacheSchedule | None, hw: tuple[int, int]) -> torch.Tensor:
+        """Scaled latents (b, C, H, W) of one batch, (H, W) = hw; both CFG halves in one forward, so they share one
+        branch cache."""
+        from framework.models.conditioning import guidance_batch, guide, pad_and_stack
 
-        C, (H, W) = self.model.cfg.in_channels, self._size or self.model.cfg.latent_hw
-        b = len(chunk)
+        C, (H, W) = self.model.cfg.in_channels, hw
         text, mask = pad_and_stack([e.to(self.device) for e in self.encode(chunk)])  # (b, L, D)
-        drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(self.device)
-        text2, mask2 = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), self.empty_text.to(self.device), drop)
-        lab = None
-        if self.model.cfg.num_classes is not None:
-            lab = torch.tensor(labels, device=self.device)
-            lab = torch.cat([lab, self.model.null_labels(b).to(self.device)])
+        lab = torch.tensor(labels, device=self.device) if self.model.cfg.num_classes is not None else None
+        text2, mask2, lab = guidance_batch(self.model, text, mask, lab, self.empty_text)
         steps_run = ScheduledSampling(runner, schedule) if runner is not None else None
         if runner is not None:
             runner.reset()
@@ -343,9 +331,7 @@ class Pipeline:
         def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             if steps_run is not None:
                 steps_run.next_step()
-            pred = self.model(x.repeat(2, 1, 1, 1), t.repeat(2), text2, mask2, lab).float()  # (2b, C, H, W)
-            cond, uncond = pred.chunk(2)
-            return uncond + guidance * (cond - uncond)
+            return guide(self.model(x.repeat(2, 1, 1, 1), t.repeat(2), text2, mask2, lab), guidance)  # (b, C, H, W)
 
         # One generator per image keeps image i independent of the batch it lands in.
         x = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for s in seeds])

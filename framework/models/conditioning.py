@@ -5,6 +5,8 @@ Shared by the training step (framework/training/module.py), the data loader's co
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -41,3 +43,22 @@ def drop_captions(
     em[: empty.shape[0]] = True
     d = drop.view(-1, 1)
     return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
+
+
+def guidance_batch(model: Any, text: torch.Tensor | None, mask: torch.Tensor | None, labels: torch.Tensor | None,
+                   empty: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The conditioning of a batch of B doubled for classifier-free guidance in one forward: rows 0..B-1 as given, rows
+    B..2B-1 unconditional (the empty caption `empty` (L0, D), the model's null label). None stays None."""
+    B = (text if text is not None else labels).shape[0]
+    if text is not None:
+        drop = torch.cat([torch.zeros(B, dtype=torch.bool), torch.ones(B, dtype=torch.bool)])  # on the host
+        text, mask = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), empty.to(text), drop)
+    if labels is not None:
+        labels = torch.cat([labels, model.null_labels(B).to(labels)])
+    return text, mask, labels
+
+
+def guide(pred: torch.Tensor, guidance: float) -> torch.Tensor:
+    """uncond + guidance * (cond - uncond) of a prediction (2B, ...) on a `guidance_batch`, in float32."""
+    cond, uncond = pred.float().chunk(2)
+    return uncond + guidance * (cond - uncond)
