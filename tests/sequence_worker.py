@@ -38,8 +38,11 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
         torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.02)
     model = copy.deepcopy(ref)
     install(model, init(mesh, "cpu", head_groups))
-    seen = []
+    seen, band_storage = [], []
     model.net.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
+    # bytes behind the first block's input: this rank's band only, not a view into the whole sequence's embedding
+    model.net.transformer_blocks[0].register_forward_pre_hook(
+        lambda m, a: band_storage.append(a[0].untyped_storage().nbytes() / (a[0].numel() * a[0].element_size())))
     cfg = ref.cfg
     g = torch.Generator().manual_seed(1)
     B, (H, W) = 3, hw or cfg.latent_hw  # hw: a non-square latent (an aspect-ratio bucket's)
@@ -65,6 +68,7 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
             dist.all_reduce(q.grad, op=dist.ReduceOp.AVG)
             diffs.append(float((q.grad - p.grad).abs().max()) / scale)
     return {"forward": relative(out["sp"], out["ref"]), "grad": max(diffs), "grads": len(diffs), "tokens": seen,
+            "band_storage": band_storage,
             "params": sum(1 for p in ref.parameters() if p.grad is not None)}
 
 

@@ -12,7 +12,9 @@ import json
 import pytest
 
 from framework.config import StrategyConfig
-from framework.models.backbones import load_preset
+import torch
+
+from framework.models.backbones import build_denoiser, load_preset
 from framework.distributed.sequence import check
 from tests.test_decoupled import torchrun
 
@@ -27,6 +29,7 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
             r = result[key]
             wide = 2 if key.endswith("/wide") else 1  # 8x16 latents (an aspect-ratio bucket's): twice the tokens
             assert r["tokens"] == [tokens * wide // 2], key  # each rank's blocks saw half the tokens
+            assert r["band_storage"] == [1.0], key  # and hold only those: the whole embedding can be freed
             assert r["grads"] == r["params"] > 0, key
             # diffusers' own SANA linear attention (the reference) sums in fp32 even for fp64 inputs
             tol = 1e-7 if family == "sana" else 1e-12
@@ -43,6 +46,8 @@ def test_sizes_a_group_cannot_split_are_refused():
     check(pixart, 2)
     check(pixart, 2, head_groups=2)
     check(sana, 4)  # linear attention keeps every head: only rows must divide
+    with pytest.raises(ValueError, match="sequence_parallel_head_groups=2: model.family=sana"):
+        check(sana, 2, head_groups=2)  # nothing to overlap: refused, not silently ignored
     with pytest.raises(ValueError, match="does not divide model.num_heads=4"):
         check(pixart, 3)
     with pytest.raises(ValueError, match="sequence_parallel_head_groups=4 does not divide model.num_heads"):
@@ -122,3 +127,16 @@ def test_two_rank_sequence_parallel_training_follows_one_process(tmp_path, digit
     assert sorted(got) == list(range(STEPS))
     torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]), torch.tensor([ref[s] for s in range(STEPS)]),
                                **TOL)
+
+
+def test_head_groups_refuse_a_self_attention_mask_instead_of_ignoring_it():
+    from types import SimpleNamespace
+
+    from framework.distributed.sequence import SequenceParallel, UlyssesAttnProcessor
+
+    net = build_denoiser(load_preset("pixart_debug"))
+    attn = net.net.transformer_blocks[0].attn1
+    sp = SequenceParallel(2, 0, None, 0, 1, SimpleNamespace(), head_groups=2)
+    x = torch.randn(1, 8, net.cfg.hidden_size)
+    with pytest.raises(ValueError, match="does not take a self-attention mask"):
+        UlyssesAttnProcessor(sp)(attn, x, attention_mask=torch.ones(1, 8, dtype=torch.bool))

@@ -64,6 +64,10 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
         raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
                          f"device count that is a multiple of {size}")
     heads = cfg.num_heads
+    if seq.attention == "linear" and head_groups > 1:
+        raise ValueError(f"sequence_parallel_head_groups={head_groups}: model.family={cfg.family}'s linear self-attention "
+                         "has no head exchange to overlap (its sums are all-reduced whole); set "
+                         "sequence_parallel_head_groups=1")
     if seq.attention == "softmax" and heads % (size * head_groups):  # linear attention keeps every head
         raise ValueError(f"sequence_parallel={size}" + (f" x sequence_parallel_head_groups={head_groups}"
                                                         if head_groups > 1 else "") +
@@ -240,6 +244,9 @@ class UlyssesAttnProcessor:
         if attn.norm_q is not None:
             q, k = attn.norm_q(q), attn.norm_k(k)
         if self.sp.head_groups > 1:
+            if attention_mask is not None:  # the grouped path has no mask plumbing: refuse rather than ignore it
+                raise ValueError("sequence_parallel_head_groups > 1 does not take a self-attention mask; set "
+                                 "sequence_parallel_head_groups=1")
             out = overlapped_attention(q, k, v, self.sp)
         else:
             out = dispatch_attention_fn(q, k, v, attn_mask=attention_mask, backend=AttentionBackendName.NATIVE,
@@ -294,7 +301,8 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
         if out.shape[1] % sp.size:
             raise ValueError(f"sequence_parallel={sp.size} does not divide this input's {out.shape[1]} tokens")
         n = out.shape[1] // sp.size
-        return out[:, sp.rank * n:(sp.rank + 1) * n]
+        # a copy, not a view: a view would keep the whole sequence's embedding alive until backward
+        return out[:, sp.rank * n:(sp.rank + 1) * n].clone()
 
     def gather(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return _GatherTokens.apply(out, sp)
