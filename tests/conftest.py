@@ -65,23 +65,29 @@ def make_tiny_dc_ae(root: Path, scaling_factor: float = 0.5, seed: int = 0) -> P
     return Path(root)
 
 
-def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0) -> Path:
-    """A random 2-layer BertModel with MiniLM's tokenizer files copied in (no download needed)."""
-    from transformers import BertConfig, BertModel
-
-    from data_prep.encoders import minilm_path
+def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0, vocab: list[str] | None = None) -> Path:
+    """A random 2-layer BertModel with MiniLM's tokenizer files copied in (no download needed); with `vocab`, a
+    WordPiece tokenizer of those words written here instead (no MiniLM package needed either)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
 
     torch.manual_seed(seed)
-    src = minilm_path()
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    vocab = sum(1 for _ in open(src / "vocab.txt", encoding="utf-8"))
-    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
+    if vocab is None:
+        from data_prep.encoders import minilm_path
+
+        src = minilm_path()
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, root / name)
+    else:
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(vocab)]
+        (root / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+        BertTokenizerFast(vocab_file=str(root / "vocab.txt"), model_max_length=128).save_pretrained(root)
+    size = sum(1 for _ in open(root / "vocab.txt", encoding="utf-8"))
+    cfg = BertConfig(vocab_size=size, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=2 * hidden_size, max_position_embeddings=128)
     BertModel(cfg).save_pretrained(root)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy(src / name, root / name)
     return root
 
 
@@ -184,3 +190,14 @@ def s3(digits_shards) -> dict[str, str]:
             client.upload_file(str(f), S3_BUCKET, f"digits/{f.relative_to(digits_shards).as_posix()}")
     yield env
     server.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A GPU-tier test skipped for want of a GPU is reported at its module, not its line, so the summary folds the
+    whole tier into one line (tests/test_gpu.py)."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and item.get_closest_marker("gpu") and isinstance(rep.longrepr, tuple):
+        path, _, reason = rep.longrepr
+        rep.longrepr = (path, None, reason)

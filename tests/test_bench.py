@@ -62,3 +62,30 @@ def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards):
     loop = sorted(r["samples_per_s"] for r in runs if r["side"] == "loop")
     assert ratio["framework_over_loop"] == pytest.approx(sum(fw) / sum(loop))  # medians of two runs each
     assert f"framework / loop = {ratio['framework_over_loop']:.3f}" in proc.stdout
+
+
+def test_bench_gpu_writes_its_table_into_the_readme_block(tmp_path):
+    """The GPU bench's rows on the CPU (debug presets, given batch): one row per family and switch, ratios against
+    the plain row, and the table spliced between the README's gpu-bench markers (the text around them kept);
+    `render=` rebuilds the same table from the JSON alone."""
+    out, readme = tmp_path / "bench.json", tmp_path / "README.md"
+    readme.write_text("intro\n<!-- gpu-bench:begin -->\nOwed.\n<!-- gpu-bench:end -->\noutro\n")
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "gpu", "families=[pixart_debug]",
+                       "switches_preset=pixart_debug", "switches=[ema,act_ckpt]", "batch_size=2",
+                       "warmup=1", "steps=1", f"out={out}", f"readme={readme}"],
+                      cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["preset"], r["label"]) for r in rows] == [("pixart_debug", "plain"), ("pixart_debug", "ema"),
+                                                         ("pixart_debug", "act_ckpt")]
+    assert all(r["batch_size"] == 2 and r["samples_per_s"] > 0 for r in rows)
+    assert rows[1]["ema"] and rows[2]["act_ckpt"] and "speed_vs_plain" not in rows[0]
+    assert rows[1]["speed_vs_plain"] == rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- gpu-bench:begin -->\nMeasured ") and text.endswith("<!-- gpu-bench:end -->\noutro\n")
+    assert "Owed." not in text and text.count("| pixart_debug |") == 3
+    again = tmp_path / "again.md"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "gpu", f"render={out}", f"markdown={again}",
+                       f"out={tmp_path / 'again.json'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert again.read_text().strip() in text

@@ -23,6 +23,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
              synchronous vs strategy.async_save (framework.distributed.strategy.ShardedSaver)
   overhead   the framework's own cost per step: framework.train against a hand-written loop (same shards, model,
              batch, objective, AdamW, clipping, threads), alternating child processes; prints framework / loop
+  gpu        the README's GPU table in one run: per family at real size (batch filled to the GPU) samples/s, MFU,
+             peak memory; EMA, CAME-8bit, low-precision norms, compile, activation checkpointing on one preset
   sequence   one rank's peak memory and compute time against sequence length, whole sequences vs Ulysses
              sequence parallelism over P ranks (framework/distributed/sequence.py; P ranks simulated on one device)
 Each prints a table and writes one JSON row per configuration to `out`.
@@ -37,7 +39,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench import (suite_buckets, suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_init_memory,
+from framework.bench import (suite_buckets, suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_gpu, suite_init_memory,
                              suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_sequence, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
@@ -58,6 +60,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "overhead": (suite_overhead.OverheadBench, suite_overhead.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),
     "checkpoint": (suite_checkpoint.CheckpointBench, suite_checkpoint.run),
+    "gpu": (suite_gpu.GPUBench, suite_gpu.run),
 }
 
 

@@ -11,9 +11,9 @@ from typing import Any, Iterable
 
 import torch
 
-from framework.bench.harness import print_table
+from framework.bench.harness import bench_optimizer, print_table
 from framework.models.backbones import build_denoiser, load_preset
-from framework.training.optim import OPTIMIZERS, OptimizerConfig
+from framework.training.optim import OPTIMIZERS
 from plugins.came import is_8bit
 
 BENCH_OPTIMIZERS = ("adamw", "came", "came8bit")
@@ -33,10 +33,6 @@ class OptimizerBench:
     """JSON rows."""
 
 
-def _bench_config(name: str) -> OptimizerConfig:
-    return OptimizerConfig(name=name, betas=[0.9, 0.999] if name == "adamw" else [0.9, 0.999, 0.9999])
-
-
 def _state_bytes_per_param(preset: str) -> dict[str, Any]:
     """Bytes of optimizer state per parameter, from the tensors each optimizer really allocates.
 
@@ -46,13 +42,13 @@ def _state_bytes_per_param(preset: str) -> dict[str, Any]:
     with torch.device("meta"):
         net = build_denoiser(load_preset(preset))
     params = [p for p in net.parameters() if p.requires_grad]
-    eligible = {p for p in params if is_8bit(p.shape, _bench_config("came8bit").min_8bit_size)}
+    eligible = {p for p in params if is_8bit(p.shape, bench_optimizer("came8bit").min_8bit_size)}
     n_all, n_elig = sum(p.numel() for p in params), sum(p.numel() for p in eligible)
     row: dict[str, Any] = {"preset": preset, "params": n_all, "eligible_params": n_elig}
     for name in BENCH_OPTIMIZERS:
         for p in params:
             p.grad = torch.zeros_like(p)
-        opt = OPTIMIZERS[name](params, _bench_config(name))
+        opt = OPTIMIZERS[name](params, bench_optimizer(name))
         opt.step()
         nbytes = {p: sum(v.numel() * v.element_size() for v in opt.state[p].values() if torch.is_tensor(v))
                   for p in params}
@@ -76,7 +72,7 @@ def _step_seconds(preset: str, steps: int) -> dict[str, float]:
     params = [p for p in net.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    opts = {name: OPTIMIZERS[name](params, _bench_config(name)) for name in BENCH_OPTIMIZERS}
+    opts = {name: OPTIMIZERS[name](params, bench_optimizer(name)) for name in BENCH_OPTIMIZERS}
     times: dict[str, list[float]] = {name: [] for name in opts}
     for i in range(steps + 1):
         for name, opt in opts.items():
@@ -85,7 +81,7 @@ def _step_seconds(preset: str, steps: int) -> dict[str, float]:
             if i > 0:  # the first step allocates the state
                 times[name].append(time.perf_counter() - start)
     out = {name: statistics.median(t) for name, t in times.items()}
-    min_8bit = _bench_config("came8bit").min_8bit_size
+    min_8bit = bench_optimizer("came8bit").min_8bit_size
     eligible = sum(p.numel() for p in params if is_8bit(p.shape, min_8bit))
     out["quantized_param_fraction"] = eligible / sum(p.numel() for p in params)
     return out

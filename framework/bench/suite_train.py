@@ -5,16 +5,13 @@ online encoders, fp32 vs bf16-mixed, SDPA vs xformers, torch.compile, activation
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from framework.bench.harness import (bench_module, device_name, peak_flops, peak_memory_bytes, print_table,
-                                     synthetic_batches, timed_fit)
+from framework.bench.harness import bench_module, measure_fit, print_table
 from framework.cli import resolve_device
-from framework.models.flops import count_train_flops_per_sample
 from framework.models.backbones import ModelConfig, apply_attention_backend, load_preset
 from framework.training.module import DiffusionModule
 from framework.distributed.fsdp import prepare_blocks
@@ -119,31 +116,9 @@ def run_train_mode(cfg: TrainBench, mode: str, device: torch.device) -> dict[str
     base = cfg.precision or ("bf16-mixed" if on_gpu else "32-true")
     precision = {"fp32": "32-true", "bf16": "bf16-mixed"}.get(mode, base)
     module, online = _module(cfg, mcfg, mode)
-    example = next(iter(torch.utils.data.DataLoader(synthetic_batches(mcfg, 2, cfg.text_len), batch_size=2)))
-    flops = count_train_flops_per_sample(module.model, example)
-    module.flops_per_batch = flops * cfg.batch_size  # counted on latents; online encoders are not model FLOPs
-    data = synthetic_batches(mcfg, (cfg.warmup + cfg.steps) * cfg.batch_size, cfg.text_len, online)
-    times = timed_fit(module, data, batch_size=cfg.batch_size, warmup=cfg.warmup, steps=cfg.steps, device=device,
-                      precision=precision, num_workers=2 if on_gpu else 0)
-    med = statistics.median(times)
-    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [med, med, med]
-    sps = cfg.batch_size / med
-    peak = peak_flops(device)
-    achieved = flops * sps
-    return {
-        "mode": mode,
-        "model": cfg.model,
-        "precision": precision,
-        "batch_size": cfg.batch_size,
-        "samples_per_s": sps,
-        "step_ms_median": med * 1e3,
-        "step_ms_iqr": (q[2] - q[0]) * 1e3,
-        "flops_per_sample": flops,
-        "tflops": achieved / 1e12,
-        "mfu": None if peak is None or "bf16" not in precision else achieved / peak,
-        "peak_mem_bytes": peak_memory_bytes(device),
-        "device": device_name(device),
-    }
+    row = measure_fit(module, mcfg, batch_size=cfg.batch_size, warmup=cfg.warmup, steps=cfg.steps, device=device,
+                      precision=precision, text_len=cfg.text_len, online=online)
+    return {"mode": mode, "model": cfg.model, **row}
 
 
 def run(cfg: TrainBench) -> list[dict[str, Any]]:

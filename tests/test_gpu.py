@@ -1,0 +1,406 @@
+"""The GPU tier: `pytest -m gpu` runs every GPU code path (bf16-mixed at real size, FSDP2's bf16 parameter gather
+over NCCL, TF32, fused AdamW, pinned memory, torch.compile on CUDA, xformers, 16-mixed with the grad scaler,
+precompute on a GPU, sampling and evaluation on the rank's GPU, low-precision norms).
+
+On a machine without a CUDA device every `gpu` test skips with the one reason NO_GPU (pytest folds them into one
+summary line). The `*_on_the_cpu` tests beside them run the same helpers on the CPU where that means something
+(debug presets, the CPU optimizer path), so the tier's code is exercised in CI too. On a GPU machine run the tier
+and the GPU bench together with `bash launch/gpu_check.sh` (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from tests.conftest import make_image_folder, make_tiny_text_encoder, make_tiny_vae
+
+NO_GPU = "no CUDA device: the GPU tier runs on a GPU machine (bash launch/gpu_check.sh)"
+
+# Real-size presets: micro-batch and the bound their bf16-mixed AdamW step must peak under (GiB). Until the first
+# GPU run the bounds are estimates: 16 bytes per parameter (fp32 weights, gradients, two AdamW moments) plus bf16
+# activations at that batch, with room to spare; launch/gpu_check.sh prints the measured peaks to tighten them.
+REAL_SIZE = {
+    "pixart_xl_2_256": (8, 20.0),   # 611M parameters: 9.1 GiB of state
+    "sana_1600m_1024": (2, 48.0),   # 1.6B: 24 GiB of state, 32x32 latents (DC-AE) = 1024 tokens
+    "dit_xl_2_256": (8, 20.0),      # 675M: 10.1 GiB of state
+    "sd2_base": (4, 32.0),          # 865M: 12.9 GiB of state, 64x64 latents
+}
+DEBUG_OF = {"pixart_xl_2_256": "pixart_debug", "sana_1600m_1024": "sana_debug", "dit_xl_2_256": "dit_debug",
+            "sd2_base": "sd2_unet_debug"}
+# Words of the digits captions and prompts, for a tokenizer made here (the tier needs no MiniLM package).
+VOCAB = ("a an the of digit number handwritten written drawn picture image photo showing shows with in hand small "
+         "big one two three four five six seven eight nine zero 0 1 2 3 4 5 6 7 8 9").split()
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    """The GPU, its memory freed and its peak counter reset; skips (NO_GPU) without one."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    yield torch.device("cuda", 0)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # an in-process strategy=fsdp run leaves its process group
+        dist.destroy_process_group()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def tier_text_encoder(tmp_path_factory) -> Path:
+    return make_tiny_text_encoder(tmp_path_factory.mktemp("tier_text"), vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tier_shards(tmp_path_factory, tier_text_encoder) -> Path:
+    """The digits training set at 8x8 (pixel codec) captioned by a tiny text encoder with its own vocabulary."""
+    from data_prep.precompute import precompute
+    from tests.conftest import digits_config
+
+    out = tmp_path_factory.mktemp("tier_digits") / "data"
+    return precompute(digits_config(out, text_encoder=str(tier_text_encoder), device="cpu"), rank=0, world_size=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# One bf16-mixed training step per family at its real size
+# --------------------------------------------------------------------------------------------------
+
+
+class StepProbe(pl.Callback):
+    """Each step's loss, the dtype the first attention's query projection computes in, and whether its weight
+    changed."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.losses: list[float] = []
+        self.compute_dtypes: set[torch.dtype] = set()
+        linear = next(m for n, m in pl_module.model.named_modules() if n.endswith("to_q"))
+        linear.register_forward_hook(lambda mod, args, out: self.compute_dtypes.add(out.dtype))
+        self.model, self.watched = pl_module.model, linear.weight
+        self.first = linear.weight.detach().clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def changed(self) -> bool:
+        return not torch.equal(self.watched.detach(), self.first)
+
+
+def bf16_steps(preset: str, batch_size: int, device: torch.device, steps: int = 2) -> tuple[StepProbe, int]:
+    """`steps` bf16-mixed steps of the real training module (AdamW) on synthetic batches; the probe and the peak
+    memory (GPU memory on a GPU, the process's peak resident memory on a CPU)."""
+    from framework.bench.harness import bench_module, peak_memory_bytes, synthetic_batches, timed_fit
+    from framework.models.backbones import load_preset
+
+    mcfg = load_preset(preset)
+    torch.manual_seed(0)
+    with torch.device(device):
+        module = bench_module(mcfg)
+    module.flops_per_batch = 0  # no FLOP-counting pass before the first step: the steps alone
+    probe = StepProbe()
+    timed_fit(module, synthetic_batches(mcfg, steps * batch_size, text_len=77), batch_size=batch_size, warmup=0,
+              steps=steps, device=device, precision="bf16-mixed", callbacks=[probe])
+    return probe, peak_memory_bytes(device)
+
+
+def _check_steps(probe: StepProbe) -> None:
+    assert len(probe.losses) == 2 and all(math.isfinite(x) for x in probe.losses), probe.losses
+    assert probe.compute_dtypes == {torch.bfloat16}, probe.compute_dtypes
+    assert probe.changed(), "the optimizer step left the weights unchanged"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", list(REAL_SIZE))
+def test_a_bf16_step_at_real_size_fits_its_recorded_memory_bound(cuda, preset):
+    batch, bound_gib = REAL_SIZE[preset]
+    probe, peak = bf16_steps(preset, batch, cuda)
+    _check_steps(probe)
+    print(f"{preset}: batch {batch}, peak {peak / 2**30:.2f} GiB (bound {bound_gib} GiB)")
+    assert peak < bound_gib * 2**30, f"{preset}: peak {peak / 2**30:.2f} GiB over the recorded {bound_gib} GiB"
+
+
+@pytest.mark.parametrize("preset", list(DEBUG_OF))
+def test_a_bf16_step_per_family_on_the_cpu(preset):
+    """The same helper with each family's debug preset under CPU bf16 autocast."""
+    probe, _ = bf16_steps(DEBUG_OF[preset], 2, torch.device("cpu"))
+    _check_steps(probe)
+
+
+# --------------------------------------------------------------------------------------------------
+# framework.train on one GPU: FSDP2's bf16 parameter gather over NCCL, TF32, fused AdamW, pinned memory
+# --------------------------------------------------------------------------------------------------
+
+
+class TrainProbe(pl.Callback):
+    """What framework.train set up on the GPU: the process group's backend, the float32 matmul precision, the data
+    loader's pinning, the optimizer's fused kernel, the dtype the layers compute with and the masters' dtypes."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import torch.distributed as dist
+
+        self.backend = dist.get_backend() if dist.is_initialized() else None
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        self.pin_memory = trainer.train_dataloader.pin_memory
+        self.fused = trainer.optimizers[0].defaults.get("fused")
+        self.forward_dtypes: set[torch.dtype] = set()
+        # FSDP2 swaps the gathered parameters in for forward: the weight seen there is what the layer computes with.
+        linear = next(m for m in pl_module.model.modules() if isinstance(m, torch.nn.Linear))
+        linear.register_forward_hook(lambda mod, *_: self.forward_dtypes.add(mod.weight.dtype))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.master_dtypes = {p.dtype for p in pl_module.model.parameters()}
+
+
+def _train_with(callback: pl.Callback, monkeypatch, overrides: list[str]) -> dict:
+    import framework.train as train_lib
+    from tests.test_train import compose_cfg
+
+    base = train_lib.build_callbacks
+    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), callback])
+    return train_lib.train(compose_cfg(overrides))
+
+
+def _gpu_run(tmp_path: Path, shards: Path, *extra: str, steps: int = 3, run: str = "run") -> list[str]:
+    from tests.test_train import cheap
+
+    return cheap(tmp_path, shards, "trainer.accelerator=gpu", "trainer.devices=1", *extra, steps=steps, run=run)
+
+
+@pytest.mark.gpu
+def test_fsdp_on_one_gpu_gathers_bf16_parameters_over_nccl(cuda, tmp_path, tier_shards, monkeypatch):
+    """The CPU counterpart (two gloo ranks) is tests/test_distributed.py::test_fsdp_bf16_mixed_computes_with_bf16_
+    parameters_and_keeps_fp32_masters."""
+    probe = TrainProbe()
+    _train_with(probe, monkeypatch, _gpu_run(tmp_path, tier_shards, "strategy=fsdp", "trainer.precision=bf16-mixed"))
+    assert probe.backend == "nccl"
+    assert probe.forward_dtypes == {torch.bfloat16} and probe.master_dtypes == {torch.float32}
+    assert probe.matmul_precision == "high"  # TF32 for the fp32 matmuls left outside autocast
+    assert probe.pin_memory and probe.fused
+
+
+@pytest.mark.gpu
+def test_compiled_blocks_on_cuda_follow_the_eager_losses(cuda, tmp_path, tier_shards, monkeypatch):
+    """The CPU counterpart is tests/test_train.py::test_compiled_blocks_run_compiled_and_follow_the_eager_losses."""
+    from torch._dynamo.utils import counters
+
+    from framework.distributed.fsdp import shard_units
+    from tests.test_train import losses
+
+    eager = _train_with(TrainProbe(), monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=bf16-mixed", run="eager"))
+    counters.clear()
+    model_probe = StepProbe()
+    compiled = _train_with(model_probe, monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=bf16-mixed",
+                                                              "strategy.compile=true", run="compiled"))
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    assert all(unit._compiled_call_impl is not None for unit in shard_units(model_probe.model)), "a block runs eager"
+    assert model_probe.compute_dtypes == {torch.bfloat16}
+    le, lc = losses(Path(eager["run_dir"])), losses(Path(compiled["run_dir"]))
+    assert sorted(le) == sorted(lc)
+    # bf16 keeps 8 significant bits and Inductor fuses in another order: a few parts in a hundred over 3 steps.
+    torch.testing.assert_close(torch.tensor(list(lc.values())), torch.tensor(list(le.values())), rtol=3e-2, atol=3e-2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention backends, the optimizer kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["pixart_xl_2_256", "sd2_base"])
+def test_xformers_and_sdpa_attention_agree(cuda, preset):
+    """The same weights and inputs through SDPA and through xformers' memory-efficient kernel (two blocks of the
+    real-size model, bf16): outputs within bf16 tolerance."""
+    pytest.importorskip("xformers", reason="xformers is not installed (pip install -e .[xformers])")
+    from framework.bench.harness import synthetic_batches
+    from framework.models.backbones import apply_attention_backend, build_denoiser, load_preset
+
+    small = {"num_layers": 2} if preset != "sd2_base" else {}
+    mcfg = load_preset(preset, **small)
+    torch.manual_seed(0)
+    net = build_denoiser(mcfg).to(cuda, torch.bfloat16).eval()
+    batch = next(iter(torch.utils.data.DataLoader(synthetic_batches(mcfg, 2, 77), batch_size=2)))
+    x, text = batch["latents"].to(cuda, torch.bfloat16), batch["text_embeds"].to(cuda, torch.bfloat16)
+    mask, t = batch["text_mask"].to(cuda), torch.tensor([250.0, 750.0], device=cuda)
+    with torch.no_grad():
+        ref = net(x, t, text, mask).float()
+        apply_attention_backend(net.net, "xformers")
+        got = net(x, t, text, mask).float()
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"{preset}: xformers vs SDPA relative error {rel:.2e}"
+
+
+def adamw_against_reference(device: torch.device) -> tuple[bool, float]:
+    """framework.training.optim's AdamW on `device` against torch's single-tensor AdamW in float64 on the CPU, for
+    three steps on the same gradients: whether it used the fused kernel, and the largest relative difference."""
+    from framework.training.optim import OPTIMIZERS, OptimizerConfig
+
+    cfg = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 48), (48,), (3, 5, 7)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    params = [torch.nn.Parameter(p.to(device)) for p in start]
+    ref = [torch.nn.Parameter(p.double()) for p in start]
+    opt = OPTIMIZERS["adamw"](params, cfg)
+    ref_opt = torch.optim.AdamW(ref, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                foreach=False)
+    for step in grads:
+        for p, r, gr in zip(params, ref, step):
+            p.grad, r.grad = gr.to(device), gr.double()
+        opt.step()
+        ref_opt.step()
+    err = max(float(((p.detach().cpu().double() - r.detach()).norm() / r.detach().norm())) for p, r in zip(params, ref))
+    return bool(opt.defaults.get("fused")), err
+
+
+@pytest.mark.gpu
+def test_fused_adamw_follows_the_reference_step(cuda):
+    fused, err = adamw_against_reference(cuda)
+    assert fused, "AdamW on CUDA parameters did not use the fused kernel"
+    assert err < 1e-5, err
+
+
+def test_adamw_follows_the_reference_step_on_the_cpu():
+    fused, err = adamw_against_reference(torch.device("cpu"))
+    assert not fused and err < 1e-6, (fused, err)
+
+
+# --------------------------------------------------------------------------------------------------
+# 16-mixed: an overflow is skipped by the grad scaler and skip_nonfinite together
+# --------------------------------------------------------------------------------------------------
+
+
+class OverflowProbe(pl.Callback):
+    """Puts an inf into one gradient of step `at` (after backward) and records, per step, whether the watched
+    weight changed and the grad scaler's scale after the step."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.changed, self.scales = at, [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.weight = next(p for p in pl_module.model.parameters() if p.ndim == 2)
+        self.before = self.weight.detach().clone()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == self.at:
+            self.weight.grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.changed.append(not torch.equal(self.weight.detach(), self.before))
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+
+@pytest.mark.gpu
+def test_16_mixed_skips_an_overflowing_step_under_skip_nonfinite(cuda, tmp_path, tier_shards, monkeypatch):
+    probe = OverflowProbe(at=2)
+    out = _train_with(probe, monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=16-mixed",
+                                                   "trainer.skip_nonfinite=true", steps=5))
+    assert probe.changed == [True, True, False, True, True], probe.changed
+    assert probe.scales[2] == probe.scales[1] / 2, probe.scales  # the scaler backed off once
+    ckpt = torch.load(out["checkpoint"], weights_only=True, map_location="cpu")
+    assert ckpt["global_step"] == 5
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+
+
+# --------------------------------------------------------------------------------------------------
+# Precompute with a GPU VAE; sampling and evaluation on the local rank's GPU
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_precompute_on_the_gpu_matches_the_cpu_encode(cuda, tmp_path, tier_text_encoder):
+    from data_prep.precompute import precompute
+    from tests.test_data_prep import read_rows
+
+    src, vae = make_image_folder(tmp_path / "images", n=8, size=32), make_tiny_vae(tmp_path / "vae")
+    outs = {}
+    for device in ("cpu", "cuda:0"):
+        cfg = {"source": {"name": "folder", "path": str(src)}, "vae": str(vae), "text_encoder": str(tier_text_encoder),
+               "resolution": 16, "out": str(tmp_path / device.replace(":", "")), "progress": False, "device": device,
+               "dtype": "float32"}
+        outs[device] = {r["key"]: r for r in read_rows(precompute(cfg, rank=0, world_size=1))}
+    assert sorted(outs["cpu"]) == sorted(outs["cuda:0"]) and len(outs["cpu"]) == 8
+    for key, row in outs["cpu"].items():
+        for col in ("latents", "text_embeds"):
+            a, b = torch.as_tensor(row[col]).float(), torch.as_tensor(outs["cuda:0"][key][col]).float()
+            # stored as fp16 (relative step 1e-3); TF32 convolutions on the GPU add about as much
+            assert (a - b).norm() / a.norm() < 5e-3, (key, col)
+
+
+def sample_and_eval_devices(ckpt: str, out: Path, monkeypatch) -> list[str]:
+    """framework.sample and framework.eval (device=auto) under a launcher's LOCAL_RANK=0: the devices the
+    pipeline's denoiser was loaded onto, in order."""
+    from framework.eval import EvalCommand
+    from framework.eval import run as run_eval
+    from framework.inference.pipeline import Pipeline
+    from framework.sample import SampleCommand
+    from framework.sample import run as run_sample
+
+    seen: list[str] = []
+    load = Pipeline.from_checkpoint_dict.__func__
+
+    def spy(cls, *args, **kwargs):
+        pipe = load(cls, *args, **kwargs)
+        seen.append(str(next(pipe.model.parameters()).device))
+        return pipe
+
+    monkeypatch.setattr(Pipeline, "from_checkpoint_dict", classmethod(spy))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    paths = run_sample(SampleCommand(ckpt=ckpt, out=str(out / "s"), prompts=["a handwritten 3"], steps=2))
+    assert paths and all(p.exists() for p in paths)
+    run_eval(EvalCommand(ckpt=ckpt, out=str(out / "e"), seeds=1, phrasings=1, steps=2))
+    assert (out / "e").is_dir() and any((out / "e").iterdir())
+    return seen
+
+
+@pytest.mark.gpu
+def test_sampling_and_evaluation_run_on_the_local_ranks_gpu(cuda, tmp_path, tier_shards, monkeypatch):
+    out = _train_with(TrainProbe(), monkeypatch, _gpu_run(tmp_path, tier_shards, steps=2))
+    assert sample_and_eval_devices(out["checkpoint"], tmp_path, monkeypatch) == ["cuda:0", "cuda:0"]
+
+
+def test_sampling_and_evaluation_devices_on_the_cpu(tmp_path, tier_shards, monkeypatch):
+    from tests.test_train import cheap
+
+    out = _train_with(TrainProbe(), monkeypatch, cheap(tmp_path, tier_shards, "trainer.accelerator=cpu", steps=2))
+    assert sample_and_eval_devices(out["checkpoint"], tmp_path, monkeypatch) == ["cpu", "cpu"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Low-precision norms pay on a GPU
+# --------------------------------------------------------------------------------------------------
+
+
+def norm_step_times(preset: str, device: torch.device, steps: int, rounds: int) -> dict[bool, list[float]]:
+    """Median step time (ms) of `rounds` alternating bf16-mixed fits without and with plugins=[low_precision_norm]."""
+    from framework.bench.suite_norm import _fit
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for swap in (False, True):
+            times[swap].append(_fit(preset, swap, device, "bf16-mixed", steps, 3, 8, None)["step_ms_median"])
+    return times
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["sd2_base", "pixart_xl_2_256"])
+def test_low_precision_norms_make_a_bf16_step_measurably_faster(cuda, preset):
+    times = norm_step_times(preset, cuda, steps=20, rounds=3)
+    print(f"{preset}: fp32 norms {times[False]} ms, low-precision norms {times[True]} ms")
+    # every low-precision round faster than every fp32 round: not the noise of one run
+    assert max(times[True]) < min(times[False]), times
+
+
+def test_norm_step_times_on_the_cpu():
+    times = norm_step_times("pixart_debug", torch.device("cpu"), steps=2, rounds=1)
+    assert all(len(v) == 1 and v[0] > 0 for v in times.values()), times
