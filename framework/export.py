@@ -105,6 +105,10 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
         raise ValueError(f"export format=diffusers: diffusers' SanaPipeline takes an AutoencoderDC (DC-AE, the VAE SANA "
                          f"is trained with); this model's latents come from an {type(parts['vae']).__name__}. Export "
                          f"format=safetensors for the transformer alone, or encode the data with a DC-AE.")
+    if family == "unet" and denoiser.cfg.size_conditioning:
+        raise ValueError("export format=diffusers: this UNet is size-conditioned (model.size_conditioning=true), and "
+                         "stock StableDiffusionPipeline passes no size ids to it; export format=safetensors for the UNet "
+                         "alone, or sample with framework.sample")
     if family == "dit" and denoiser.cfg.num_classes != 1000:
         print(f"export: stock {pipeline_name} guides with class 1000 as the null class (ImageNet's); this model has "
               f"{denoiser.cfg.num_classes} classes: sample it with guidance_scale=1 there, or with framework.sample")

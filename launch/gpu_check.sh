@@ -26,7 +26,7 @@ CARRIED=(diffusers==0.39.0 hydra-core==1.3.2 omegaconf==2.3.1 mosaicml-streaming
 
 if [ "$PART" = wheels ]; then
     set -e
-    mkdir -p .whl
+    rm -rf .whl && mkdir -p .whl  # one Python version's wheels only: two would stop the install
     platforms=()
     for tag in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
         platforms+=(--platform "${tag}_x86_64")

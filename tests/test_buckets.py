@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,6 +175,87 @@ def test_pixart_size_conditioning_feeds_each_batch_its_own_shape(bucketed, tmp_p
     paths = sample(SampleCommand(ckpt=out["checkpoint"], out=str(tmp_path / "s"), steps=2, aspect="1:2", device="cpu",
                                  prompts=["a portrait picture"]))
     assert paths[-1].name == "grid.png"
+
+
+class SizeIdsProbe:
+    """Records, per training batch, its keys and the time ids the UNet's added embedding received."""
+
+    def __init__(self) -> None:
+        import lightning.pytorch as pl
+
+        probe = self
+
+        class _Callback(pl.Callback):
+            def on_train_start(self, trainer, pl_module) -> None:
+                def grab(module, args, kwargs):
+                    added = kwargs.get("added_cond_kwargs")
+                    if torch.is_grad_enabled() and added is not None:
+                        probe.time_ids.append(added["time_ids"].detach().clone())
+                pl_module.model.net.register_forward_pre_hook(grab, with_kwargs=True)
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+                probe.keys.append(list(batch["key"]))
+
+        self.keys: list[list[str]] = []
+        self.time_ids: list[torch.Tensor] = []
+        self.callback = _Callback()
+
+
+def test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop(bucketed, tmp_path, monkeypatch):
+    """model.size_conditioning=true on the UNet: SDXL's micro-conditioning (diffusers' text_time embedding) gets each
+    training sample's original size and crop corner as precompute recorded them, and its latents' size (latent units);
+    the pooled text is the mean of the caption's own tokens; sampling uses the target size uncropped; a stock
+    diffusers export, which would pass no size ids, is refused."""
+    import framework.train as train_lib
+    from framework.data.datamodule import LatentCollate
+    from framework.export import ExportCommand, export
+    from framework.models.backbones import build_denoiser, default_size_ids, load_preset
+    from framework.sample import SampleCommand
+    from framework.sample import run as sample
+    from tests.test_data_prep import read_rows
+    from tests.test_train import cheap, compose_cfg
+
+    torch.manual_seed(0)
+    model = build_denoiser(load_preset("sd2_unet_debug", in_channels=3, sample_size=12, text_dim=32,
+                                       size_conditioning=True)).eval()
+    x, t = torch.randn(2, 3, 8, 16), torch.full((2,), 500.0)
+    text, mask = torch.randn(2, 5, 32), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    ids = torch.tensor([[20.0, 41.0, 3.0, 0.0, 8.0, 16.0], [8.0, 16.0, 0.0, 0.0, 8.0, 16.0]])
+    pooled = torch.stack([text[0, :3].mean(0), text[1].mean(0)])  # each caption's own tokens
+    with torch.no_grad():
+        ours = model(x, t, text, mask, None, size_ids=ids)
+        direct = model.net(x, t, encoder_hidden_states=text, encoder_attention_mask=mask.float(), return_dict=False,
+                           added_cond_kwargs={"text_embeds": pooled, "time_ids": ids})[0]
+        torch.testing.assert_close(ours, direct)
+        torch.testing.assert_close(model(x, t, text, mask, None), model(x, t, text, mask, None, size_ids=default_size_ids(x)))
+        assert not torch.allclose(ours, model(x, t, text, mask, None), atol=1e-5)  # the sizes reach the output
+    assert default_size_ids(x).tolist() == [[8.0, 16.0, 0.0, 0.0, 8.0, 16.0]] * 2
+
+    # The collate turns the recorded pixels into latent units (a 4x codec here).
+    sample_row = {"latents": np.zeros((3, 10, 20), np.float16), "text_embeds": np.zeros((2, 4), np.float16),
+                  "caption": "c", "original_size": np.array([120, 250], np.int32),
+                  "crop_top_left": np.array([0, 6], np.int32)}
+    batch = LatentCollate(1.0, 0.0, downsample=4)([sample_row, sample_row])
+    assert batch["size_ids"].tolist() == [[30.0, 62.5, 0.0, 1.5, 10.0, 20.0]] * 2
+
+    probe = SizeIdsProbe()
+    base = train_lib.build_callbacks
+    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), probe.callback])
+    out = train_lib.train(compose_cfg(cheap(tmp_path, bucketed, "model=sd2_unet_debug", *MODEL, "data.batch_size=8",
+                                            "model.size_conditioning=true", "sample.every_n_steps=0", steps=2,
+                                            run="unet_sized")))
+    info = json.loads((bucketed / "dataset.json").read_text())
+    stored = {r["key"]: r for b in info["buckets"] for r in read_rows(bucketed / b["dir"])}
+    assert len(probe.keys) == 2 and len(probe.time_ids) >= 2
+    for keys, got in zip(probe.keys, probe.time_ids[-2:]):
+        want = [[*stored[k]["original_size"], *stored[k]["crop_top_left"], *stored[k]["latents"].shape[1:]] for k in keys]
+        assert got.tolist() == [[float(v) for v in row] for row in want]
+        assert {tuple(SIZES[int(k.split("#")[0][3:6])]) for k in keys} == {tuple(r[:2]) for r in want}
+    paths = sample(SampleCommand(ckpt=out["checkpoint"], out=str(tmp_path / "s"), steps=2, aspect="2:1", device="cpu",
+                                 prompts=["a landscape picture"]))
+    assert paths[-1].name == "grid.png"
+    with pytest.raises(ValueError, match="size-conditioned"):
+        export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers"))
 
 
 # --------------------------------------------------------------------------------------------

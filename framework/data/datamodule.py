@@ -287,10 +287,12 @@ def check_compatible(info: DatasetInfo, in_channels: int, latent_hw: tuple[int, 
 
 
 class LatentCollate:
-    """Stack latents and scale them (the one place scaling happens); pad text and build the mask."""
+    """Stack latents and scale them (the one place scaling happens); pad text and build the mask. Samples of
+    aspect-ratio buckets also give `size_ids` (B, 6): their original size and crop corner (over the codec's
+    `downsample`) and the latents' size, what a size-conditioned UNet is fed (framework.models.backbones.SIZE_IDS)."""
 
-    def __init__(self, scaling_factor: float, shift_factor: float) -> None:
-        self.scaling_factor, self.shift_factor = scaling_factor, shift_factor
+    def __init__(self, scaling_factor: float, shift_factor: float, downsample: int = 1) -> None:
+        self.scaling_factor, self.shift_factor, self.downsample = scaling_factor, shift_factor, downsample
 
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
         latents = torch.from_numpy(np.stack([s["latents"] for s in samples])).float()  # (B, C, h, w)
@@ -303,6 +305,10 @@ class LatentCollate:
                  "caption": [s["caption"] for s in samples], "key": [s.get("key", "") for s in samples]}
         if "label" in samples[0]:
             batch["label"] = torch.tensor([int(s["label"]) for s in samples], dtype=torch.long)
+        if "original_size" in samples[0]:
+            corner = np.stack([np.concatenate([s["original_size"], s["crop_top_left"]]) for s in samples])  # (B, 4)
+            target = torch.tensor(latents.shape[-2:], dtype=torch.float32).expand(len(samples), 2)
+            batch["size_ids"] = torch.cat([torch.from_numpy(corner).float() / self.downsample, target], dim=1)
         return batch
 
 
@@ -435,7 +441,7 @@ class LatentDataModule(L.LightningDataModule):
         # length, Lightning does not prefetch a batch ahead, so the saved sample count is exact.
         return StreamingDataLoader(
             self.dataset, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers,
-            collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor),
+            collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor, self.info.downsample),
             drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
             pin_memory=torch.cuda.is_available(),  # lets Lightning copy batches to the GPU asynchronously
         )

@@ -43,7 +43,8 @@ _DERIVED = {
     "dit": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
             "sample_size", "patch_size", "num_embeds_ada_norm"},
     "unet": {"in_channels", "out_channels", "sample_size", "layers_per_block", "cross_attention_dim",
-             "attention_head_dim", "num_attention_heads"},
+             "attention_head_dim", "num_attention_heads", "addition_embed_type", "addition_time_embed_dim",
+             "projection_class_embeddings_input_dim"},
 }
 
 
@@ -86,7 +87,9 @@ class ModelConfig:
     size_conditioning: bool = False
     # pixart: PixArt-alpha-1024's resolution and aspect-ratio embedding (diffusers' use_additional_conditions), fed the
     # size of each batch's latents in pixels of an 8x VAE (what diffusers' PixArt pipeline passes): with aspect-ratio
-    # buckets the model knows which shape it draws
+    # buckets the model knows which shape it draws. unet: SDXL's micro-conditioning (diffusers' addition_embed_type
+    # "text_time"): the image's original size, its crop's top-left corner and the target size (SIZE_IDS, in latent
+    # units), embedded with the masked mean of the caption's tokens (the pooled text) and added to the timestep's
     kwargs: dict[str, Any] = field(default_factory=dict)
     # extra diffusers constructor arguments of the family's class (e.g. sana's mlp_ratio, unet block types)
 
@@ -126,10 +129,10 @@ class ModelConfig:
         if self.family == "pixart" and "use_additional_conditions" in self.kwargs:
             raise ValueError("model.kwargs.use_additional_conditions is set from model.size_conditioning (the latents' "
                              "own size is the condition); set that instead.")
-        if self.size_conditioning and self.family != "pixart":
-            raise ValueError(f"model.size_conditioning=true: model.family={self.family} has no resolution / aspect-ratio "
-                             "embedding here (PixArt only)")
-        if self.size_conditioning and self.num_heads and (self.num_heads * self.head_dim) % 3:
+        if self.size_conditioning and self.family not in ("pixart", "unet"):
+            raise ValueError(f"model.size_conditioning=true: model.family={self.family} has no size embedding here "
+                             "(PixArt's resolution / aspect ratio, the UNet's SDXL-style micro-conditioning)")
+        if self.size_conditioning and self.family == "pixart" and self.num_heads and (self.num_heads * self.head_dim) % 3:
             raise ValueError(f"model.size_conditioning=true needs a width divisible by 3 (PixArt splits it between the "
                              f"height, width and aspect-ratio embeddings; 1152 = 3 x 384): model.num_heads x "
                              f"model.head_dim = {self.num_heads * self.head_dim}")
@@ -199,12 +202,36 @@ def _unet_channels(cfg: ModelConfig) -> list[int]:
     return list(cfg.kwargs.get("block_out_channels", default))
 
 
+# The UNet's size conditioning (SDXL's six numbers, here in latent units: pixels over the VAE's factor), and the
+# sinusoid width of each.
+SIZE_IDS = ("original_height", "original_width", "crop_top", "crop_left", "target_height", "target_width")
+SIZE_ID_DIM = 256
+
+
+def default_size_ids(x: torch.Tensor) -> torch.Tensor:
+    """(B, 6) size ids for latents `x` (B, C, h, w) taken whole: the original is the target, no crop (what SDXL
+    samples with)."""
+    h, w = x.shape[-2:]
+    return x.new_tensor([[h, w, 0.0, 0.0, h, w]], dtype=torch.float32).expand(x.shape[0], len(SIZE_IDS))
+
+
+def pooled_text(text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, D): the mean of each caption's own tokens (mask True = token)."""
+    if mask is None:
+        return text.mean(1)
+    m = mask.to(text.dtype).unsqueeze(-1)  # (B, L, 1)
+    return (text * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
 def diffusers_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """The constructor arguments of `FAMILIES[cfg.family]` for this config."""
     size = dict(in_channels=cfg.in_channels, out_channels=cfg.out_channels, sample_size=cfg.sample_size)
     if cfg.family == "unet":
         # diffusers' UNet calls the per-level head *count* `attention_head_dim` (SD2: [5, 10, 20, 20]).
         heads = [c // cfg.head_dim for c in _unet_channels(cfg)]
+        if cfg.size_conditioning:  # SDXL's: each size number embedded in 256 sinusoids, next to the pooled text
+            size.update(addition_embed_type="text_time", addition_time_embed_dim=SIZE_ID_DIM,
+                        projection_class_embeddings_input_dim=cfg.text_dim + len(SIZE_IDS) * SIZE_ID_DIM)
         return dict(size, layers_per_block=cfg.num_layers, cross_attention_dim=cfg.text_dim,
                     attention_head_dim=heads, **cfg.kwargs)
     args = dict(size, num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
@@ -298,8 +325,10 @@ class Denoiser(nn.Module):
         text: torch.Tensor | None = None,
         text_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        size_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (B, C, h, w), t (B,) on the 0..1000 scale, text (B, L, D), text_mask (B, L) True = token."""
+        """x (B, C, h, w), t (B,) on the 0..1000 scale, text (B, L, D), text_mask (B, L) True = token; size_ids (B, 6)
+        for a size-conditioned UNet (SIZE_IDS; None: default_size_ids), ignored by the other families."""
         t = t.expand(x.shape[0]) if t.ndim == 0 else t  # (B,)
         family = self.cfg.family
         if family == "dit":
@@ -322,8 +351,12 @@ class Denoiser(nn.Module):
                 out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
                                return_dict=False)[0]
             else:
+                added = None
+                if self.cfg.size_conditioning:
+                    ids = default_size_ids(x) if size_ids is None else size_ids
+                    added = {"text_embeds": pooled_text(text, text_mask), "time_ids": ids.to(x.device, x.dtype)}
                 out = self.net(x, t, encoder_hidden_states=text, encoder_attention_mask=mask,
-                               return_dict=False)[0]
+                               added_cond_kwargs=added, return_dict=False)[0]
         if self.cfg.learned_sigma:
             out, _variance = out.chunk(2, dim=1)  # (B, C, h, w) each
         return out

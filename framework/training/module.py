@@ -253,7 +253,7 @@ class DiffusionModule(pl.LightningModule):
             loss = hook.training_loss(self, x0, noise, text, mask, labels)
         else:
             xt, t, target = self.objective.corrupt(x0, noise, u)
-            pred = self.model(xt, t, text, mask, labels)  # (B, C, h, w)
+            pred = self.model(xt, t, text, mask, labels, size_ids=batch.get("size_ids"))  # (B, C, h, w)
             loss = F.mse_loss(pred.float(), target.float())
             if self._logging_step():
                 self._log_loss_by_level(pred, target, t)
