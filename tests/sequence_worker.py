@@ -1,5 +1,7 @@
 """`torchrun --standalone --nproc_per_node=P -m tests.sequence_worker DATA OUT`: sequence-parallel forward and
-backward of each family's debug preset against the same model on whole sequences, in fp64; and sampling.
+backward of each family's debug preset against the same model on whole sequences, in fp64; and sampling (P = 2).
+Also: with activation checkpointing, against diffusers' own Ulysses attention, the bytes the SANA halo moves,
+and whether the exchanges' backward returns unwaited results.
 
 Every rank builds the same random model and batch. The reference is the plain model on this rank alone;
 the split model runs on all ranks together. Rank 0 writes OUT: per family and overlap setting, the largest
@@ -27,7 +29,28 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | None = None) -> dict[str, float]:
+class DiffusersUlysses:
+    """diffusers' own Ulysses attention (dispatch_attention_fn with a ContextParallelConfig): the reference that
+    framework.distributed.sequence.ulysses_attention replaced."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+        self.config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=mesh.dims.sequence))
+        self.config.setup(mesh.rank, mesh.dims.world, torch.device("cpu"), mesh=mesh.sequence_mesh())
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **_):
+        from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+        B, n, _ = hidden_states.shape
+        q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        out = dispatch_attention_fn(q, k, v, attn_mask=attention_mask, backend=AttentionBackendName.NATIVE,
+                                    parallel_config=self.config)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2).to(q.dtype)))
+
+
+def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | None = None, ckpt: bool = False,
+            diffusers_attention: bool = False) -> dict[str, float]:
     torch.manual_seed(0)
     # 4 heads (2 per rank, 2 groups of 1 per rank with head_groups=2); sana: 8 rows of tokens, 4 per rank
     overrides = {"num_heads": 4, "width": 128, "num_layers": 2}
@@ -38,6 +61,14 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
         torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.02)
     model = copy.deepcopy(ref)
     install(model, init(mesh, "cpu", head_groups))
+    if diffusers_attention:
+        reference = DiffusersUlysses(mesh)
+        for block in model.net.transformer_blocks:
+            block.attn1.set_processor(reference)
+    if ckpt:
+        from framework.distributed.fsdp import prepare_blocks
+
+        prepare_blocks(model, activation_checkpointing=True, compile=False)
     seen, band_storage = [], []
     model.net.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
     # bytes behind the first block's input: this rank's band only, not a view into the whole sequence's embedding
@@ -54,10 +85,16 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
         mask[0, 3:] = False
     labels = torch.tensor([1, 2, cfg.num_classes or 0]) if cfg.num_classes else None
     target = torch.randn(B, cfg.in_channels, H, W, generator=g, dtype=torch.float64)
-    out = {}
+    out, gathers = {}, []
+    all_gather = dist.all_gather
     for name, m in (("ref", ref), ("sp", model)):
-        pred = m(x, t, text, mask, labels)
-        ((pred - target) ** 2).mean().backward()
+        # every all_gather of the forward and backward (the output gather's, and any other)
+        dist.all_gather = lambda parts, x, **kw: (gathers.append(x.numel()), all_gather(parts, x, **kw))[1]
+        try:
+            pred = m(x, t, text, mask, labels)
+            ((pred - target) ** 2).mean().backward()
+        finally:
+            dist.all_gather = all_gather
         out[name] = pred.detach()
     # Relative to the largest gradient of the model: some gradients are zero up to rounding (a softmax
     # attention's key bias), so per-parameter ratios would only compare rounding noise.
@@ -68,7 +105,7 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
             dist.all_reduce(q.grad, op=dist.ReduceOp.AVG)
             diffs.append(float((q.grad - p.grad).abs().max()) / scale)
     return {"forward": relative(out["sp"], out["ref"]), "grad": max(diffs), "grads": len(diffs), "tokens": seen,
-            "band_storage": band_storage,
+            "band_storage": band_storage, "all_gathers": len(gathers),
             "params": sum(1 for p in ref.parameters() if p.grad is not None)}
 
 
@@ -95,17 +132,35 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
     return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape), "decoded": decoded}
 
 
+def exchange_backward_is_unwaited(mesh: Mesh) -> bool:
+    """Whether the Ulysses exchange's backward hands back torch's asynchronous collective result (waited by its
+    consumer) rather than a finished tensor."""
+    from types import SimpleNamespace
+
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from framework.distributed.sequence import _Exchange
+
+    group, _ = mesh.sequence_group()
+    grad, _ = _Exchange.backward(SimpleNamespace(group=group), torch.randn(mesh.dims.sequence * 2, 3))
+    return isinstance(grad, AsyncCollectiveTensor)
+
+
 def main(data: str, out: str) -> None:
     init_from_env()
-    mesh = job_mesh(sequence=dist.get_world_size())  # one sequence group of every rank
-    result = {}
-    for family in ("pixart", "sana"):
-        result[f"sample/{family}"] = sample(mesh, data, family)
+    world = dist.get_world_size()
+    mesh = job_mesh(sequence=world)  # one sequence group of every rank
+    result = {"unwaited_backward": exchange_backward_is_unwaited(mesh)}
+    if world == 2:
+        for family in ("pixart", "sana"):
+            result[f"sample/{family}"] = sample(mesh, data, family)
     for family in ("pixart", "sana", "dit"):
-        for head_groups in ((1, 2) if family != "sana" else (1,)):
+        for head_groups in ((1, 2) if family != "sana" and world == 2 else (1,)):  # 4 heads: G x P must divide them
             result[f"{family}/{head_groups}"] = compare(mesh, family, head_groups)
+        result[f"{family}/ckpt"] = compare(mesh, family, 1, ckpt=True)
     for family in ("pixart", "sana"):  # a model built for 8x8 latents, given 8x16 ones: split rows of another shape
         result[f"{family}/wide"] = compare(mesh, family, 1, (8, 16))
+    result["pixart/diffusers"] = compare(mesh, "pixart", 1, diffusers_attention=True)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)

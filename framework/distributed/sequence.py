@@ -6,10 +6,11 @@ and the module's draw by data-parallel rank). Inside a group each rank holds 1/P
 a contiguous band of rows:
 
     patch embedding       every rank embeds the whole latent, then keeps its band (a forward hook)
-    softmax self-attn     all-to-all sequence -> heads, attention over all tokens for H/P heads, back
-                          (diffusers' Ulysses attention; or our per-head-group overlapped version)
+    softmax self-attn     all-to-all sequence -> heads (q, k, v in one exchange per head group), attention
+                          over all tokens for H/P heads, all-to-all back; with G head groups each group's
+                          exchanges overlap another group's attention, forward and backward
     SANA linear attn      the small per-head sums K^T.V and sum(K) are all-reduced, then applied locally
-    SANA Mix-FFN          the 3x3 depthwise conv gets its neighbours' boundary rows first (halo exchange)
+    SANA Mix-FFN          the 3x3 depthwise conv gets its two neighbours' boundary rows first (send / receive)
     cross-attn, MLPs,     stay local: they mix channels or attend to the caption, never across tokens
     norms, adaLN
     output projection     gathered back to the whole sequence, so unpatchify, loss and sampler are as on
@@ -20,13 +21,12 @@ is their sum over the group. The gather's backward returns P x this rank's slice
 *mean* over all W ranks that DDP / FSDP2 already take (FSDP2 shards over every rank) is the mean over the
 W/P groups of full gradients: the same step as one rank training on the data-parallel batch.
 
-What is whose: diffusers' context-parallel support (ContextParallelConfig with a Ulysses degree,
-`dispatch_attention_fn` with its native backend) does the all-to-all attention, forward and backward.
-diffusers has no context-parallel plan for these three families and its attention processors for them
-do not dispatch through it, so written here: the token split / gather hooks, the processors, SANA's
-linear-attention all-reduce and Mix-FFN halo exchange, and the ScaleFusion-style overlap (the all-to-all
-of head group g+1 in flight while group g attends; torch's functional collectives are asynchronous
-until their result is used).
+What is whose: diffusers has no context-parallel plan for these three families and its attention processors
+for them do not dispatch through its context-parallel attention, so all of it is written here: the token split /
+gather hooks, the processors, one Ulysses attention for every head-group count (torch's functional all-to-all,
+asynchronous until its result is used, wrapped so that its backward is asynchronous too), SANA's linear-attention
+all-reduce and Mix-FFN halo exchange. diffusers' own Ulysses attention (`dispatch_attention_fn` with a
+ContextParallelConfig) is a reference in tests/sequence_worker.py.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
                          f"of model.{cfg.name}; pick a latent size whose token count it divides")
     if cfg.attention == "xformers":
         raise ValueError("model.attention=xformers with sequence_parallel > 1: sequence-parallel self-attention "
-                         "runs through diffusers' native (sdpa) backend; set model.attention=sdpa")
+                         "runs through torch's scaled_dot_product_attention; set model.attention=sdpa")
 
 
 @dataclass
@@ -99,22 +99,16 @@ class SequenceParallel:
     # which group this rank belongs to (the data-parallel rank)
     dp_size: int
     # number of groups (W / P)
-    parallel_config: Any
-    # diffusers' ParallelConfig whose Ulysses mesh is this group (for dispatch_attention_fn)
     head_groups: int = 1
-    # >1: split the all-to-all per head group and overlap it with attention (ScaleFusion)
+    # G: the heads' exchanges go in G groups, each overlapping another group's attention (ScaleFusion)
 
 
 def init(mesh: Mesh, device: torch.device | str, head_groups: int = 1) -> SequenceParallel:
-    """This rank's SequenceParallel from the job's mesh (framework/distributed/mesh.py): its ulysses dim is the
-    group; the first use builds the group's diffusers config (a collective: every rank calls it)."""
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
-
-    size = mesh.dims.sequence
-    config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size))
-    config.setup(mesh.rank, mesh.dims.world, torch.device(device), mesh=mesh.sequence_mesh())
+    """This rank's SequenceParallel from the job's mesh (framework/distributed/mesh.py): its sequence dim is the
+    group. `device` is where the model runs (the group's collectives follow the mesh's backend)."""
     group, rank = mesh.sequence_group()
-    return SequenceParallel(size, rank, group, mesh.data_parallel_rank, mesh.dims.data_parallel, config, head_groups)
+    return SequenceParallel(mesh.dims.sequence, rank, group, mesh.data_parallel_rank, mesh.dims.data_parallel,
+                            head_groups)
 
 
 def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> None:
@@ -160,69 +154,90 @@ class _GatherTokens(torch.autograd.Function):
 
 class _HaloRows(torch.autograd.Function):
     """(B, C, h, W) -> (B, C, h + 2k, W): k rows from the neighbouring bands above and below (zeros at the
-    image's edges, as the convolution's own zero padding). Backward sends the halo's gradient home."""
+    image's edges, as the convolution's own zero padding). Only the edge rows travel, to the two neighbours
+    (send / receive): an interior rank receives 2k rows whatever P is. Backward sends the halo's gradient home."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, k: int, sp: SequenceParallel) -> torch.Tensor:
         ctx.k, ctx.sp = k, sp
-        edges = _exchange(torch.cat([x[:, :, :k], x[:, :, -k:]], dim=2).contiguous(), sp)  # P x (B, C, 2k, W)
-        above = edges[sp.rank - 1][:, :, k:] if sp.rank > 0 else torch.zeros_like(x[:, :, :k])
-        below = edges[sp.rank + 1][:, :, :k] if sp.rank < sp.size - 1 else torch.zeros_like(x[:, :, :k])
+        above, below = _swap_edges(x[:, :, :k], x[:, :, -k:], sp)  # the band above's last rows, below's first
         return torch.cat([above, x, below], dim=2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         k, sp = ctx.k, ctx.sp
         g = grad[:, :, k:-k].clone()
-        halos = _exchange(torch.cat([grad[:, :, :k], grad[:, :, -k:]], dim=2).contiguous(), sp)
-        if sp.rank > 0:  # my first rows were the band above's "below" halo
-            g[:, :, :k] += halos[sp.rank - 1][:, :, k:]
-        if sp.rank < sp.size - 1:  # my last rows were the band below's "above" halo
-            g[:, :, -k:] += halos[sp.rank + 1][:, :, :k]
+        # my "above" halo was the band above's last rows: its gradient goes back up; the band below's "above" halo
+        # was my last rows, and its gradient comes back to me (likewise the other way)
+        from_above, from_below = _swap_edges(grad[:, :, :k], grad[:, :, -k:], sp)
+        g[:, :, :k] += from_above
+        g[:, :, -k:] += from_below
         return g, None, None
 
 
-def _exchange(x: torch.Tensor, sp: SequenceParallel) -> list[torch.Tensor]:
-    parts = [torch.empty_like(x) for _ in range(sp.size)]
-    dist.all_gather(parts, x, group=sp.group)
-    return parts
+def _swap_edges(up: torch.Tensor, down: torch.Tensor, sp: SequenceParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send `up` to the band above and `down` to the band below; return what the band above sent down and what the
+    band below sent up (zeros at the image's edges). Non-blocking sends and receives, waited together."""
+    up, down = up.contiguous(), down.contiguous()
+    from_above, from_below = torch.zeros_like(down), torch.zeros_like(up)
+    ops = []
+    if sp.rank > 0:
+        peer = dist.get_global_rank(sp.group, sp.rank - 1)
+        ops += [dist.P2POp(dist.isend, up, peer, sp.group), dist.P2POp(dist.irecv, from_above, peer, sp.group)]
+    if sp.rank < sp.size - 1:
+        peer = dist.get_global_rank(sp.group, sp.rank + 1)
+        ops += [dist.P2POp(dist.isend, down, peer, sp.group), dist.P2POp(dist.irecv, from_below, peer, sp.group)]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return from_above, from_below
 
 
-def _seq_to_heads(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-    """(B, N/P, h, D) -> (B, N, h/P, D), asynchronous until used (torch functional collective)."""
+class _Exchange(torch.autograd.Function):
+    """The Ulysses all-to-all over equal slices of dim 0, asynchronous both ways: forward and backward each issue
+    torch's functional all_to_all_single and return its result unwaited, so the wait happens where the result is
+    first used (in backward, by the autograd node that consumes the gradient, while other head groups' nodes run).
+    An all-to-all of equal slices is its own adjoint, so backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
-    B, n, h, D = x.shape
-    x = x.reshape(B, n, sp.size, h // sp.size, D).permute(2, 1, 0, 3, 4).contiguous()
-    shape = x.shape
-    x = funcol.all_to_all_single_autograd(x.flatten(), None, None, sp.group).reshape(shape)
-    return x.flatten(0, 1).permute(1, 0, 2, 3)
+    return funcol.all_to_all_single(x.contiguous(), None, None, group)
 
 
-def _heads_to_seq(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-    """(B, N, h/P, D) -> (B, N/P, h, D), the inverse of _seq_to_heads."""
-    import torch.distributed._functional_collectives as funcol
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """Softmax attention over the whole sequence from this rank's tokens, (B, N/P, H, D) -> (B, N/P, H, D), in
+    `sp.head_groups` head groups G (1: one exchange in, one out).
 
-    B, N, hl, D = x.shape
-    x = x.reshape(B, sp.size, N // sp.size, hl, D).permute(1, 3, 0, 2, 4).contiguous()
-    shape = x.shape
-    x = funcol.all_to_all_single_autograd(x.flatten(), None, None, sp.group).reshape(shape)
-    return x.flatten(0, 1).permute(1, 2, 0, 3)
-
-
-def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-    """Ulysses attention in `sp.head_groups` head groups, (B, N/P, H, D) -> (B, N/P, H, D).
-
-    Every group's all-to-all is issued up front; group g's attention waits only for its own inputs, and
-    its output's all-to-all leaves while group g+1 attends (ScaleFusion's intra-layer schedule)."""
-    G, H = sp.head_groups, q.shape[2]
-    step = H // G
-    inputs = [[_seq_to_heads(x[:, :, g * step:(g + 1) * step], sp) for x in (q, k, v)] for g in range(G)]
+    Per group, q, k and v travel in one all-to-all (sequence -> heads: all N tokens of H/(G P) heads); every group's
+    exchange is issued before any attention runs, so group g attends while the later groups' inputs are in flight,
+    and its output exchange (heads -> sequence) leaves while group g+1 attends (ScaleFusion's intra-layer schedule).
+    Backward mirrors it: each exchange's gradient is issued asynchronously and waited by its consumer."""
+    B, n, H, D = q.shape
+    G, P = sp.head_groups, sp.size
+    hg = H // G  # heads per group; each rank attends with hg / P of them
+    qkv = torch.stack([q, k, v])  # (3, B, n, H, D)
+    inputs = []
+    for g in range(G):
+        x = qkv[:, :, :, g * hg:(g + 1) * hg].reshape(3, B, n, P, hg // P, D)
+        x = _Exchange.apply(x.permute(3, 0, 1, 2, 4, 5), sp.group)  # (P: source band, 3, B, n, hg/P, D)
+        inputs.append(x.permute(1, 2, 4, 0, 3, 5).reshape(3, B, hg // P, P * n, D))  # (3, B, heads, N, D)
     outs = []
-    for qg, kg, vg in inputs:
-        o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2))
-        outs.append(_heads_to_seq(o.transpose(1, 2), sp))
-    return torch.cat(outs, dim=2)
+    for x in inputs:
+        o = F.scaled_dot_product_attention(x[0], x[1], x[2])  # (B, hg/P, N, D)
+        o = o.reshape(B, hg // P, P, n, D).permute(2, 0, 3, 1, 4)  # (P: destination band, B, n, hg/P, D)
+        o = _Exchange.apply(o, sp.group)  # (P: source head slice, B, n, hg/P, D)
+        outs.append(o.permute(1, 2, 0, 3, 4).reshape(B, n, hg, D))
+    return torch.cat(outs, dim=2) if G > 1 else outs[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,21 +252,14 @@ class UlyssesAttnProcessor:
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
-
+        if attention_mask is not None:  # these families' self-attention takes none; refuse rather than ignore one
+            raise ValueError("sequence parallelism does not take a self-attention mask (the image tokens' attention is "
+                             "unmasked in pixart and dit); set strategy.sequence_parallel=1")
         B, n, _ = hidden_states.shape
         q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
         if attn.norm_q is not None:
             q, k = attn.norm_q(q), attn.norm_k(k)
-        if self.sp.head_groups > 1:
-            if attention_mask is not None:  # the grouped path has no mask plumbing: refuse rather than ignore it
-                raise ValueError("sequence_parallel_head_groups > 1 does not take a self-attention mask; set "
-                                 "sequence_parallel_head_groups=1")
-            out = overlapped_attention(q, k, v, self.sp)
-        else:
-            out = dispatch_attention_fn(q, k, v, attn_mask=attention_mask, backend=AttentionBackendName.NATIVE,
-                                        parallel_config=self.sp.parallel_config)
-        out = out.flatten(2).to(q.dtype)
+        out = ulysses_attention(q, k, v, self.sp).flatten(2).to(q.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 
