@@ -1,7 +1,6 @@
 """`torchrun --standalone --nproc_per_node=P -m tests.sequence_worker DATA OUT`: sequence-parallel forward and
 backward of each family's debug preset against the same model on whole sequences, in fp64; and sampling (P = 2).
-Also: with activation checkpointing, against diffusers' own Ulysses attention, the bytes the SANA halo moves,
-and whether the exchanges' backward returns unwaited results.
+Also: with activation checkpointing, against diffusers' own Ulysses attention, and which all-gathers run.
 
 Every rank builds the same random model and batch. The reference is the plain model on this rank alone;
 the split model runs on all ranks together. Rank 0 writes OUT: per family and overlap setting, the largest
@@ -132,25 +131,11 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
     return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape), "decoded": decoded}
 
 
-def exchange_backward_is_unwaited(mesh: Mesh) -> bool:
-    """Whether the Ulysses exchange's backward hands back torch's asynchronous collective result (waited by its
-    consumer) rather than a finished tensor."""
-    from types import SimpleNamespace
-
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    from framework.distributed.sequence import _Exchange
-
-    group, _ = mesh.sequence_group()
-    grad, _ = _Exchange.backward(SimpleNamespace(group=group), torch.randn(mesh.dims.sequence * 2, 3))
-    return isinstance(grad, AsyncCollectiveTensor)
-
-
 def main(data: str, out: str) -> None:
     init_from_env()
     world = dist.get_world_size()
     mesh = job_mesh(sequence=world)  # one sequence group of every rank
-    result = {"unwaited_backward": exchange_backward_is_unwaited(mesh)}
+    result = {}
     if world == 2:
         for family in ("pixart", "sana"):
             result[f"sample/{family}"] = sample(mesh, data, family)

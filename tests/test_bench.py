@@ -89,3 +89,52 @@ def test_bench_gpu_writes_its_table_into_the_readme_block(tmp_path):
                        f"out={tmp_path / 'again.json'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert again.read_text().strip() in text
+
+
+def test_overlap_replay_stalls_only_for_results_not_yet_arrived():
+    """The replay's arithmetic by hand: A (5 ms) issued at 0 and used at 2 stalls the step 3 ms; B, issued at 4 (7 on
+    the stalled clock) and lasting 1 ms, has arrived when it is used at 10 (13); a blocking gather (issue = use) of
+    2 ms in backward stalls 2 ms."""
+    from framework.bench.suite_overlap import Event, replay
+
+    ms = 1e-3
+    events = [Event(0, "issue", 1, "a", 0), Event(2 * ms, "wait", 1, "a", 0), Event(4 * ms, "issue", 2, "b", 0),
+              Event(10 * ms, "wait", 2, "b", 0), Event(11 * ms, "issue", -1, "g", 0), Event(11 * ms, "wait", -1, "g", 0)]
+    r = replay(events, backward_at=10.5 * ms, end=12 * ms, cost=lambda op, n: {"a": 5, "b": 1, "g": 2}[op] * ms)
+    assert round(r["exposed_forward_ms"], 9) == 3 and round(r["exposed_backward_ms"], 9) == 2
+    assert round(r["step_ms"], 9) == 17 and round(r["communication_ms"], 9) == 8 and r["collectives"] == 3
+
+
+def test_bench_overlap_records_the_exchanges_where_they_are_issued_and_used(tmp_path):
+    """One rank of 2, two head groups: forward issues both groups' q/k/v exchanges first, each group's attention waits
+    for its own, and its output leaves before the next group attends; backward issues both output-gradient exchanges,
+    and each group's input-gradient exchange leaves before the next group's attention backward waits. With a slow
+    link, part of the communication is exposed; the replay and torch's profile are written as Chrome traces."""
+    out = tmp_path / "bench.json"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=pixart_debug", "num_layers=1",
+                       "latent_size=8", "ranks=2", "head_groups=[1,2]", "repeats=1", "link=custom", "latency_us=500",
+                       "bandwidth_GBps=0.01", f"trace_dir={tmp_path / 'traces'}", f"out={out}"],
+                      cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    g1, g2 = json.loads(out.read_text())
+    schedule = ["issue all_to_all", "issue all_to_all", "wait all_to_all", "issue all_to_all", "wait all_to_all",
+                "issue all_to_all", "wait all_to_all", "wait all_to_all"]
+    assert g2["order"] == schedule + ["issue all_gather", "wait all_gather"] + schedule
+    assert g1["order"] == ["issue all_to_all", "wait all_to_all"] * 2 + ["issue all_gather", "wait all_gather"] + \
+        ["issue all_to_all", "wait all_to_all"] * 2
+    for r in (g1, g2):
+        assert r["exposed_forward_ms"] > 0 and r["exposed_backward_ms"] > 0
+        assert r["step_ms"] == pytest.approx(r["compute_forward_ms"] + r["compute_backward_ms"] + r["exposed_forward_ms"]
+                                             + r["exposed_backward_ms"])
+    for name in ("overlap_G1.json", "overlap_G2.json", "profile_G2.json"):
+        assert json.loads((tmp_path / "traces" / name).read_text())["traceEvents"]
+
+
+def test_overlap_without_overlap_waits_where_each_collective_is_issued():
+    from framework.bench.suite_overlap import Event, without_overlap
+
+    events = [Event(0.0, "issue", 1, "all_to_all", 8), Event(2.0, "wait", 1, "all_to_all", 0),
+              Event(5.0, "issue", 2, "all_to_all", 8), Event(7.0, "wait", 2, "all_to_all", 0)]
+    waits = lambda evs: sorted((e.key, e.t) for e in evs if e.kind == "wait")  # noqa: E731
+    assert waits(without_overlap(events)) == [(1, 0.0), (2, 5.0)]
+    assert waits(without_overlap(events, backward_from=4.0)) == [(1, 2.0), (2, 5.0)]  # forward kept as recorded

@@ -27,6 +27,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
              peak memory; EMA, CAME-8bit, low-precision norms, compile, activation checkpointing on one preset
   sequence   one rank's peak memory and compute time against sequence length, whole sequences vs Ulysses
              sequence parallelism over P ranks (framework/distributed/sequence.py; P ranks simulated on one device)
+  overlap    sequence parallelism's exposed communication per head-group count, forward and backward: one rank's
+             recorded step replayed with calibrated stand-in collectives (nvlink / infiniband presets, gloo measured)
 Each prints a table and writes one JSON row per configuration to `out`.
 """
 
@@ -40,7 +42,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.bench import (suite_buckets, suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_gpu, suite_init_memory,
-                             suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_sequence, suite_train)
+                             suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_overlap, suite_sequence, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
 
@@ -59,6 +61,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "decode": (suite_decode.DecodeBench, suite_decode.run),
     "overhead": (suite_overhead.OverheadBench, suite_overhead.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),
+    "overlap": (suite_overlap.OverlapBench, suite_overlap.run),
     "checkpoint": (suite_checkpoint.CheckpointBench, suite_checkpoint.run),
     "gpu": (suite_gpu.GPUBench, suite_gpu.run),
 }

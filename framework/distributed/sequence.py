@@ -192,52 +192,129 @@ def _swap_edges(up: torch.Tensor, down: torch.Tensor, sp: SequenceParallel) -> t
     return from_above, from_below
 
 
-class _Exchange(torch.autograd.Function):
-    """The Ulysses all-to-all over equal slices of dim 0, asynchronous both ways: forward and backward each issue
-    torch's functional all_to_all_single and return its result unwaited, so the wait happens where the result is
-    first used (in backward, by the autograd node that consumes the gradient, while other head groups' nodes run).
-    An all-to-all of equal slices is its own adjoint, so backward is the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_to_all(grad, ctx.group), None
-
-
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """torch's functional all_to_all_single over equal slices of dim 0: issued now, waited where the result is first
+    used (an operation that is not a view of it) or by _wait."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_to_all_single(x.contiguous(), None, None, group)
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return x.wait() if hasattr(x, "wait") else x
+
+
+class _Layout:
+    """The send and receive layouts of one head group's exchanges, chosen so that the received buffers are viewed,
+    never copied, into what attention takes and gives (a copy would wait for the collective there)."""
+
+    def __init__(self, B: int, n: int, H: int, D: int, G: int, P: int) -> None:
+        self.B, self.n, self.D, self.G, self.P = B, n, D, G, P
+        self.hg, self.hl = H // G, H // (G * P)  # heads per group; per rank of a group
+
+    def send_qkv(self, qkv: torch.Tensor, g: int) -> torch.Tensor:
+        """(3, B, n, H, D) -> group g's (P: destination, n, 3, B, hl, D)."""
+        x = qkv[:, :, :, g * self.hg:(g + 1) * self.hg]
+        return x.reshape(3, self.B, self.n, self.P, self.hl, self.D).permute(3, 2, 0, 1, 4, 5).contiguous()
+
+    def unsend_qkv(self, d: torch.Tensor) -> torch.Tensor:
+        """The adjoint of send_qkv's layout: (P, n, 3, B, hl, D) -> (3, B, n, hg, D)."""
+        return d.permute(2, 3, 1, 0, 4, 5).reshape(3, self.B, self.n, self.hg, self.D)
+
+    @staticmethod
+    def received_qkv(r: torch.Tensor) -> list[torch.Tensor]:
+        """(P: source band, n, 3, B, hl, D) -> q, k, v (B, hl, N, D), views."""
+        x = r.flatten(0, 1)  # (N, 3, B, hl, D): the bands in order
+        return [x[:, i].permute(1, 2, 0, 3) for i in range(3)]
+
+    def send_out(self, o: torch.Tensor) -> torch.Tensor:
+        """(B, hl, N, D) -> (P: destination band, n, B, hl, D). In backward its gradient, received in this layout,
+        views back into (B, hl, N, D) without a copy: attention's backward is the first to wait for it."""
+        return o.reshape(self.B, self.hl, self.P, self.n, self.D).permute(2, 3, 0, 1, 4)
+
+    def received_out(self, r: torch.Tensor) -> torch.Tensor:
+        """(P: source heads, n, B, hl, D) -> (B, n, hg, D) (a copy: the join, where the outputs are needed)."""
+        return r.permute(2, 1, 0, 3, 4).reshape(self.B, self.n, self.hg, self.D)
+
+    def unreceived_out(self, d: torch.Tensor) -> torch.Tensor:
+        """The adjoint of received_out: (B, n, hg, D) -> (P, n, B, hl, D)."""
+        return d.reshape(self.B, self.n, self.P, self.hl, self.D).permute(2, 1, 0, 3, 4)
+
+
+class _SendInputs(torch.autograd.Function):
+    """(3, B, n, H, D) q, k, v -> each group's send buffer. Backward assembles the groups' input gradients, waiting
+    for their exchanges (issued by _Received) only here, after every group's attention backward has run."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, ...]:
+        ctx.lay = lay
+        return tuple(lay.send_qkv(qkv, g) for g in range(lay.G))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.cat([ctx.lay.unsend_qkv(_wait(g)) for g in grads], dim=3), None
+
+
+class _Received(torch.autograd.Function):
+    """One group's received q/k/v (the exchange was issued in forward, with the others, outside autograd), tied to
+    the buffer it was sent from. Applied just before the group's attention, so that in backward the autograd engine
+    reaches it right after that attention's backward: it issues the input-gradient exchange (an all-to-all of equal
+    slices is its own adjoint) and returns it unwaited; _SendInputs waits for it, while the next group's attention
+    backward runs."""
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return received.view_as(received)  # a view: the collective's result stays unwaited
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_to_all(grad, ctx.group), None, None
+
+
+class _JoinOutputs(torch.autograd.Function):
+    """The groups' attention outputs, already sent (heads -> sequence) in forward as each was ready, joined into
+    (B, n, H, D). Backward issues every group's output-gradient exchange at once, so group g's attention backward
+    waits for its own only, while the others travel."""
+
+    @staticmethod
+    def forward(ctx, lay: _Layout, group: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.lay, ctx.group = lay, group
+        received = tensors[lay.G:]  # the first G are the send buffers, for autograd
+        return torch.cat([lay.received_out(_wait(r)) for r in received], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[Any, ...]:
+        lay = ctx.lay
+        back = [_all_to_all(lay.unreceived_out(g), ctx.group) for g in grad.split(lay.hg, dim=2)]
+        return (None, None, *back, *([None] * lay.G))
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """Softmax attention over the whole sequence from this rank's tokens, (B, N/P, H, D) -> (B, N/P, H, D), in
     `sp.head_groups` head groups G (1: one exchange in, one out).
 
-    Per group, q, k and v travel in one all-to-all (sequence -> heads: all N tokens of H/(G P) heads); every group's
-    exchange is issued before any attention runs, so group g attends while the later groups' inputs are in flight,
-    and its output exchange (heads -> sequence) leaves while group g+1 attends (ScaleFusion's intra-layer schedule).
-    Backward mirrors it: each exchange's gradient is issued asynchronously and waited by its consumer."""
+    Per group, q, k and v travel in one all-to-all (sequence -> heads: all N tokens of H/(G P) heads). Forward: every
+    group's exchange is issued first; group g waits for its own inputs only, attends, and issues its output exchange,
+    which travels while group g+1 attends. Backward: every output-gradient exchange is issued first; group g's
+    attention backward waits for its own, and its input-gradient exchange travels while group g+1's runs; they are
+    waited together at the end (ScaleFusion's intra-layer schedule, both ways). Attention itself is torch's, with
+    its own autograd (activation checkpointing recomputes it as any other layer)."""
     B, n, H, D = q.shape
-    G, P = sp.head_groups, sp.size
-    hg = H // G  # heads per group; each rank attends with hg / P of them
+    lay = _Layout(B, n, H, D, sp.head_groups, sp.size)
     qkv = torch.stack([q, k, v])  # (3, B, n, H, D)
-    inputs = []
-    for g in range(G):
-        x = qkv[:, :, :, g * hg:(g + 1) * hg].reshape(3, B, n, P, hg // P, D)
-        x = _Exchange.apply(x.permute(3, 0, 1, 2, 4, 5), sp.group)  # (P: source band, 3, B, n, hg/P, D)
-        inputs.append(x.permute(1, 2, 4, 0, 3, 5).reshape(3, B, hg // P, P * n, D))  # (3, B, heads, N, D)
-    outs = []
-    for x in inputs:
-        o = F.scaled_dot_product_attention(x[0], x[1], x[2])  # (B, hg/P, N, D)
-        o = o.reshape(B, hg // P, P, n, D).permute(2, 0, 3, 1, 4)  # (P: destination band, B, n, hg/P, D)
-        o = _Exchange.apply(o, sp.group)  # (P: source head slice, B, n, hg/P, D)
-        outs.append(o.permute(1, 2, 0, 3, 4).reshape(B, n, hg, D))
-    return torch.cat(outs, dim=2) if G > 1 else outs[0]
+    grad = torch.is_grad_enabled() and qkv.requires_grad
+    sends = _SendInputs.apply(qkv, lay) if grad else [lay.send_qkv(qkv, g) for g in range(lay.G)]
+    received = [_all_to_all(s.detach(), sp.group) for s in sends]  # every group's exchange issued first
+    out_sends, out_received = [], []
+    for s, r in zip(sends, received):
+        r = _Received.apply(s, r, sp.group) if grad else r
+        o = F.scaled_dot_product_attention(*lay.received_qkv(r))  # (B, hl, N, D); waits for this group's inputs
+        out_sends.append(lay.send_out(o))
+        out_received.append(_all_to_all(out_sends[-1].detach(), sp.group))
+    if grad:
+        return _JoinOutputs.apply(lay, sp.group, *out_sends, *out_received)
+    return torch.cat([lay.received_out(_wait(r)) for r in out_received], dim=2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,7 +362,8 @@ class UlyssesLinearAttnProcessor:
         sums = all_reduce(v @ k, group=self.sp.group)                                          # (B, H, D+1, D)
         out = sums @ q
         out = (out[:, :, :-1] / (out[:, :, -1:] + 1e-15)).flatten(1, 2).transpose(1, 2).to(dtype)
-        return attn.to_out[1](attn.to_out[0](out))
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out.clip(-65504, 65504) if dtype == torch.float16 else out  # as diffusers' processor: no fp16 inf
 
 
 # --------------------------------------------------------------------------------------------------

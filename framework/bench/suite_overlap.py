@@ -1,0 +1,345 @@
+"""`python -m framework.bench overlap`: how much of sequence parallelism's communication a training step hides, on
+one machine, for head groups G = 1, 2, 4, forward and backward apart.
+
+One rank of a P-rank sequence-parallel group runs its real computation (torch's fake process group: every buffer a
+real rank allocates, no data moved), and every collective of framework/distributed/sequence.py is recorded where it
+is issued and where its result is first used (the Ulysses all-to-alls are asynchronous until then; the output
+gather, SANA's all-reduce and halo swap wait at once). A calibrated stand-in then gives each collective a duration,
+latency + bytes / bandwidth, on one communication channel that runs them in issue order beside the computation
+(`link`: nvlink or infiniband presets, gloo measured here on two processes, or custom). Replaying the recorded
+computation with those durations gives the step: computation, communication, and exposed communication (the step
+minus the computation: waits the overlap did not hide). Each configuration's replay is saved as a Chrome trace
+(chrome://tracing, ui.perfetto.dev: a computation lane and a communication lane), and one step's torch profiler trace
+beside it. Each row also replays its step as the code before this schedule waited (`before_*`: at every exchange for
+G = 1, in backward for G > 1).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from framework.bench.harness import print_table
+from framework.distributed.env import leave
+
+# Per-message latency (s) and bandwidth one rank sends at (bytes/s), by link. NVLink: an H100 SXM's 450 GB/s each way,
+# of which NCCL's all-to-all reaches about 80%; InfiniBand: NDR 400 Gb/s per GPU (50 GB/s), about 90% reached.
+LINKS = {"nvlink": (15e-6, 360e9), "infiniband": (20e-6, 45e9)}
+
+
+@dataclass
+class OverlapBench:
+    """Arguments of `python -m framework.bench overlap`."""
+
+    preset: str = "pixart_xl_2_256"
+    """Backbone preset (random weights); its sample_size is set to latent_size."""
+    latent_size: int = 256
+    """Latent side: pixart_xl_2 at 256 is 16,384 tokens (a 2048 px image)."""
+    num_layers: int | None = None
+    """Fewer blocks than the preset's (each block repeats the same pattern): a CPU-sized run."""
+    ranks: int = 8
+    """P: the sequence-parallel group this rank is one of."""
+    head_groups: list[int] = field(default_factory=lambda: [1, 2, 4])
+    link: str = "nvlink"
+    """nvlink | infiniband (presets) | gloo (latency and bandwidth measured here on two processes) | custom."""
+    latency_us: float | None = None
+    """link=custom: per-message latency."""
+    bandwidth_GBps: float | None = None
+    """link=custom: bytes per second one rank sends, in GB/s."""
+    batch_size: int = 1
+    text_tokens: int = 120
+    repeats: int = 3
+    """Timed steps after one warm-up; the step with the median computation time is reported."""
+    trace_dir: str = "overlap_traces"
+    out: str = "bench_overlap.json"
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording: where each collective is issued and where its result is first used
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Event:
+    t: float  # seconds since the step began (computation time: the recording runs no communication)
+    kind: str  # issue | wait
+    key: int
+    op: str  # all_to_all | all_gather | all_reduce | halo
+    nbytes: int  # what this rank's buffer holds (the cost model turns it into bytes sent)
+
+
+class Recorder:
+    """Patches the collectives that sequence parallelism calls while it is entered (one process: the bench's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.events, self.t0 = device, [], 0.0
+        self._keys: set[int] = set()
+        self._next = 0
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self.t0
+
+    def _blocking(self, op: str, nbytes: int) -> None:
+        self._next += 1
+        t = self.now()
+        self.events += [Event(t, "issue", -self._next, op, nbytes), Event(t, "wait", -self._next, op, nbytes)]
+
+    def __enter__(self) -> "Recorder":
+        import framework.distributed.sequence as seq
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        rec = self
+        self._saved = (seq._all_to_all, AsyncCollectiveTensor.trigger_wait, seq._wait, dist.all_gather,
+                       dist.all_reduce, seq._swap_edges)
+        all_to_all, trigger_wait, wait, all_gather, all_reduce, swap_edges = self._saved
+
+        def recorded_all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
+            t = rec.now()
+            out = all_to_all(x, group)
+            key = out.elem.untyped_storage().data_ptr()
+            rec._keys.add(key)
+            rec.events.append(Event(t, "issue", key, "all_to_all", x.numel() * x.element_size()))
+            return out
+
+        def first_use(x: Any) -> None:
+            key = x.elem.untyped_storage().data_ptr() if isinstance(x, AsyncCollectiveTensor) else None
+            if key in rec._keys:  # the first use of a recorded result (views share its storage)
+                rec._keys.discard(key)
+                rec.events.append(Event(rec.now(), "wait", key, "all_to_all", 0))
+
+        def recorded_trigger_wait(self: AsyncCollectiveTensor) -> torch.Tensor:  # an op on the result
+            first_use(self)
+            return trigger_wait(self)
+
+        def recorded_wait(x: torch.Tensor) -> torch.Tensor:  # an explicit wait
+            first_use(x)
+            return wait(x)
+
+        def recorded_all_gather(parts: list, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            rec._blocking("all_gather", x.numel() * x.element_size())
+            return all_gather(parts, x, *args, **kwargs)
+
+        def recorded_all_reduce(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            rec._blocking("all_reduce", x.numel() * x.element_size())
+            return all_reduce(x, *args, **kwargs)
+
+        def recorded_swap(up: torch.Tensor, down: torch.Tensor, sp: Any) -> Any:
+            rec._blocking("halo", up.numel() * up.element_size())
+            return swap_edges(up, down, sp)
+
+        seq._all_to_all, seq._wait = recorded_all_to_all, recorded_wait
+        AsyncCollectiveTensor.trigger_wait = recorded_trigger_wait
+        dist.all_gather, dist.all_reduce, seq._swap_edges = recorded_all_gather, recorded_all_reduce, recorded_swap
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import framework.distributed.sequence as seq
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        (seq._all_to_all, AsyncCollectiveTensor.trigger_wait, seq._wait, dist.all_gather, dist.all_reduce,
+         seq._swap_edges) = self._saved
+
+
+# --------------------------------------------------------------------------------------------------
+# The cost model and the replay
+# --------------------------------------------------------------------------------------------------
+
+
+def cost_model(latency: float, bandwidth: float, ranks: int) -> Callable[[str, int], float]:
+    """Seconds for one collective of a rank holding `nbytes`: all-to-all sends (P-1)/P of it, an all-gather receives
+    P-1 times it, a ring all-reduce moves 2(P-1)/P of it, the halo swap sends it to each neighbour at once."""
+    share = {"all_to_all": (ranks - 1) / ranks, "all_gather": ranks - 1, "all_reduce": 2 * (ranks - 1) / ranks,
+             "halo": 1.0}
+
+    def seconds(op: str, nbytes: int) -> float:
+        return latency + share[op] * nbytes / bandwidth
+
+    return seconds
+
+
+def replay(events: list[Event], backward_at: float, end: float, cost: Callable[[str, int], float]) -> dict[str, Any]:
+    """The step with communication: one channel runs the collectives in issue order; a use of a result not yet
+    arrived stalls the computation until it arrives. Returns the computation, communication and exposed times
+    (forward and backward), and the timeline (for the trace)."""
+    stall, free = 0.0, 0.0
+    exposed = {"forward": 0.0, "backward": 0.0}
+    arrive: dict[int, float] = {}
+    comm, timeline = 0.0, []
+    for e in sorted(events, key=lambda e: (e.t, e.kind == "wait")):
+        if e.kind == "issue":
+            start = max(e.t + stall, free)
+            duration = cost(e.op, e.nbytes)
+            arrive[e.key] = free = start + duration
+            comm += duration
+            timeline.append(("comm", e.op, start, duration))
+        else:
+            late = arrive[e.key] - (e.t + stall)
+            if late > 0:
+                timeline.append(("stall", e.op, e.t + stall, late))
+                stall += late
+                exposed["backward" if e.t >= backward_at else "forward"] += late
+    step = end + stall
+    return {"compute_forward_ms": 1e3 * backward_at, "compute_backward_ms": 1e3 * (end - backward_at),
+            "communication_ms": 1e3 * comm, "exposed_forward_ms": 1e3 * exposed["forward"],
+            "exposed_backward_ms": 1e3 * exposed["backward"], "step_ms": 1e3 * step,
+            "exposed_fraction": stall / step, "collectives": sum(e.kind == "issue" for e in events),
+            "_timeline": timeline, "_events": events}
+
+
+def without_overlap(events: list[Event], backward_from: float = 0.0) -> list[Event]:
+    """The same step as if each collective issued from `backward_from` on were waited for where it is issued (no
+    overlap): what diffusers' Ulysses attention did in forward and backward, and torch's functional all-to-all in
+    backward, before this file's schedule (the `before` rows)."""
+    issued = {e.key: e.t for e in events if e.kind == "issue" and e.t >= backward_from}
+    out = [e for e in events if not (e.kind == "wait" and e.key in issued)]
+    out += [Event(t, "wait", key, "all_to_all", 0) for key, t in issued.items()]
+    return out
+
+
+def chrome_trace(result: dict[str, Any], path: Path) -> None:
+    """The replayed step: computation (with its stalls) on one lane, the communication channel on another."""
+    events = [{"name": "step", "ph": "X", "pid": 0, "tid": "compute", "ts": 0, "dur": result["step_ms"] * 1e3}]
+    for lane, op, start, duration in result["_timeline"]:
+        events.append({"name": op if lane == "comm" else f"waiting for {op}", "ph": "X", "pid": 0,
+                       "tid": "communication" if lane == "comm" else "compute", "ts": start * 1e6, "dur": duration * 1e6})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+# --------------------------------------------------------------------------------------------------
+# gloo, measured
+# --------------------------------------------------------------------------------------------------
+
+
+def _gloo_worker(rank: int, init_file: str, out: str, sizes: list[int]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    rows = []
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 4)
+        y = torch.empty_like(x)
+        for _ in range(3):
+            dist.all_to_all_single(y, x)
+        times = []
+        for _ in range(10):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(y, x)
+            times.append(time.perf_counter() - t0)
+        rows.append((nbytes // 2, statistics.median(times)))  # each rank sends half of its buffer
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def measure_gloo(sizes: tuple[int, ...] = (1 << 14, 1 << 20, 1 << 24)) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of gloo's all-to-all between two processes here: a least-squares line through
+    the median times of three message sizes."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "gloo.json")
+        mp.spawn(_gloo_worker, args=(str(Path(tmp) / "init"), out, list(sizes)), nprocs=2)
+        rows = json.loads(Path(out).read_text())
+    xs, ys = [r[0] for r in rows], [r[1] for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(my - slope * mx, 0.0), 1.0 / slope
+
+
+# --------------------------------------------------------------------------------------------------
+# The suite
+# --------------------------------------------------------------------------------------------------
+
+
+def _link(cfg: OverlapBench) -> tuple[float, float]:
+    if cfg.link in LINKS:
+        return LINKS[cfg.link]
+    if cfg.link == "gloo":
+        return measure_gloo()
+    if cfg.link == "custom" and cfg.latency_us is not None and cfg.bandwidth_GBps:
+        return cfg.latency_us * 1e-6, cfg.bandwidth_GBps * 1e9
+    raise ValueError(f"link={cfg.link!r}: choose nvlink, infiniband, gloo, or custom with latency_us= and bandwidth_GBps=")
+
+
+def record_step(model: Any, cfg: Any, bench: OverlapBench, device: torch.device) -> tuple[list[Event], float, float]:
+    """One training step (forward, then backward of a squared-error loss) with its collectives recorded."""
+    g = torch.Generator(device=device).manual_seed(0)
+    B, side = bench.batch_size, bench.latent_size
+    x = torch.randn(B, cfg.in_channels, side, side, generator=g, device=device)
+    t = torch.rand(B, generator=g, device=device) * 1000
+    text = torch.randn(B, bench.text_tokens, cfg.text_dim, generator=g, device=device)
+    mask = torch.ones(B, bench.text_tokens, device=device)
+    model.zero_grad(set_to_none=False)
+    with Recorder(device) as rec:
+        rec.t0 = time.perf_counter()
+        rec.now()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            pred = model(x, t, text, mask)
+        loss = pred.float().square().mean()
+        backward_at = rec.now()
+        loss.backward()
+        end = rec.now()
+    return rec.events, backward_at, end
+
+
+def run(bench: OverlapBench) -> list[dict[str, Any]]:
+    from framework.bench.suite_sequence import _fake_group
+    from framework.distributed.mesh import job_mesh
+    from framework.distributed.sequence import check, init, install
+    from framework.models.backbones import build_denoiser, load_preset
+
+    latency, bandwidth = _link(bench)
+    cost = cost_model(latency, bandwidth, bench.ranks)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for G in bench.head_groups:
+        torch.manual_seed(0)
+        extra = {} if bench.num_layers is None else {"num_layers": bench.num_layers}
+        mcfg = load_preset(bench.preset, sample_size=bench.latent_size, **extra)
+        try:
+            check(mcfg, bench.ranks, G)
+        except ValueError as e:  # e.g. 16 heads cannot go in 4 groups over 8 ranks
+            print(f"G={G}: skipped ({e})", flush=True)
+            continue
+        with device:
+            model = build_denoiser(mcfg)
+        _fake_group(bench.ranks)
+        install(model, init(job_mesh(bench.ranks, device_type=device.type), device, G))
+        record_step(model, mcfg, bench, device)  # warm-up
+        steps = [record_step(model, mcfg, bench, device) for _ in range(bench.repeats)]
+        steps.sort(key=lambda s: s[2])
+        events, backward_at, end = steps[len(steps) // 2]
+        result = replay(events, backward_at, end, cost)
+        # before: G = 1 waited at every exchange (diffusers' attention); G > 1 overlapped in forward only
+        before = replay(without_overlap(events, 0.0 if G == 1 else backward_at), backward_at, end, cost)
+        trace_dir = Path(bench.trace_dir)
+        chrome_trace(result, trace_dir / f"overlap_G{G}.json")
+        with torch.profiler.profile() as prof:
+            record_step(model, mcfg, bench, device)
+        prof.export_chrome_trace(str(trace_dir / f"profile_G{G}.json"))
+        order = [f"{e.kind} {e.op}" for e in sorted(events, key=lambda e: (e.t, e.kind == "wait"))]
+        rows.append({"preset": bench.preset, "layers": mcfg.num_layers, "tokens": (bench.latent_size // mcfg.patch_size) ** 2,
+                     "ranks": bench.ranks, "head_groups": G, "link": bench.link, "latency_us": latency * 1e6,
+                     "bandwidth_GBps": bandwidth / 1e9,
+                     **{k: v for k, v in result.items() if not k.startswith("_")}, "order": order,
+                     "before_exposed_forward_ms": before["exposed_forward_ms"],
+                     "before_exposed_backward_ms": before["exposed_backward_ms"],
+                     "before_exposed_fraction": before["exposed_fraction"],
+                     "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"})
+        print(f"G={G}: step {result['step_ms']:.1f} ms, exposed {result['exposed_fraction']:.1%}", flush=True)
+        del model
+    leave()
+    print_table(rows, ["tokens", "layers", "ranks", "head_groups", "link", "compute_forward_ms", "compute_backward_ms",
+                       "communication_ms", "exposed_forward_ms", "exposed_backward_ms", "step_ms", "exposed_fraction",
+                       "before_exposed_fraction"])
+    return rows
