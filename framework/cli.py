@@ -60,8 +60,9 @@ def share_cpu_threads(ranks_per_machine: int) -> int:
 class RankSharing:
     """How the sample and eval commands share generation between torchrun's ranks."""
 
-    decode_ranks: int = 0
-    """Under torchrun: the last K ranks decode while the others denoise (framework/inference/decoupled.py); 0: off."""
+    decode_ranks: Any = 0
+    """Under torchrun: the last K ranks decode while the others denoise (framework/inference/decoupled.py), and only
+    they load the VAE, only the others the denoiser; auto: K from the first batch's measured stage times; 0: off."""
     sequence_parallel: int = 1
     """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
     prompts (framework/distributed/sequence.py); 1: off."""
@@ -84,6 +85,10 @@ def share_ranks(model: Any, cfg: RankSharing) -> bool:
     latter); returns whether this rank writes and prints (rank 0, or the only process)."""
     import torch.distributed as dist
 
+    if cfg.decode_ranks != "auto" and (not isinstance(cfg.decode_ranks, int) or cfg.decode_ranks < 0):
+        raise ValueError(f"decode_ranks={cfg.decode_ranks!r}: a number of ranks (0: off) or auto")
+    if cfg.decode_ranks and cfg.sequence_parallel > 1:
+        raise ValueError("decode_ranks with sequence_parallel: choose one way to share generation between ranks")
     if cfg.decode_ranks:
         from framework.inference.decoupled import join
 

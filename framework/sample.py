@@ -73,7 +73,7 @@ def run(cfg: SampleCommand) -> list[Path]:
     from framework.evaluation.judge import get_judge
 
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
-                                    vae=cfg.vae, text_encoder=cfg.text_encoder)
+                                    vae=cfg.vae, text_encoder=cfg.text_encoder, lazy=bool(cfg.decode_ranks))
     rank0 = share_ranks(pipe.model, cfg)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None

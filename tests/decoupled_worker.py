@@ -92,5 +92,29 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
     leave()
 
 
+def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
+    """`... tests.decoupled_worker roles CKPT K|auto OUT`: the sample command's way (a lazy pipeline of a checkpoint):
+    per rank, whether it built the denoiser and loaded the image codec, and its peak resident memory; rank 0 also
+    checks the images against one process's."""
+    import resource
+
+    init_from_env()
+    pipe = Pipeline.from_checkpoint(ckpt, lazy=True)
+    k = decode_ranks if decode_ranks == "auto" else int(decode_ranks)
+    images = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, decode_ranks=k)
+    state = {"built": pipe._build is None, "codec": pipe._codec is not None,
+             "meta": next(pipe.model.parameters()).is_meta, "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, state)
+    if dist.get_rank() == 0:
+        plain = Pipeline.from_checkpoint(ckpt).generate(PROMPTS, steps=3, seed=4, batch_size=2)
+        with open(out, "w") as f:
+            json.dump({"equal": bool(torch.equal(images, plain)), "ranks": everyone}, f)
+    leave()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    if sys.argv[1] == "roles":
+        roles_main(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

@@ -100,6 +100,49 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
     assert got["fd"] == (want["fd"] if split.startswith("decode") else pytest.approx(want["fd"], rel=1e-4))
 
 
+@pytest.mark.parametrize("decode_ranks", ["1", "auto"])
+def test_each_role_loads_only_its_own_model(tmp_path, quick_ckpt, decode_ranks):
+    """3 ranks of a checkpoint's lazy pipeline (as framework.sample / eval load it with decode_ranks): the denoising
+    ranks build the denoiser and never load the image codec, the decoding ranks load the codec and never build the
+    denoiser (it stays a meta-device placeholder), and the images are one process's. auto: the first batch's stage
+    times choose K (the pixel codec decodes in no time: one decoder)."""
+    out = tmp_path / "result.json"
+    proc = torchrun(3, "-m", "tests.decoupled_worker", "roles", quick_ckpt, decode_ranks, str(out), tmp=tmp_path,
+                    fork=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["equal"]
+    assert [(x["built"], x["meta"], x["codec"]) for x in r["ranks"]] == [(True, False, False)] * 2 + [(False, True, True)]
+    if decode_ranks == "auto":
+        assert "decode_ranks=auto: a batch of 2 takes" in proc.stdout and "1 of 3 ranks decode" in proc.stdout
+
+
+def test_bench_decode_reports_each_way_and_each_ranks_role(tmp_path):
+    """`framework.bench decode` on 2 ranks: images/s, one prompt's latency and each rank's peak memory with its role
+    (the decoding rank never built the denoiser; in the split way both ranks denoise and decode)."""
+    out = tmp_path / "bench.json"
+    proc = torchrun(2, "-m", "framework.bench", "decode", "images=2", "batch_size=1", "steps=2", "latent_size=8",
+                    "repeats=1", "ways=[decoupled,split]", f"out={out}", tmp=tmp_path, fork=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    decoupled, split = json.loads(out.read_text())
+    assert decoupled["way"] == "decoupled" and split["way"] == "split"
+    for r in (decoupled, split):
+        assert r["images_per_s"] > 0 and r["latency_s"] > 0 and all(m["peak_MiB"] > 0 for m in r["per_rank"])
+    # recorded after each way: the decoupled way came first, so the decoding rank had not built the denoiser yet
+    assert [(m["denoiser"], m["decoder"]) for m in decoupled["per_rank"]] == [(True, False), (False, True)]
+    assert [(m["denoiser"], m["decoder"]) for m in split["per_rank"]] == [(True, True), (True, True)]
+
+
+def test_decode_ranks_is_a_count_or_auto():
+    from framework.cli import RankSharing, share_ranks
+
+    for bad in (-1, "two"):
+        with pytest.raises(ValueError, match="a number of ranks"):
+            share_ranks(None, RankSharing(decode_ranks=bad))
+    with pytest.raises(ValueError, match="choose one way"):
+        share_ranks(None, RankSharing(decode_ranks=1, sequence_parallel=2))
+
+
 def test_a_slow_decoder_does_not_hold_up_denoising(tmp_path, digits_shards, tiny_vae_dir):
     """2 ranks, decode_ranks=1, each decode 1.5 s slower: rank 0 denoises all 3 batches while the decoder is still on
     its first (latents are sent without waiting; the images come back on their own process group, so a decoder

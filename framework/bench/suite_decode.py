@@ -6,15 +6,18 @@ MiniLM-encoded prompts into images three ways, every rank taking part in each:
   one_rank    rank 0 alone, plain sampling (the others wait)
   split       every rank denoises and decodes its share of the prompts (Pipeline.generate split_ranks)
   decoupled   the last `decode_ranks` ranks decode while the others denoise (decode_ranks, framework/inference/decoupled.py)
-Each is timed `repeats` times after a warm-up; the best is kept. Rank 0 prints the table.
+Each is timed `repeats` times after a warm-up; the best is kept; then one prompt alone (its latency). The denoiser
+is built on first use, so a decoding rank never holds it; each rank's peak memory is reported with its role.
+Rank 0 prints the table.
 """
 
 from __future__ import annotations
 
 import math
+import resource
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,11 @@ class DecodeBench:
     images: int = 16
     batch_size: int = 4
     steps: int = 20
-    decode_ranks: int = 1
+    decode_ranks: Any = 1
+    """Ranks that decode in the decoupled way; auto: chosen from the first batch's stage times."""
+    ways: list[str] = field(default_factory=lambda: ["one_rank", "split", "decoupled"])
+    """Which ways to run. On a CPU each rank's peak memory is its process's peak so far: run one way per command
+    for per-role figures (on a GPU the peak is reset for each way)."""
     repeats: int = 2
     out: str = "bench_decode.json"
 
@@ -64,35 +71,61 @@ def run(cfg: DecodeBench) -> list[dict[str, Any]]:
                          "torchrun --standalone --nproc_per_node=2 (or more)")
     rank = dist.get_rank()
     vae = sd_vae(Path(tempfile.mkdtemp(prefix=f"sd_vae_r{rank}_")))
-    torch.manual_seed(0)
-    model = build_denoiser(load_preset(cfg.preset, in_channels=4, text_dim=384, sample_size=cfg.latent_size,
-                                       learned_sigma=False))
+    mcfg = load_preset(cfg.preset, in_channels=4, text_dim=384, sample_size=cfg.latent_size, learned_sigma=False)
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return build_denoiser(mcfg).eval()
+
     info = {"image_codec": str(vae), "text_encoder": "minilm", "scaling_factor": 0.18215, "shift_factor": 0.0,
             "image_mode": "RGB"}
-    pipe = Pipeline(model.eval(), Objective(ObjectiveConfig()), torch.zeros(1, 384), info)
+    # built on first use, as framework.sample loads a checkpoint with decode_ranks: a decoding rank never builds it
+    pipe = Pipeline.deferred(build, mcfg, Objective(ObjectiveConfig()), torch.zeros(1, 384), info)
     prompts = [f"a handwritten {i % 10}" for i in range(cfg.images)]
-    ways = {
-        "one_rank": lambda: pipe.generate(prompts, cfg.steps, batch_size=cfg.batch_size) if rank == 0 else None,
-        "split": lambda: pipe.generate(prompts, cfg.steps, batch_size=cfg.batch_size, split_ranks=True),
-        "decoupled": lambda: pipe.generate(prompts, cfg.steps, batch_size=cfg.batch_size, decode_ranks=cfg.decode_ranks),
-    }
+
+    def generate(name: str, chosen: list[str]) -> torch.Tensor | None:
+        if name == "one_rank":
+            return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size) if rank == 0 else None
+        if name == "split":
+            return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size, split_ranks=True)
+        return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size, decode_ranks=cfg.decode_ranks)
+
+    cuda = pipe.device.type == "cuda"
     best: dict[str, float] = {}
+    latency: dict[str, float] = {}
+    memory: dict[str, list] = {}
     images: dict[str, torch.Tensor | None] = {}
-    for r in range(cfg.repeats + 1):  # round 0 warms up
-        for name, way in ways.items():
+    for name in cfg.ways:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for r in range(cfg.repeats + 1):  # round 0 warms up
             dist.barrier()
             t0 = time.perf_counter()
-            images[name] = way()
+            images[name] = generate(name, prompts)
             dist.barrier()
             if r:
                 best[name] = min(best.get(name, math.inf), time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        generate(name, prompts[:1])  # one prompt alone: its latency
+        dist.barrier()
+        latency[name] = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        memory[name] = [None] * world
+        dist.all_gather_object(memory[name], {"peak_MiB": round(peak / 2**20), "denoiser": pipe._build is None,
+                                              "decoder": pipe._codec is not None})
     rows = []
     if rank == 0:
-        same = {name: bool(torch.equal(images[name], images["one_rank"])) for name in ways}
+        ref = images.get("one_rank")
         rows = [{"way": name, "ranks": 1 if name == "one_rank" else world,
                  "decode_ranks": cfg.decode_ranks if name == "decoupled" else 0, "images_per_s": cfg.images / best[name],
-                 "seconds": best[name], "same_images_as_one_rank": same[name], "images": cfg.images,
-                 "image_size": list(images["one_rank"].shape[-2:]), "preset": cfg.preset, "steps": cfg.steps,
-                 "batch_size": cfg.batch_size, "device": str(pipe.device)} for name in ways]
-        print_table(rows, ["way", "ranks", "decode_ranks", "seconds", "images_per_s", "same_images_as_one_rank"])
+                 "seconds": best[name], "latency_s": latency[name],
+                 "same_images_as_one_rank": None if ref is None else bool(torch.equal(images[name], ref)),
+                 "per_rank": memory[name], "images": cfg.images, "image_size": list(images[name].shape[-2:]),
+                 "preset": cfg.preset, "steps": cfg.steps, "batch_size": cfg.batch_size, "device": str(pipe.device)}
+                for name in cfg.ways]
+        for r in rows:
+            r["peak_MiB_per_rank"] = [m["peak_MiB"] for m in r["per_rank"]]
+        print_table(rows, ["way", "ranks", "decode_ranks", "seconds", "images_per_s", "latency_s", "peak_MiB_per_rank",
+                           "same_images_as_one_rank"])
     return rows

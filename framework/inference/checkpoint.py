@@ -57,15 +57,16 @@ def read_sharded(path: str | os.PathLike, with_optimizer: bool = False) -> dict[
 # --------------------------------------------------------------------------------------------
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a Lightning checkpoint of ours: one file, or a sharded (fsdp) folder gathered into one dict."""
+def read_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, Any]:
+    """Load a Lightning checkpoint of ours: one file, or a sharded (fsdp) folder gathered into one dict. mmap: a
+    file's tensors stay on disk (memory-mapped) until read."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt={path} does not exist")
     if path.is_dir() and not is_sharded(path):
         raise ValueError(f"ckpt={path} is a folder but not a sharded checkpoint (no meta.pt and .metadata)")
     # weights_only: no pickled code runs.
-    ckpt = read_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = read_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     if CKPT_KEY not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"ckpt={path} is not a LatentForge training checkpoint (no '{CKPT_KEY}' entry)")
     return ckpt

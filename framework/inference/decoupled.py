@@ -13,6 +13,7 @@ Launch: `torchrun --nproc_per_node=N -m framework.sample ... decode_ranks=K` (or
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -21,9 +22,41 @@ import torch.distributed as dist
 from framework.distributed.env import init_from_env
 
 
-def join(decode_ranks: int) -> None:
-    """For a command with decode_ranks=K: join torchrun's process group, refuse too few processes."""
-    roles(init_from_env(), decode_ranks)
+def join(decode_ranks: int | str) -> None:
+    """For a command with decode_ranks=K (or auto): join torchrun's process group, refuse too few processes."""
+    world = init_from_env()
+    roles(world, 1 if decode_ranks == "auto" else decode_ranks)
+
+
+def choose_decode_ranks(pipe: Any, batch: dict[str, Any], denoise: Callable[[dict[str, Any]], torch.Tensor],
+                        latent_shape: tuple[int, int, int]) -> int:
+    """decode_ranks=auto: K from measured stage times. Rank 0 (always a denoiser) denoises `batch` and sends the
+    latents to the last rank (always a decoder), which decodes them, each timed once warm (models loaded first);
+    the other ranks wait. With W ranks, denoising keeps up with decoding when (W - K) / t_denoise = K / t_decode:
+    K = W t_decode / (t_denoise + t_decode), rounded, between 1 and W - 1. Every rank returns the same K."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times = torch.zeros(2, dtype=torch.float64)
+    if rank == 0:
+        pipe.ensure_model()
+        t0 = time.perf_counter()
+        z = denoise(batch)
+        times[0] = time.perf_counter() - t0
+        dist.send(_wire(z), dst=world - 1)
+    elif rank == world - 1:
+        z = _wire(torch.empty(batch["size"], *latent_shape))
+        dist.recv(z, src=0)
+        pipe.codec  # loaded before the clock starts
+        t0 = time.perf_counter()
+        pipe.decode(z.to(pipe.device))
+        times[1] = time.perf_counter() - t0
+    times = _wire(times)
+    dist.all_reduce(times)
+    t_denoise, t_decode = times.tolist()
+    k = min(max(round(world * t_decode / (t_denoise + t_decode)), 1), world - 1)
+    if rank == 0:
+        print(f"decode_ranks=auto: a batch of {batch['size']} takes {t_denoise:.2f} s to denoise and {t_decode:.2f} s "
+              f"to decode: {k} of {world} ranks decode", flush=True)
+    return k
 
 
 def roles(world: int, decode_ranks: int) -> tuple[list[int], list[int]]:

@@ -68,6 +68,7 @@ class Pipeline:
         self.device = torch.device(device)
         self.empty_text = empty_text.float()
         self._codec = None  # the image codec (a VAE), loaded by the first decode: a rank that never decodes never loads it
+        self._build: Any = None  # from_checkpoint(lazy=True): builds the denoiser on its first use (ensure_model)
         self._text_encoder = None
         # The dataset's precomputed grid prompts: generating them loads no text encoder.
         self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
@@ -109,25 +110,52 @@ class Pipeline:
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, device: str = "cpu", weights: str = "ema",
-                        vae: str | None = None, text_encoder: str | None = None) -> "Pipeline":
+                        vae: str | None = None, text_encoder: str | None = None, lazy: bool = False) -> "Pipeline":
         """The pipeline of a checkpoint (one file or a sharded folder), EMA weights when present and asked for;
-        `vae` / `text_encoder` replace the encoder folders the dataset recorded (checked to exist)."""
-        return cls.from_checkpoint_dict(read_checkpoint(path), device, weights, path, vae, text_encoder)
+        `vae` / `text_encoder` replace the encoder folders the dataset recorded (checked to exist). lazy: the
+        denoiser is built, loaded and moved to `device` on its first use (ensure_model), the file memory-mapped
+        until then: a rank that only decodes (decode_ranks) never holds it."""
+        return cls.from_checkpoint_dict(read_checkpoint(path, mmap=lazy), device, weights, path, vae, text_encoder, lazy)
 
     @classmethod
     def from_checkpoint_dict(cls, ckpt: dict[str, Any], device: str = "cpu", weights: str = "ema",
                              path: str | os.PathLike = "checkpoint", vae: str | None = None,
-                             text_encoder: str | None = None) -> "Pipeline":
+                             text_encoder: str | None = None, lazy: bool = False) -> "Pipeline":
         """Like from_checkpoint, for a checkpoint already read with read_checkpoint (`path` names it in errors)."""
         extra = ckpt[CKPT_KEY]
         cfg = extra["config"]
-        model = build_denoiser(ModelConfig(**cfg["model"]))
-        missing, unexpected = model.load_state_dict(model_weights(ckpt, weights_used(ckpt, weights)), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"ckpt={path} does not fit its own model config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        used = weights_used(ckpt, weights)
+
+        def build() -> Denoiser:
+            model = build_denoiser(ModelConfig(**cfg["model"]))
+            missing, unexpected = model.load_state_dict(model_weights(ckpt, used), strict=False)
+            if missing or unexpected:
+                raise ValueError(f"ckpt={path} does not fit its own model config: missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]}")
+            return model.to(device).eval()
+
         objective = Objective(ObjectiveConfig(**cfg["objective"]))
         info = with_encoders(extra["dataset"], vae, text_encoder)
-        return cls(model.to(device).eval(), objective, extra["empty_text"], info, device)
+        if not lazy:
+            return cls(build(), objective, extra["empty_text"], info, device)
+        return cls.deferred(build, ModelConfig(**cfg["model"]), objective, extra["empty_text"], info, device)
+
+    @classmethod
+    def deferred(cls, build: Any, model_cfg: ModelConfig, objective: Objective, empty_text: torch.Tensor,
+                 dataset_info: dict[str, Any], device: torch.device | str = "cpu") -> "Pipeline":
+        """A pipeline whose denoiser `build()` makes on its first use (ensure_model); until then `model` is a
+        meta-device placeholder of `model_cfg` (its config and structure, no memory)."""
+        with torch.device("meta"):
+            placeholder = build_denoiser(model_cfg)
+        pipe = cls(placeholder.eval(), objective, empty_text, dataset_info, device)
+        pipe._build = build
+        return pipe
+
+    def ensure_model(self) -> Denoiser:
+        """The denoiser, built and loaded now if the pipeline was made lazily."""
+        if self._build is not None:
+            self.model, self._build = self._build(), None
+        return self.model
 
     @property
     def codec(self) -> Any:
@@ -171,7 +199,7 @@ class Pipeline:
         candidates: int = 1,
         progress: bool = False,
         cache_schedule: str | CacheSchedule | None = None,
-        decode_ranks: int = 0,
+        decode_ranks: int | str = 0,
         decode_on_rank0: bool = False,
         size: tuple[int, int] | None = None,
     ) -> torch.Tensor | None:
@@ -191,8 +219,9 @@ class Pipeline:
         branches it skips from the previous step (framework/inference/caching.py); refused when made for another
         sampler, step count or model.
         decode_ranks: inside a multi-process job, every rank calls this; the last `decode_ranks` ranks decode
-        while the others denoise (framework/inference/decoupled.py). Rank 0 gets all images, the same ones plain
-        sampling draws; the other ranks get None.
+        while the others denoise (framework/inference/decoupled.py); "auto": K from the first batch's measured
+        denoising and decoding times. Rank 0 gets all images, the same ones plain sampling draws; the other ranks
+        get None.
         size: the latent (h, w) to generate at (`latent_size()`: one the model was trained at); None: the model's.
         """
         if size is not None and tuple(size) not in self.sizes():
@@ -210,6 +239,8 @@ class Pipeline:
         n = len(prompts)
         schedule = self.schedule(cache_schedule, sampler, steps)
         sp = group_of(self.model)
+        if not decode_ranks:
+            self.ensure_model()
         if decode_ranks:
             if sp is not None:
                 raise ValueError("decode_ranks with sequence_parallel: choose one way to share generation between ranks")
@@ -284,7 +315,7 @@ class Pipeline:
         import torch.distributed as dist
         from tqdm import tqdm
 
-        from framework.inference.decoupled import generate_decoupled
+        from framework.inference.decoupled import choose_decode_ranks, generate_decoupled
 
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"decode_ranks={decode_ranks} needs a multi-process job: launch with "
@@ -292,14 +323,21 @@ class Pipeline:
         n = len(prompts)
         batches = [{"size": min(batch_size, n - i), "slice": slice(i, i + batch_size)} for i in range(0, n, batch_size)]
         bar = tqdm(total=n, desc="denoise", unit="img", disable=not (progress and dist.get_rank() == 0), leave=False)
-        with self._branch_runner(schedule) as runner:
+        active: dict[str, BranchRunner | None] = {"runner": None}  # the cache runner, once installed
 
-            def denoise(batch: dict) -> torch.Tensor:
-                s = batch["slice"]
-                return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, runner, schedule, hw)
+        def denoise(batch: dict) -> torch.Tensor:
+            s = batch["slice"]
+            return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, active["runner"],
+                                       schedule, hw)
 
-            images = generate_decoupled(self, batches, decode_ranks, denoise, (self.model.cfg.in_channels, *hw),
-                                        bar.update)
+        shape = (self.model.cfg.in_channels, *hw)
+        if decode_ranks == "auto":
+            decode_ranks = choose_decode_ranks(self, batches[0], denoise, shape)
+        denoising = dist.get_rank() < dist.get_world_size() - decode_ranks
+        if denoising:  # a decoding rank never builds the denoiser
+            self.ensure_model()
+        with self._branch_runner(schedule if denoising else None) as active["runner"]:
+            images = generate_decoupled(self, batches, decode_ranks, denoise, shape, bar.update)
         bar.close()
         return images
 
