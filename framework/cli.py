@@ -80,23 +80,27 @@ class EncoderPaths:
     """Prompt encoder: minilm or a local text-encoder folder; null: the one the checkpoint's dataset recorded."""
 
 
-def share_ranks(model: Any, cfg: RankSharing) -> bool:
-    """Join torchrun's process group for `cfg`'s decode_ranks / sequence_parallel (splitting `model` for the
-    latter); returns whether this rank writes and prints (rank 0, or the only process)."""
+def share_ranks(pipe: Any, cfg: RankSharing) -> bool:
+    """Join torchrun's process group for `cfg`'s decode_ranks / sequence_parallel (splitting the pipeline's model for
+    the latter: on the denoising ranks only, in groups of consecutive ranks, when both are set); returns whether this
+    rank writes and prints (rank 0, or the only process)."""
     import torch.distributed as dist
 
     if cfg.decode_ranks != "auto" and (not isinstance(cfg.decode_ranks, int) or cfg.decode_ranks < 0):
         raise ValueError(f"decode_ranks={cfg.decode_ranks!r}: a number of ranks (0: off) or auto")
-    if cfg.decode_ranks and cfg.sequence_parallel > 1:
-        raise ValueError("decode_ranks with sequence_parallel: choose one way to share generation between ranks")
+    if cfg.decode_ranks == "auto" and cfg.sequence_parallel > 1:
+        raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks (the others must "
+                         "form whole sequence-parallel groups)")
     if cfg.decode_ranks:
-        from framework.inference.decoupled import join
+        from framework.inference.decoupled import join, split_denoisers
 
         join(cfg.decode_ranks)  # refuses too few processes
-    if cfg.sequence_parallel > 1:
+        if cfg.sequence_parallel > 1:
+            split_denoisers(pipe, cfg.decode_ranks, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
+    elif cfg.sequence_parallel > 1:
         from framework.distributed.sequence import split_for_sampling
 
-        split_for_sampling(model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
+        split_for_sampling(pipe.model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
     return not dist.is_initialized() or dist.get_rank() == 0
 
 

@@ -205,7 +205,7 @@ def run(cfg: EvalCommand) -> None:
     """The eval command on its arguments: print (and write) the metrics on rank 0."""
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
                                     vae=cfg.vae, text_encoder=cfg.text_encoder, lazy=bool(cfg.decode_ranks))
-    rank0 = share_ranks(pipe.model, cfg)
+    rank0 = share_ranks(pipe, cfg)
     split = cfg.sequence_parallel > 1  # the sequence-parallel groups share the prompts
     if dataset_kind(pipe.info) is None and not cfg.real:
         raise SystemExit(

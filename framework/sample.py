@@ -74,7 +74,7 @@ def run(cfg: SampleCommand) -> list[Path]:
 
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
                                     vae=cfg.vae, text_encoder=cfg.text_encoder, lazy=bool(cfg.decode_ranks))
-    rank0 = share_ranks(pipe.model, cfg)
+    rank0 = share_ranks(pipe, cfg)
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()

@@ -98,18 +98,25 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     checks the images against one process's."""
     import resource
 
-    init_from_env()
+    from framework.cli import RankSharing, share_ranks
+    from framework.distributed.sequence import group_of
+
     pipe = Pipeline.from_checkpoint(ckpt, lazy=True)
     k = decode_ranks if decode_ranks == "auto" else int(decode_ranks)
+    share_ranks(pipe, RankSharing(decode_ranks=k, sequence_parallel=int(os.environ.get("SEQUENCE_PARALLEL", "1"))))
     images = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, decode_ranks=k)
+    again = pipe.generate(PROMPTS[:2], steps=3, seed=4, batch_size=2, decode_ranks=k)  # a second call (eval makes many)
+    sp = group_of(pipe.model)
     state = {"built": pipe._build is None, "codec": pipe._codec is not None,
-             "meta": next(pipe.model.parameters()).is_meta, "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+             "meta": next(pipe.model.parameters()).is_meta, "split": None if sp is None else [sp.rank, sp.size],
+             "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, state)
     if dist.get_rank() == 0:
         plain = Pipeline.from_checkpoint(ckpt).generate(PROMPTS, steps=3, seed=4, batch_size=2)
         with open(out, "w") as f:
-            json.dump({"equal": bool(torch.equal(images, plain)), "ranks": everyone}, f)
+            json.dump({"equal": bool(torch.equal(images, plain)), "max_diff": float((images - plain).abs().max()),
+                       "again_equal": bool(torch.equal(again, images[:2])), "ranks": everyone}, f)
     leave()
 
 

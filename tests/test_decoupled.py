@@ -111,10 +111,27 @@ def test_each_role_loads_only_its_own_model(tmp_path, quick_ckpt, decode_ranks):
                     fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads(out.read_text())
-    assert r["equal"]
+    assert r["equal"] and r["again_equal"]
     assert [(x["built"], x["meta"], x["codec"]) for x in r["ranks"]] == [(True, False, False)] * 2 + [(False, True, True)]
     if decode_ranks == "auto":
         assert "decode_ranks=auto: a batch of 2 takes" in proc.stdout and "1 of 3 ranks decode" in proc.stdout
+
+
+def test_sequence_parallel_denoising_groups_with_decode_ranks(tmp_path, quick_ckpt):
+    """3 ranks, sequence_parallel=2 with decode_ranks=1: ranks 0 and 1 denoise every batch together, their model split
+    over the two of them (built on first use, then split), and rank 2 decodes; the images are one process's up to the
+    split attention's float round-off. 4 ranks with decode_ranks=1 leave 3 denoisers, not whole groups: refused."""
+    out = tmp_path / "result.json"
+    proc = torchrun(3, "-m", "tests.decoupled_worker", "roles", quick_ckpt, "1", str(out), tmp=tmp_path, fork=True,
+                    env={"SEQUENCE_PARALLEL": "2"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["max_diff"] < 1e-5 and r["again_equal"], r
+    assert [(x["built"], x["codec"], x["split"]) for x in r["ranks"]] == [(True, False, [0, 2]), (True, False, [1, 2]),
+                                                                         (False, True, None)]
+    proc = torchrun(4, "-m", "tests.decoupled_worker", "roles", quick_ckpt, "1", str(tmp_path / "r4.json"),
+                    tmp=tmp_path, fork=True, env={"SEQUENCE_PARALLEL": "2"})
+    assert proc.returncode != 0 and "not whole groups of 2" in proc.stdout + proc.stderr
 
 
 def test_bench_decode_reports_each_way_and_each_ranks_role(tmp_path):
@@ -139,8 +156,8 @@ def test_decode_ranks_is_a_count_or_auto():
     for bad in (-1, "two"):
         with pytest.raises(ValueError, match="a number of ranks"):
             share_ranks(None, RankSharing(decode_ranks=bad))
-    with pytest.raises(ValueError, match="choose one way"):
-        share_ranks(None, RankSharing(decode_ranks=1, sequence_parallel=2))
+    with pytest.raises(ValueError, match="give the number of decoding ranks"):
+        share_ranks(None, RankSharing(decode_ranks="auto", sequence_parallel=2))
 
 
 def test_a_slow_decoder_does_not_hold_up_denoising(tmp_path, digits_shards, tiny_vae_dir):

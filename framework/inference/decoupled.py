@@ -28,6 +28,26 @@ def join(decode_ranks: int | str) -> None:
     roles(world, 1 if decode_ranks == "auto" else decode_ranks)
 
 
+def split_denoisers(pipe: Any, decode_ranks: int, size: int, head_groups: int = 1) -> None:
+    """decode_ranks=K with sequence_parallel=P on W ranks: the W - K denoising ranks form groups of P consecutive
+    ranks, each group denoising its batches together (its model split over the group when it is built: the
+    pipeline's model is built on first use); the K decoding ranks decode. Every rank calls this (the groups are
+    created collectively)."""
+    from framework.distributed.sequence import SequenceParallel, check
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    denoisers = world - decode_ranks
+    if denoisers % size:
+        raise ValueError(f"decode_ranks={decode_ranks} with sequence_parallel={size} on {world} ranks leaves {denoisers} "
+                         f"denoising ranks, not whole groups of {size}: launch {size * max(1, denoisers // size) + decode_ranks}"
+                         f" processes, or change decode_ranks")
+    check(pipe.model.cfg, size, head_groups, denoisers)
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(denoisers // size)]
+    sp = SequenceParallel(size, rank % size, groups[rank // size], rank // size, denoisers // size, head_groups) \
+        if rank < denoisers else None
+    pipe.split_when_built(sp, size)
+
+
 def choose_decode_ranks(pipe: Any, batch: dict[str, Any], denoise: Callable[[dict[str, Any]], torch.Tensor],
                         latent_shape: tuple[int, int, int]) -> int:
     """decode_ranks=auto: K from measured stage times. Rank 0 (always a denoiser) denoises `batch` and sends the
@@ -94,25 +114,29 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: int,
                        denoise: Callable[[dict[str, Any]], torch.Tensor], latent_shape: tuple[int, int, int],
-                       on_batch: Callable[[int], None] | None = None) -> torch.Tensor | None:
+                       on_batch: Callable[[int], None] | None = None, group_size: int = 1) -> torch.Tensor | None:
     """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks (`pipe`: the
-    framework.inference.pipeline.Pipeline that calls this; not imported here, it imports this module).
+    framework.inference.pipeline.Pipeline that calls this; not imported here, it imports this module). group_size:
+    the denoising ranks' sequence-parallel groups (split_denoisers); each group's first rank sends its latents.
 
     Every rank calls this with the same `batches` (each a dict with at least "size"). Rank 0 gets the
     images of all batches in order; the other ranks get None.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     denoisers, decoders = roles(world, decode_ranks)
-    denoiser_of = lambda b: denoisers[b % len(denoisers)]
+    P = group_size  # a sequence-parallel group of P consecutive denoising ranks draws each of its batches together
+    groups = len(denoisers) // P
+    denoiser_of = lambda b: (b % groups) * P  # the group's first rank sends its latents
     decoder_of = lambda b: decoders[b % len(decoders)]
     C, H, W = latent_shape  # of one image's latents: what `denoise` returns per image
     images_group = _image_group()
     sends = []
     if rank in denoisers:
         for b, batch in enumerate(batches):
-            if denoiser_of(b) == rank:
+            if b % groups == rank // P:
                 z = denoise(batch)  # (n, C, H, W)
-                sends.append((dist.isend(_wire(z), dst=decoder_of(b), tag=b), z))  # decoded while we go on
+                if rank == denoiser_of(b):
+                    sends.append((dist.isend(_wire(z), dst=decoder_of(b), tag=b), z))  # decoded while we go on
                 if on_batch:
                     on_batch(batch["size"])
     else:

@@ -69,6 +69,8 @@ class Pipeline:
         self.empty_text = empty_text.float()
         self._codec = None  # the image codec (a VAE), loaded by the first decode: a rank that never decodes never loads it
         self._build: Any = None  # from_checkpoint(lazy=True): builds the denoiser on its first use (ensure_model)
+        self._sequence: Any = None  # the SequenceParallel to split it over when built (split_when_built)
+        self._group_size = 1  # decode_ranks: the denoising ranks' sequence-parallel group size
         self._text_encoder = None
         # The dataset's precomputed grid prompts: generating them loads no text encoder.
         self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
@@ -152,10 +154,22 @@ class Pipeline:
         return pipe
 
     def ensure_model(self) -> Denoiser:
-        """The denoiser, built and loaded now if the pipeline was made lazily."""
+        """The denoiser, built and loaded now if the pipeline was made lazily (and split over its sequence-parallel
+        group if split_when_built asked for it)."""
         if self._build is not None:
             self.model, self._build = self._build(), None
+            if self._sequence is not None:
+                from framework.distributed.sequence import install
+
+                install(self.model, self._sequence)
         return self.model
+
+    def split_when_built(self, sp: Any, group_size: int) -> None:
+        """Split the lazily built denoiser over `sp` (a SequenceParallel; None on a rank that only decodes) when it is
+        built; `group_size`: the denoising groups' size, which every rank of decode_ranks needs to know."""
+        if self._build is None:
+            raise RuntimeError("split_when_built: the denoiser is already built; split it with sequence.install")
+        self._sequence, self._group_size = sp, group_size
 
     @property
     def codec(self) -> Any:
@@ -242,8 +256,9 @@ class Pipeline:
         if not decode_ranks:
             self.ensure_model()
         if decode_ranks:
-            if sp is not None:
-                raise ValueError("decode_ranks with sequence_parallel: choose one way to share generation between ranks")
+            if sp is not None and sp is not self._sequence:  # (split_denoisers' groups are the supported way)
+                raise ValueError("decode_ranks with a model split for sequence_parallel over every rank: split only the "
+                                 "denoising ranks (framework.cli.share_ranks with both set)")
             if split_ranks:
                 raise ValueError("decode_ranks and split_ranks: choose one way to share generation between ranks")
             return self._generate_decoupled(prompts, labels, noise, steps, guidance, sampler, batch_size, progress,
@@ -332,12 +347,14 @@ class Pipeline:
 
         shape = (self.model.cfg.in_channels, *hw)
         if decode_ranks == "auto":
+            if self._group_size > 1:
+                raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks")
             decode_ranks = choose_decode_ranks(self, batches[0], denoise, shape)
         denoising = dist.get_rank() < dist.get_world_size() - decode_ranks
         if denoising:  # a decoding rank never builds the denoiser
             self.ensure_model()
         with self._branch_runner(schedule if denoising else None) as active["runner"]:
-            images = generate_decoupled(self, batches, decode_ranks, denoise, shape, bar.update)
+            images = generate_decoupled(self, batches, decode_ranks, denoise, shape, bar.update, self._group_size)
         bar.close()
         return images
 
