@@ -6,6 +6,8 @@ MiniLM-encoded prompts into images three ways, every rank taking part in each:
   one_rank    rank 0 alone, plain sampling (the others wait)
   split       every rank denoises and decodes its share of the prompts (Pipeline.generate split_ranks)
   decoupled   the last `decode_ranks` ranks decode while the others denoise (decode_ranks, framework/inference/decoupled.py)
+  sequence_parallel         every rank in groups of P splitting each image's tokens, the groups sharing the prompts
+  sequence_parallel_decode  the denoising ranks in groups of P, the last `decode_ranks` ranks decoding
 Each is timed `repeats` times after a warm-up; the best is kept; then one prompt alone (its latency). The denoiser
 is built on first use, so a decoding rank never holds it; each rank's peak memory is reported with its role.
 Rank 0 prints the table.
@@ -40,7 +42,10 @@ class DecodeBench:
     steps: int = 20
     decode_ranks: Any = 1
     """Ranks that decode in the decoupled way; auto: chosen from the first batch's stage times."""
-    ways: list[str] = field(default_factory=lambda: ["one_rank", "split", "decoupled"])
+    sequence_parallel: int = 2
+    """P of the sequence_parallel ways (all ranks in groups of P; the denoising ranks in groups of P)."""
+    ways: list[str] = field(default_factory=lambda: ["one_rank", "split", "decoupled", "sequence_parallel",
+                                                     "sequence_parallel_decode"])
     """Which ways to run. On a CPU each rank's peak memory is its process's peak so far: run one way per command
     for per-role figures (on a GPU the peak is reset for each way)."""
     repeats: int = 2
@@ -79,23 +84,45 @@ def run(cfg: DecodeBench) -> list[dict[str, Any]]:
 
     info = {"image_codec": str(vae), "text_encoder": "minilm", "scaling_factor": 0.18215, "shift_factor": 0.0,
             "image_mode": "RGB"}
-    # built on first use, as framework.sample loads a checkpoint with decode_ranks: a decoding rank never builds it
-    pipe = Pipeline.deferred(build, mcfg, Objective(ObjectiveConfig()), torch.zeros(1, 384), info)
     prompts = [f"a handwritten {i % 10}" for i in range(cfg.images)]
+    P, K = cfg.sequence_parallel, cfg.decode_ranks
+    possible = {"sequence_parallel": world % P == 0, "sequence_parallel_decode": K != "auto" and (world - K) % P == 0}
+    pipes: dict[str, Any] = {}
+
+    def pipe_for(name: str) -> Any:
+        """Each way its own pipeline, its denoiser built on first use as framework.sample loads a checkpoint (a
+        decoding rank never builds it), split as the way needs."""
+        if name not in pipes:
+            pipe = Pipeline.deferred(build, mcfg, Objective(ObjectiveConfig()), torch.zeros(1, 384), info)
+            if name == "sequence_parallel":
+                from framework.distributed.sequence import split_for_sampling
+
+                split_for_sampling(pipe.ensure_model(), P)
+            elif name == "sequence_parallel_decode":
+                from framework.inference.decoupled import split_denoisers
+
+                split_denoisers(pipe, K, P)
+            pipes[name] = pipe
+        return pipes[name]
 
     def generate(name: str, chosen: list[str]) -> torch.Tensor | None:
+        pipe = pipe_for(name)
         if name == "one_rank":
             return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size) if rank == 0 else None
-        if name == "split":
+        if name in ("split", "sequence_parallel"):
             return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size, split_ranks=True)
-        return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size, decode_ranks=cfg.decode_ranks)
+        return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size, decode_ranks=K)
 
-    cuda = pipe.device.type == "cuda"
+    ways = [w for w in cfg.ways if possible.get(w, True)]
+    for w in set(cfg.ways) - set(ways):
+        if rank == 0:
+            print(f"[bench decode] {w}: skipped ({world} ranks, decode_ranks={K}, sequence_parallel={P} do not divide)")
+    cuda = torch.cuda.is_available()
     best: dict[str, float] = {}
     latency: dict[str, float] = {}
     memory: dict[str, list] = {}
     images: dict[str, torch.Tensor | None] = {}
-    for name in cfg.ways:
+    for name in ways:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         for r in range(cfg.repeats + 1):  # round 0 warms up
@@ -112,20 +139,23 @@ def run(cfg: DecodeBench) -> list[dict[str, Any]]:
         latency[name] = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         memory[name] = [None] * world
-        dist.all_gather_object(memory[name], {"peak_MiB": round(peak / 2**20), "denoiser": pipe._build is None,
-                                              "decoder": pipe._codec is not None})
+        dist.all_gather_object(memory[name], {"peak_MiB": round(peak / 2**20), "denoiser": pipes[name]._build is None,
+                                              "decoder": pipes[name]._codec is not None})
     rows = []
     if rank == 0:
         ref = images.get("one_rank")
         rows = [{"way": name, "ranks": 1 if name == "one_rank" else world,
-                 "decode_ranks": cfg.decode_ranks if name == "decoupled" else 0, "images_per_s": cfg.images / best[name],
+                 "decode_ranks": K if name in ("decoupled", "sequence_parallel_decode") else 0,
+                 "sequence_parallel": P if name.startswith("sequence") else 1, "images_per_s": cfg.images / best[name],
                  "seconds": best[name], "latency_s": latency[name],
                  "same_images_as_one_rank": None if ref is None else bool(torch.equal(images[name], ref)),
+                 "max_diff_vs_one_rank": None if ref is None else float((images[name] - ref).abs().max()),
                  "per_rank": memory[name], "images": cfg.images, "image_size": list(images[name].shape[-2:]),
-                 "preset": cfg.preset, "steps": cfg.steps, "batch_size": cfg.batch_size, "device": str(pipe.device)}
-                for name in cfg.ways]
+                 "preset": cfg.preset, "steps": cfg.steps, "batch_size": cfg.batch_size,
+                 "device": str(pipes[name].device)} for name in ways]
         for r in rows:
             r["peak_MiB_per_rank"] = [m["peak_MiB"] for m in r["per_rank"]]
-        print_table(rows, ["way", "ranks", "decode_ranks", "seconds", "images_per_s", "latency_s", "peak_MiB_per_rank",
+        print_table(rows, ["way", "ranks", "decode_ranks", "sequence_parallel", "seconds", "images_per_s", "latency_s",
+                           "peak_MiB_per_rank",
                            "same_images_as_one_rank"])
     return rows
