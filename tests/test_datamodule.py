@@ -488,3 +488,31 @@ def test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_count
         get_partitions("orig", 100_000, ncn, nodes, 8, 2, 32)
     with pytest.raises(ValueError, match="evenly divisible"):
         get_partitions("orig", 100_000, 4, 3, 8, 2, 32)
+
+
+def test_a_shared_memory_prefix_taken_by_another_job_at_the_same_moment_is_retried(digits_shards, tmp_path, monkeypatch,
+                                                                                      caplog):
+    """Two jobs starting together on one node can both pick Streaming's first free shared-memory prefix; the second
+    to create its `NNNNNN_locals` gets FileExistsError (seen in CI: the Slurm sweep's two array jobs). A process
+    that is its node's only rank retries with the next prefix; inside a multi-rank job the error is raised."""
+    import framework.data.datamodule as dm_lib
+
+    real, calls = framework.data.shards.ShardDataset, []
+
+    def racing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise FileExistsError("[Errno 17] File exists: '/000001_locals'")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(framework.data.shards, "ShardDataset", racing)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    dm = LatentDataModule(DataConfig(path=str(digits_shards), local=str(tmp_path / "cache"), batch_size=8), seed=0)
+    with caplog.at_level("WARNING"):
+        dm.setup("fit")
+    assert len(calls) == 2 and dm.dataset is not None and "trying the next one" in caplog.text
+    calls.clear()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(FileExistsError, match="_locals"):
+        dm_lib.open_racing_other_jobs(lambda: racing())
+    assert len(calls) == 1

@@ -317,6 +317,27 @@ class LatentCollate:
 # ---------------------------------------------------------------------------------------------
 
 
+def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
+    """`make()` a StreamingDataset, again after a short random pause when another job on this node registered the
+    same shared-memory prefix between Streaming's choice of it and its creation (FileExistsError on `NNNNNN_locals`:
+    Streaming takes the first free prefix without a lock across processes, so two jobs starting together can pick
+    the same one). The retry picks the next free prefix. Only for a process that is its node's only rank: within a
+    job the local ranks agree on the prefix together, and one rank retrying alone would leave the others waiting."""
+    import random
+    import time
+
+    alone = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1
+    for attempt in range(attempts):
+        try:
+            return make()
+        except FileExistsError as err:
+            if not alone or "_locals" not in str(err) or attempt == attempts - 1:
+                raise
+            logging.getLogger(__name__).warning("another job registered Streaming's shared-memory prefix at the same "
+                                                "moment (%s); trying the next one", err)
+            time.sleep(random.uniform(0.05, 0.5))
+
+
 def _is_complete(path: str) -> bool:
     return _is_remote(path) or (Path(path).expanduser() / DATASET_FILE).is_file()
 
@@ -417,7 +438,7 @@ class LatentDataModule(L.LightningDataModule):
 
                 where = {"streams": [Stream(remote=join(remote, sub), local=join(where["local"], sub)) for sub in subdirs],
                          "batching_method": "per_stream"}
-            return ShardDataset(
+            make = lambda: ShardDataset(  # noqa: E731
                 **where,
                 batch_size=cfg.batch_size, shuffle=cfg.shuffle,
                 shuffle_seed=self.seed if cfg.shuffle_seed is None else cfg.shuffle_seed,
@@ -427,6 +448,7 @@ class LatentDataModule(L.LightningDataModule):
                 download_timeout=cfg.download_timeout,
                 replication=self.replication if self.replication > 1 else None,
             )
+            return open_racing_other_jobs(make)
         except Exception as err:
             raise RuntimeError(f"could not open the shards of {cfg.path} (local cache {local}): "
                                f"{type(err).__name__}: {err}") from err
