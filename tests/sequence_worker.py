@@ -123,12 +123,17 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
     plain = Pipeline(copy.deepcopy(model), Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
     split = Pipeline(model, Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
     want = plain.generate(prompts, steps=3, seed=2, batch_size=2)
+    want_cached = plain.generate(prompts, steps=4, seed=2, batch_size=2, cache_schedule="uniform:2")
     install(model, init(mesh, "cpu"))
     got = split.generate(prompts, steps=3, seed=2, batch_size=2, split_ranks=True)
+    got_cached = split.generate(prompts, steps=4, seed=2, batch_size=2, split_ranks=True, cache_schedule="uniform:2")
     diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+    cached_diff = float((got_cached - want_cached).abs().max()) if got_cached.shape == want_cached.shape else float("inf")
     decoded = [None] * dist.get_world_size()  # which ranks loaded the codec: the first decode loads it
     dist.all_gather_object(decoded, split._codec is not None)
-    return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape), "decoded": decoded}
+    return {"max_diff": diff, "max_abs": float(want.abs().max()), "shape": list(got.shape), "decoded": decoded,
+            "cached_max_diff": cached_diff, "cached_vs_full": float((want_cached - plain.generate(
+                prompts, steps=4, seed=2, batch_size=2)).abs().max())}
 
 
 def main(data: str, out: str) -> None:

@@ -52,6 +52,9 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
         r = result[f"sample/{family}"]
         assert r["shape"] == [3, 1, 8, 8] and r["max_abs"] > 0.1 and r["max_diff"] < 1e-5, (family, r)
         assert r["decoded"] == [True, False], "one rank of the group decodes, and the other gets its images"
+        # cached sampling (uniform:2 reuses every other step's branches) under the split equals it unsplit, and the
+        # cache changes the images (it is really on)
+        assert r["cached_max_diff"] < 1e-5 and r["cached_vs_full"] > 1e-3, (family, r)
 
 
 def test_four_ranks_with_interior_bands_equal_the_whole_model(tmp_path, digits_shards):
