@@ -59,7 +59,7 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
     for p in ref.parameters():  # zero-initialised output layers would hide errors in the blocks
         torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.02)
     model = copy.deepcopy(ref)
-    install(model, init(mesh, "cpu", head_groups))
+    install(model, init(mesh, head_groups))
     if diffusers_attention:
         reference = DiffusersUlysses(mesh)
         for block in model.net.transformer_blocks:
@@ -124,7 +124,7 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
     split = Pipeline(model, Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
     want = plain.generate(prompts, steps=3, seed=2, batch_size=2)
     want_cached = plain.generate(prompts, steps=4, seed=2, batch_size=2, cache_schedule="uniform:2")
-    install(model, init(mesh, "cpu"))
+    install(model, init(mesh))
     got = split.generate(prompts, steps=3, seed=2, batch_size=2, split_ranks=True)
     got_cached = split.generate(prompts, steps=4, seed=2, batch_size=2, split_ranks=True, cache_schedule="uniform:2")
     diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")

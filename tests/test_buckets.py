@@ -213,7 +213,7 @@ def test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop(buc
     from framework.sample import SampleCommand
     from framework.sample import run as sample
     from tests.test_data_prep import read_rows
-    from tests.test_train import cheap, compose_cfg
+    from tests.test_train import _with_callback, cheap, compose_cfg
 
     torch.manual_seed(0)
     model = build_denoiser(load_preset("sd2_unet_debug", in_channels=3, sample_size=12, text_dim=32,
@@ -239,8 +239,7 @@ def test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop(buc
     assert batch["size_ids"].tolist() == [[30.0, 62.5, 0.0, 1.5, 10.0, 20.0]] * 2
 
     probe = SizeIdsProbe()
-    base = train_lib.build_callbacks
-    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), probe.callback])
+    _with_callback(monkeypatch, probe.callback)
     out = train_lib.train(compose_cfg(cheap(tmp_path, bucketed, "model=sd2_unet_debug", *MODEL, "data.batch_size=8",
                                             "model.size_conditioning=true", "sample.every_n_steps=0", steps=2,
                                             run="unet_sized")))

@@ -162,12 +162,11 @@ class TrainProbe(pl.Callback):
 
 
 def _train_with(callback: pl.Callback, monkeypatch, overrides: list[str]) -> dict:
-    import framework.train as train_lib
-    from tests.test_train import compose_cfg
+    from framework.train import train
+    from tests.test_train import _with_callback, compose_cfg
 
-    base = train_lib.build_callbacks
-    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), callback])
-    return train_lib.train(compose_cfg(overrides))
+    _with_callback(monkeypatch, callback)
+    return train(compose_cfg(overrides))
 
 
 def _gpu_run(tmp_path: Path, shards: Path, *extra: str, steps: int = 3, run: str = "run") -> list[str]:

@@ -172,7 +172,7 @@ def run_rows(cfg: GPUBench) -> list[dict[str, Any]]:
         if v.label == "plain":
             plain[v.preset] = row
         base = plain.get(v.preset)
-        if base is not None and row is not base and "samples_per_s" in row:
+        if base is not None and row is not base and "samples_per_s" in row and "samples_per_s" in base:
             row["speed_vs_plain"] = row["samples_per_s"] / base["samples_per_s"]
             row["memory_vs_plain"] = row["peak_mem_bytes"] / base["peak_mem_bytes"]
         rows.append(row)

@@ -314,7 +314,7 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
         with device:
             model = build_denoiser(mcfg)
         _fake_group(bench.ranks)
-        install(model, init(job_mesh(bench.ranks, device_type=device.type), device, G))
+        install(model, init(job_mesh(bench.ranks, device_type=device.type), G))
         record_step(model, mcfg, bench, device)  # warm-up
         steps = [record_step(model, mcfg, bench, device) for _ in range(bench.repeats)]
         steps.sort(key=lambda s: s[2])

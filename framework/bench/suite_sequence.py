@@ -114,7 +114,7 @@ def run(bench: SequenceBench) -> list[dict[str, Any]]:
         if P > 1:
             if not real:
                 _fake_group(P)
-            install(model, init(job_mesh(P, device_type=device.type), device, G))
+            install(model, init(job_mesh(P, device_type=device.type), G))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         for side in bench.latent_sizes:
             tokens = (side // cfg.patch_size) ** 2

@@ -103,9 +103,9 @@ class SequenceParallel:
     # G: the heads' exchanges go in G groups, each overlapping another group's attention (ScaleFusion)
 
 
-def init(mesh: Mesh, device: torch.device | str, head_groups: int = 1) -> SequenceParallel:
+def init(mesh: Mesh, head_groups: int = 1) -> SequenceParallel:
     """This rank's SequenceParallel from the job's mesh (framework/distributed/mesh.py): its sequence dim is the
-    group. `device` is where the model runs (the group's collectives follow the mesh's backend)."""
+    group (its collectives follow the mesh's backend)."""
     group, rank = mesh.sequence_group()
     return SequenceParallel(mesh.dims.sequence, rank, group, mesh.data_parallel_rank, mesh.dims.data_parallel,
                             head_groups)
@@ -123,7 +123,7 @@ def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> None
                          f"torchrun --standalone --nproc_per_node={size} -m ...")
     check(model.cfg, size, head_groups, world)
     device = next(model.parameters()).device
-    install(model, init(job_mesh(size, device_type=device.type), device, head_groups))
+    install(model, init(job_mesh(size, device_type=device.type), head_groups))
 
 
 def group_of(module: nn.Module) -> SequenceParallel | None:
@@ -236,6 +236,10 @@ class _Layout:
         """(P: source heads, n, B, hl, D) -> (B, n, hg, D) (a copy: the join, where the outputs are needed)."""
         return r.permute(2, 1, 0, 3, 4).reshape(self.B, self.n, self.hg, self.D)
 
+    def join(self, received: list[torch.Tensor]) -> torch.Tensor:
+        """The groups' received outputs, waited for here, -> (B, n, H, D)."""
+        return torch.cat([self.received_out(_wait(r)) for r in received], dim=2)
+
     def unreceived_out(self, d: torch.Tensor) -> torch.Tensor:
         """The adjoint of received_out: (B, n, hg, D) -> (P, n, B, hl, D)."""
         return d.reshape(self.B, self.n, self.P, self.hl, self.D).permute(2, 1, 0, 3, 4)
@@ -280,8 +284,7 @@ class _JoinOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lay: _Layout, group: Any, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.lay, ctx.group = lay, group
-        received = tensors[lay.G:]  # the first G are the send buffers, for autograd
-        return torch.cat([lay.received_out(_wait(r)) for r in received], dim=2)
+        return lay.join(tensors[lay.G:])  # the first G are the send buffers, for autograd
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -314,7 +317,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
         out_received.append(_all_to_all(out_sends[-1].detach(), sp.group))
     if grad:
         return _JoinOutputs.apply(lay, sp.group, *out_sends, *out_received)
-    return torch.cat([lay.received_out(_wait(r)) for r in out_received], dim=2)
+    return lay.join(out_received)
 
 
 # --------------------------------------------------------------------------------------------------

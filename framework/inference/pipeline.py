@@ -126,10 +126,10 @@ class Pipeline:
         """Like from_checkpoint, for a checkpoint already read with read_checkpoint (`path` names it in errors)."""
         extra = ckpt[CKPT_KEY]
         cfg = extra["config"]
-        used = weights_used(ckpt, weights)
+        used, model_cfg = weights_used(ckpt, weights), ModelConfig(**cfg["model"])
 
         def build() -> Denoiser:
-            model = build_denoiser(ModelConfig(**cfg["model"]))
+            model = build_denoiser(model_cfg)
             missing, unexpected = model.load_state_dict(model_weights(ckpt, used), strict=False)
             if missing or unexpected:
                 raise ValueError(f"ckpt={path} does not fit its own model config: missing {missing[:3]}, "
@@ -140,7 +140,7 @@ class Pipeline:
         info = with_encoders(extra["dataset"], vae, text_encoder)
         if not lazy:
             return cls(build(), objective, extra["empty_text"], info, device)
-        return cls.deferred(build, ModelConfig(**cfg["model"]), objective, extra["empty_text"], info, device)
+        return cls.deferred(build, model_cfg, objective, extra["empty_text"], info, device)
 
     @classmethod
     def deferred(cls, build: Any, model_cfg: ModelConfig, objective: Objective, empty_text: torch.Tensor,
@@ -253,8 +253,6 @@ class Pipeline:
         n = len(prompts)
         schedule = self.schedule(cache_schedule, sampler, steps)
         sp = group_of(self.model)
-        if not decode_ranks:
-            self.ensure_model()
         if decode_ranks:
             if sp is not None and sp is not self._sequence:  # (split_denoisers' groups are the supported way)
                 raise ValueError("decode_ranks with a model split for sequence_parallel over every rank: split only the "
@@ -263,6 +261,7 @@ class Pipeline:
                 raise ValueError("decode_ranks and split_ranks: choose one way to share generation between ranks")
             return self._generate_decoupled(prompts, labels, noise, steps, guidance, sampler, batch_size, progress,
                                             schedule, decode_ranks, hw)
+        self.ensure_model()  # (decode_ranks: only the denoising ranks build it)
         world = _world_size() if split_ranks or sp is not None else 1
         if world == 1:
             return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, hw, progress, schedule)

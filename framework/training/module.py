@@ -112,7 +112,7 @@ class DiffusionModule(pl.LightningModule):
         if s.sequence_parallel > 1:  # hooks and processors only: before sharding, on the meta model under fsdp
             from framework.distributed.sequence import init, install
 
-            install(self.model, init(mesh, strategy.root_device, s.sequence_parallel_head_groups))
+            install(self.model, init(mesh, s.sequence_parallel_head_groups))
         prepare_blocks(self.model, s.activation_checkpointing, s.compile)
         if s.name == "fsdp":
             shard(self.model, mesh.fsdp_mesh(), s.sharding, strategy.param_dtype)
