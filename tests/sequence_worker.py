@@ -145,7 +145,8 @@ def main(data: str, out: str) -> None:
         for family in ("pixart", "sana"):
             result[f"sample/{family}"] = sample(mesh, data, family)
     for family in ("pixart", "sana", "dit"):
-        for head_groups in ((1, 2) if family != "sana" and world == 2 else (1,)):  # 4 heads: G x P must divide them
+        # 4 heads: G x P must divide them for softmax attention; SANA's linear attention keeps every head, G divides 4
+        for head_groups in ((1, 2) if family == "sana" or world == 2 else (1,)):
             result[f"{family}/{head_groups}"] = compare(mesh, family, head_groups)
         result[f"{family}/ckpt"] = compare(mesh, family, 1, ckpt=True)
     for family in ("pixart", "sana"):  # a model built for 8x8 latents, given 8x16 ones: split rows of another shape

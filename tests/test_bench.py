@@ -130,6 +130,23 @@ def test_bench_overlap_records_the_exchanges_where_they_are_issued_and_used(tmp_
         assert json.loads((tmp_path / "traces" / name).read_text())["traceEvents"]
 
 
+def test_bench_overlap_issues_sanas_all_reduces_by_head_group_and_waits_late(tmp_path):
+    """SANA (linear attention) with 2 head groups: forward issues both groups' all-reduces before waiting for the
+    first; backward issues both gradient all-reduces (each as its group's output backward ends) before waiting; the
+    halo swap and the output gather are blocking. The `before` replay (one blocking all-reduce) exposes more."""
+    out = tmp_path / "bench.json"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=sana_debug", "num_layers=1",
+                       "latent_size=8", "ranks=2", "head_groups=[2]", "repeats=1", "link=custom", "latency_us=500",
+                       "bandwidth_GBps=0.01", f"trace_dir={tmp_path / 'traces'}", f"out={out}"],
+                      cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    reduces = ["issue all_reduce", "issue all_reduce", "wait all_reduce", "wait all_reduce"]
+    halo = ["issue halo", "wait halo"]
+    assert row["order"] == reduces + halo + ["issue all_gather", "wait all_gather"] + halo + reduces
+    assert row["before_exposed_fraction"] > row["exposed_fraction"]
+
+
 def test_overlap_without_overlap_waits_where_each_collective_is_issued():
     from framework.bench.suite_overlap import Event, without_overlap
 

@@ -516,3 +516,29 @@ def test_a_shared_memory_prefix_taken_by_another_job_at_the_same_moment_is_retri
     with pytest.raises(FileExistsError, match="_locals"):
         dm_lib.open_racing_other_jobs(lambda: racing())
     assert len(calls) == 1
+
+
+def test_a_temp_folder_too_deep_for_the_workers_socket_is_refused(tmp_path, digits_shards, monkeypatch):
+    """Workers hand batches over a Unix socket at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (at most 107 characters):
+    a 75-character TMPDIR is the deepest that works, and real workers deliver a batch from it; at 76 characters the
+    loader is refused with the fix, instead of the main process waiting forever for a batch the worker dropped."""
+    import multiprocessing
+    import tempfile
+
+    def tmpdir_of(length: int) -> str:
+        path = tmp_path / "t"
+        path = Path(str(path) + "x" * (length - len(str(path))))
+        path.mkdir(exist_ok=True)
+        assert len(str(path)) == length
+        return str(path)
+
+    dm = LatentDataModule(DataConfig(path=str(digits_shards), local=str(tmp_path / "cache"), batch_size=8,
+                                     num_workers=1), seed=0)
+    dm.setup("fit")
+    monkeypatch.setattr(tempfile, "tempdir", tmpdir_of(76))
+    with pytest.raises(ValueError, match="is 76 characters long.*at most 75 characters, or data.num_workers=0"):
+        dm.train_dataloader()
+    monkeypatch.setattr(tempfile, "tempdir", tmpdir_of(75))
+    monkeypatch.delitem(multiprocessing.current_process()._config, "tempdir", raising=False)  # not the cached one
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["latents"].shape[0] == 8

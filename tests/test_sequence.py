@@ -47,7 +47,7 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
     result = json.loads(out.read_text())
     _check_splits(result, 2)
     # 2: overlapped head groups; diffusers: its own Ulysses attention in our processors' place, the same numbers
-    assert {"pixart/2", "dit/2", "pixart/wide", "sana/wide", "pixart/diffusers"} <= set(result)
+    assert {"pixart/2", "dit/2", "sana/2", "pixart/wide", "sana/wide", "pixart/diffusers"} <= set(result)
     for family in ("pixart", "sana"):
         r = result[f"sample/{family}"]
         assert r["shape"] == [3, 1, 8, 8] and r["max_abs"] > 0.1 and r["max_diff"] < 1e-5, (family, r)
@@ -58,11 +58,14 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
 
 
 def test_four_ranks_with_interior_bands_equal_the_whole_model(tmp_path, digits_shards):
-    """P = 4: ranks 1 and 2 hold interior bands (SANA's halo comes from both neighbours), 4 tokens per rank."""
+    """P = 4: ranks 1 and 2 hold interior bands (SANA's halo comes from both neighbours), 4 tokens per rank; SANA's
+    sums all-reduced in 2 head groups too."""
     out = tmp_path / "result.json"
     proc = torchrun(4, "-m", "tests.sequence_worker", str(digits_shards), str(out), tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    _check_splits(json.loads(out.read_text()), 4)
+    result = json.loads(out.read_text())
+    _check_splits(result, 4)
+    assert "sana/2" in result
 
 
 def test_sizes_a_group_cannot_split_are_refused():
@@ -70,8 +73,9 @@ def test_sizes_a_group_cannot_split_are_refused():
     check(pixart, 2)
     check(pixart, 2, head_groups=2)
     check(sana, 4)  # linear attention keeps every head: only rows must divide
-    with pytest.raises(ValueError, match="sequence_parallel_head_groups=2: model.family=sana"):
-        check(sana, 2, head_groups=2)  # nothing to overlap: refused, not silently ignored
+    check(sana, 4, head_groups=2)  # its per-head sums are all-reduced in head groups
+    with pytest.raises(ValueError, match="sequence_parallel_head_groups=3 does not divide model.num_heads"):
+        check(sana, 2, head_groups=3)
     with pytest.raises(ValueError, match="does not divide model.num_heads=4"):
         check(pixart, 3)
     with pytest.raises(ValueError, match="sequence_parallel_head_groups=4 does not divide model.num_heads"):
@@ -168,9 +172,9 @@ def test_a_self_attention_mask_is_refused_instead_of_ignored():
 def test_the_split_linear_attention_clips_fp16_like_diffusers(monkeypatch):
     """SANA's processor clips an fp16 output to the finite range; the split one does too (one rank: the all-reduce of
     the per-head sums is the identity)."""
-    import torch.distributed.nn.functional as dist_fn
     from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 
+    import framework.distributed.sequence as seq
     from framework.distributed.sequence import SequenceParallel, UlyssesLinearAttnProcessor
 
     torch.manual_seed(0)
@@ -180,7 +184,7 @@ def test_the_split_linear_attention_clips_fp16_like_diffusers(monkeypatch):
         attn.to_out[0].bias.fill_(6e4)
         attn.to_out[0].weight.fill_(1e4)  # outputs beyond fp16's 65504
     x = torch.randn(1, 16, net.cfg.hidden_size).half()
-    monkeypatch.setattr(dist_fn, "all_reduce", lambda t, group=None: t)
+    monkeypatch.setattr(seq, "_all_reduce", lambda t, group: t)
     with torch.no_grad():
         ref = SanaLinearAttnProcessor2_0()(attn, x)
         got = UlyssesLinearAttnProcessor(SequenceParallel(1, 0, None, 0, 1))(attn, x)

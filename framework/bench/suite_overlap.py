@@ -3,8 +3,8 @@ one machine, for head groups G = 1, 2, 4, forward and backward apart.
 
 One rank of a P-rank sequence-parallel group runs its real computation (torch's fake process group: every buffer a
 real rank allocates, no data moved), and every collective of framework/distributed/sequence.py is recorded where it
-is issued and where its result is first used (the Ulysses all-to-alls are asynchronous until then; the output
-gather, SANA's all-reduce and halo swap wait at once). A calibrated stand-in then gives each collective a duration,
+is issued and where its result is first used (the Ulysses all-to-alls and SANA's all-reduces are asynchronous until
+then; the output gather and SANA's halo swap wait at once). A calibrated stand-in then gives each collective a duration,
 latency + bytes / bandwidth, on one communication channel that runs them in issue order beside the computation
 (`link`: nvlink or infiniband presets, gloo measured here on two processes, or custom). Replaying the recorded
 computation with those durations gives the step: computation, communication, and exposed communication (the step
@@ -81,7 +81,7 @@ class Recorder:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.events, self.t0 = device, [], 0.0
-        self._keys: set[int] = set()
+        self._keys: dict[int, str] = {}  # an asynchronous collective's result not yet used -> its op
         self._next = 0
 
     def now(self) -> float:
@@ -99,23 +99,24 @@ class Recorder:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
         rec = self
-        self._saved = (seq._all_to_all, AsyncCollectiveTensor.trigger_wait, seq._wait, dist.all_gather,
-                       dist.all_reduce, seq._swap_edges)
-        all_to_all, trigger_wait, wait, all_gather, all_reduce, swap_edges = self._saved
+        self._saved = (seq._all_to_all, seq._all_reduce, AsyncCollectiveTensor.trigger_wait, seq._wait,
+                       dist.all_gather, seq._swap_edges)
+        all_to_all, all_reduce, trigger_wait, wait, all_gather, swap_edges = self._saved
 
-        def recorded_all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
-            t = rec.now()
-            out = all_to_all(x, group)
-            key = out.elem.untyped_storage().data_ptr()
-            rec._keys.add(key)
-            rec.events.append(Event(t, "issue", key, "all_to_all", x.numel() * x.element_size()))
-            return out
+        def asynchronous(op: str, collective: Callable) -> Callable:
+            def recorded(x: torch.Tensor, group: Any) -> torch.Tensor:
+                t = rec.now()
+                out = collective(x, group)
+                key = out.elem.untyped_storage().data_ptr()
+                rec._keys[key] = op
+                rec.events.append(Event(t, "issue", key, op, x.numel() * x.element_size()))
+                return out
+            return recorded
 
         def first_use(x: Any) -> None:
             key = x.elem.untyped_storage().data_ptr() if isinstance(x, AsyncCollectiveTensor) else None
             if key in rec._keys:  # the first use of a recorded result (views share its storage)
-                rec._keys.discard(key)
-                rec.events.append(Event(rec.now(), "wait", key, "all_to_all", 0))
+                rec.events.append(Event(rec.now(), "wait", key, rec._keys.pop(key), 0))
 
         def recorded_trigger_wait(self: AsyncCollectiveTensor) -> torch.Tensor:  # an op on the result
             first_use(self)
@@ -129,24 +130,20 @@ class Recorder:
             rec._blocking("all_gather", x.numel() * x.element_size())
             return all_gather(parts, x, *args, **kwargs)
 
-        def recorded_all_reduce(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            rec._blocking("all_reduce", x.numel() * x.element_size())
-            return all_reduce(x, *args, **kwargs)
-
         def recorded_swap(up: torch.Tensor, down: torch.Tensor, sp: Any) -> Any:
             rec._blocking("halo", up.numel() * up.element_size())
             return swap_edges(up, down, sp)
 
-        seq._all_to_all, seq._wait = recorded_all_to_all, recorded_wait
-        AsyncCollectiveTensor.trigger_wait = recorded_trigger_wait
-        dist.all_gather, dist.all_reduce, seq._swap_edges = recorded_all_gather, recorded_all_reduce, recorded_swap
+        seq._all_to_all, seq._all_reduce = asynchronous("all_to_all", all_to_all), asynchronous("all_reduce", all_reduce)
+        seq._wait, AsyncCollectiveTensor.trigger_wait = recorded_wait, recorded_trigger_wait
+        dist.all_gather, seq._swap_edges = recorded_all_gather, recorded_swap
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import framework.distributed.sequence as seq
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-        (seq._all_to_all, AsyncCollectiveTensor.trigger_wait, seq._wait, dist.all_gather, dist.all_reduce,
+        (seq._all_to_all, seq._all_reduce, AsyncCollectiveTensor.trigger_wait, seq._wait, dist.all_gather,
          seq._swap_edges) = self._saved
 
 
@@ -200,9 +197,9 @@ def without_overlap(events: list[Event], backward_from: float = 0.0) -> list[Eve
     """The same step as if each collective issued from `backward_from` on were waited for where it is issued (no
     overlap): what diffusers' Ulysses attention did in forward and backward, and torch's functional all-to-all in
     backward, before this file's schedule (the `before` rows)."""
-    issued = {e.key: e.t for e in events if e.kind == "issue" and e.t >= backward_from}
+    issued = {e.key: e for e in events if e.kind == "issue" and e.t >= backward_from}
     out = [e for e in events if not (e.kind == "wait" and e.key in issued)]
-    out += [Event(t, "wait", key, "all_to_all", 0) for key, t in issued.items()]
+    out += [Event(e.t, "wait", key, e.op, 0) for key, e in issued.items()]
     return out
 
 
@@ -297,6 +294,7 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
     from framework.distributed.mesh import job_mesh
     from framework.distributed.sequence import check, init, install
     from framework.models.backbones import build_denoiser, load_preset
+    from framework.models.plans import plan_of
 
     latency, bandwidth = _link(bench)
     cost = cost_model(latency, bandwidth, bench.ranks)
@@ -320,8 +318,10 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
         steps.sort(key=lambda s: s[2])
         events, backward_at, end = steps[len(steps) // 2]
         result = replay(events, backward_at, end, cost)
-        # before: G = 1 waited at every exchange (diffusers' attention); G > 1 overlapped in forward only
-        before = replay(without_overlap(events, 0.0 if G == 1 else backward_at), backward_at, end, cost)
+        # before: G = 1 waited at every exchange (diffusers' attention); G > 1 overlapped in forward only; SANA's
+        # all-reduce was one blocking call for every G
+        blocking = G == 1 or plan_of(mcfg.family).sequence.attention == "linear"
+        before = replay(without_overlap(events, 0.0 if blocking else backward_at), backward_at, end, cost)
         trace_dir = Path(bench.trace_dir)
         chrome_trace(result, trace_dir / f"overlap_G{G}.json")
         with torch.profiler.profile() as prof:

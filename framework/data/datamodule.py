@@ -317,6 +317,27 @@ class LatentCollate:
 # ---------------------------------------------------------------------------------------------
 
 
+# The longest path a Unix socket may have (sun_path's 108 bytes, the terminating NUL included)
+UNIX_SOCKET_PATH_MAX = 107
+
+
+def check_socket_room() -> None:
+    """Refuse a temp folder too deep for the data loader's workers. A worker hands each batch's tensors to the main
+    process through multiprocessing's resource sharer, which listens on a Unix socket at TMPDIR/pymp-XXXXXXXX/
+    listener-XXXXXXXX; a longer path than a socket may have fails in the worker's queue thread, which drops the batch,
+    and the main process waits for it forever."""
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    longest = len(os.path.join(tmp, "pymp-xxxxxxxx", "listener-xxxxxxxx"))
+    if longest > UNIX_SOCKET_PATH_MAX:
+        room = UNIX_SOCKET_PATH_MAX - (longest - len(tmp))
+        raise ValueError(f"the temp folder {tmp} is {len(tmp)} characters long: data loader workers "
+                         f"(data.num_workers > 0) pass batches over a Unix socket under it, whose path may be at "
+                         f"most {UNIX_SOCKET_PATH_MAX} characters; set TMPDIR to a folder of at most {room} "
+                         "characters, or data.num_workers=0")
+
+
 def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
     """`make()` a StreamingDataset, again after a short random pause when another job on this node registered the
     same shared-memory prefix between Streaming's choice of it and its creation (FileExistsError on `NNNNNN_locals`:
@@ -458,6 +479,8 @@ class LatentDataModule(L.LightningDataModule):
 
         if self.dataset is None:
             self.setup("fit")
+        if self.cfg.num_workers:
+            check_socket_room()
         # A StreamingDataLoader has state_dict/load_state_dict, so Lightning's fit loop stores it in
         # checkpoints ("combined_loader") and restores it on resume; because the loader has a
         # length, Lightning does not prefetch a batch ahead, so the saved sample count is exact.

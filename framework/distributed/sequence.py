@@ -9,7 +9,9 @@ a contiguous band of rows:
     softmax self-attn     all-to-all sequence -> heads (q, k, v in one exchange per head group), attention
                           over all tokens for H/P heads, all-to-all back; with G head groups each group's
                           exchanges overlap another group's attention, forward and backward
-    SANA linear attn      the small per-head sums K^T.V and sum(K) are all-reduced, then applied locally
+    SANA linear attn      the small per-head sums K^T.V and sum(K) are all-reduced (one all-reduce per head group,
+                          each travelling while the next group's sums, or the previous group's output, are computed,
+                          forward and backward), then applied locally
     SANA Mix-FFN          the 3x3 depthwise conv gets its two neighbours' boundary rows first (send / receive)
     cross-attn, MLPs,     stay local: they mix channels or attend to the caption, never across tokens
     norms, adaLN
@@ -25,8 +27,8 @@ What is whose: diffusers has no context-parallel plan for these three families a
 for them do not dispatch through its context-parallel attention, so all of it is written here: the token split /
 gather hooks, the processors, one Ulysses attention for every head-group count (torch's functional all-to-all,
 asynchronous until its result is used, wrapped so that its backward is asynchronous too), SANA's linear-attention
-all-reduce and Mix-FFN halo exchange. diffusers' own Ulysses attention (`dispatch_attention_fn` with a
-ContextParallelConfig) is a reference in tests/sequence_worker.py.
+all-reduces (the same, by head group) and Mix-FFN halo exchange. diffusers' own Ulysses attention
+(`dispatch_attention_fn` with a ContextParallelConfig) is a reference in tests/sequence_worker.py.
 """
 
 from __future__ import annotations
@@ -64,10 +66,9 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
         raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
                          f"device count that is a multiple of {size}")
     heads = cfg.num_heads
-    if seq.attention == "linear" and head_groups > 1:
-        raise ValueError(f"sequence_parallel_head_groups={head_groups}: model.family={cfg.family}'s linear self-attention "
-                         "has no head exchange to overlap (its sums are all-reduced whole); set "
-                         "sequence_parallel_head_groups=1")
+    if seq.attention == "linear" and heads % head_groups:  # every rank keeps every head; the groups split them
+        raise ValueError(f"sequence_parallel_head_groups={head_groups} does not divide model.num_heads={heads}: "
+                         f"model.family={cfg.family}'s linear attention all-reduces its per-head sums in head groups")
     if seq.attention == "softmax" and heads % (size * head_groups):  # linear attention keeps every head
         raise ValueError(f"sequence_parallel={size}" + (f" x sequence_parallel_head_groups={head_groups}"
                                                         if head_groups > 1 else "") +
@@ -100,7 +101,7 @@ class SequenceParallel:
     dp_size: int
     # number of groups (W / P)
     head_groups: int = 1
-    # G: the heads' exchanges go in G groups, each overlapping another group's attention (ScaleFusion)
+    # G: the heads' exchanges (SANA: all-reduces) go in G groups, each overlapping another group's attention
 
 
 def init(mesh: Mesh, head_groups: int = 1) -> SequenceParallel:
@@ -198,6 +199,13 @@ def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_to_all_single(x.contiguous(), None, None, group)
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """torch's functional all_reduce (sum) over the group: issued now, waited where the result is first used."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x.contiguous(), "sum", group)
 
 
 def _wait(x: torch.Tensor) -> torch.Tensor:
@@ -320,6 +328,41 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     return lay.join(out_received)
 
 
+class _Reduced(torch.autograd.Function):
+    """One head group's all-reduced sums (the all-reduce was issued in forward, outside autograd), tied to this rank's
+    local sums. Every rank uses the group's total, so the local sums' gradient is the total of every rank's gradient:
+    backward issues that all-reduce and returns it unwaited. The local sums' own backward waits for it; the autograd
+    engine runs the later-made nodes first (the other groups' output backward), which hide it."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, reduced: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return reduced.view_as(reduced)  # a view: the collective's result stays unwaited
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_reduce(grad, ctx.group), None, None
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """SANA's linear attention over the whole sequence from this rank's tokens: q (B, H, D, n), k (B, H, n, D) and v
+    (B, H, E, n) -> (B, H, E, n), the per-head sums V.K^T (E, D) over all N tokens applied to this rank's queries.
+
+    The sums are all-reduced in `sp.head_groups` head groups G: group g's local sums are computed and their all-reduce
+    issued, and it travels while group g+1's sums are computed; each group's output waits for its own total only.
+    Backward issues each group's gradient all-reduce as its output backward finishes (_Reduced) and waits for it in
+    the local sums' backward, after the other groups' output backward ran."""
+    grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+    chunks = [t.chunk(sp.head_groups, dim=1) for t in (q, k, v)]
+    local = [vg @ kg for vg, kg in zip(chunks[2], chunks[1])]  # (B, H/G, E, D) each
+    issued = [_all_reduce(s.detach(), sp.group) for s in local]  # each issued as soon as its sums exist
+    out = []
+    for s, total, qg in zip(local, issued, chunks[0]):
+        total = _Reduced.apply(s, total, sp.group) if grad else total
+        out.append(total @ qg)  # waits for this group's total
+    return torch.cat(out, dim=1)
+
+
 # --------------------------------------------------------------------------------------------------
 # Attention processors (diffusers' processor interface; the parameters stay where they are)
 # --------------------------------------------------------------------------------------------------
@@ -345,15 +388,14 @@ class UlyssesAttnProcessor:
 
 class UlyssesLinearAttnProcessor:
     """SANA's ReLU linear self-attention on this rank's tokens (replaces SanaLinearAttnProcessor2_0): the
-    per-head sums over tokens, V.K^T and sum(K) (one padded row of V), are all-reduced over the group."""
+    per-head sums over tokens, V.K^T and sum(K) (one padded row of V), are all-reduced over the group in head groups
+    (linear_attention)."""
 
     def __init__(self, sp: SequenceParallel) -> None:
         self.sp = sp
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_reduce
-
         dtype = hidden_states.dtype
         acc = torch.promote_types(dtype, torch.float32)  # sums in fp32 at least (diffusers' processor: fp32 always)
         q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
@@ -362,8 +404,7 @@ class UlyssesLinearAttnProcessor:
         q = F.relu(q.transpose(1, 2).unflatten(1, (attn.heads, -1))).to(acc)                 # (B, H, D, n)
         k = F.relu(k.transpose(1, 2).unflatten(1, (attn.heads, -1)).transpose(2, 3)).to(acc)  # (B, H, n, D)
         v = F.pad(v.transpose(1, 2).unflatten(1, (attn.heads, -1)).to(acc), (0, 0, 0, 1), value=1.0)  # (B, H, D+1, n)
-        sums = all_reduce(v @ k, group=self.sp.group)                                          # (B, H, D+1, D)
-        out = sums @ q
+        out = linear_attention(q, k, v, self.sp)                                               # (B, H, D+1, n)
         out = (out[:, :, :-1] / (out[:, :, -1:] + 1e-15)).flatten(1, 2).transpose(1, 2).to(dtype)
         out = attn.to_out[1](attn.to_out[0](out))
         return out.clip(-65504, 65504) if dtype == torch.float16 else out  # as diffusers' processor: no fp16 inf
