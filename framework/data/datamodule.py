@@ -22,7 +22,6 @@ from typing import Any, Optional
 import lightning as L
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
