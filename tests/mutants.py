@@ -179,6 +179,11 @@ MUTANTS = [
            (("framework/distributed/sequence.py", "        return _all_reduce(grad, ctx.group), None, None",
              "        return _wait(_all_reduce(grad, ctx.group)), None, None"),),
            ("tests/test_bench.py::test_bench_overlap_issues_sanas_all_reduces_by_head_group_and_waits_late",)),
+    Mutant("sequence_gather_gradient_unscaled", "the output gather's backward returns this rank's slice, not P x it "
+           "(a sequence-parallel group's gradient is 1/P of the whole model's)",
+           (("framework/distributed/sequence.py", "        return grad[:, sp.rank * n:(sp.rank + 1) * n] * sp.size, None",
+             "        return grad[:, sp.rank * n:(sp.rank + 1) * n], None"),),
+           ("tests/test_cache_router.py::test_the_router_trained_under_sequence_parallelism_follows_one_process",)),
     Mutant("socket_room_unchecked", "data loader workers start under a temp folder too deep for their Unix socket",
            (("framework/data/datamodule.py", "        if self.cfg.num_workers:\n            check_socket_room()\n", ""),),
            ("tests/test_datamodule.py::test_a_temp_folder_too_deep_for_the_workers_socket_is_refused",)),

@@ -500,3 +500,42 @@ def test_the_paired_bootstrap_sees_a_difference_that_separate_fd_intervals_hide(
     assert not rows[0]["goal"]  # by overlapping intervals: no win
     compare(rows, {"learned": a, "uniform:2": b, "fewer:9": b}, 100)
     assert rows[0]["goal"] and rows[0]["vs_uniform"][0]["beats_paired_error"]
+
+
+def test_the_router_trained_under_sequence_parallelism_follows_one_process(tmp_path, digits_shards, sources):
+    """The router stage on 2 sequence-parallel ranks (each holding half of every image's tokens; PixArt: the stage
+    touches no family's split, tests/test_sequence.py checks those) against one process with the same batches. No sparsity penalty and a router that
+    starts mostly cached, so the loss and the gradient are the distillation's: the same losses and gradient norms
+    step by step (through the gathered prediction), the same router logits at the end, and the same branch costs
+    (counted on the split model)."""
+    from tests.test_distributed import STEPS, run_train
+    from tests.test_train import losses
+
+    name = "pixart_debug"
+    args = [*stage_args(name, sources[name], "plugins.cache_router.sparsity=0", "plugins.cache_router.init_logit=-2",
+                        "optimizer.lr=0.3"), "data.batch_size=8", f"trainer.max_steps={STEPS}",
+            "trainer.checkpoint_every_n_steps=2"]
+    run_train(tmp_path / "ref", digits_shards, *args)
+    run_train(tmp_path / "sp", digits_shards, *args, "strategy=ddp", "trainer.devices=2", "strategy.sequence_parallel=2")
+    ref, got = losses(tmp_path / "ref"), losses(tmp_path / "sp")
+    assert sorted(got) == list(range(STEPS)) and min(ref.values()) > 0, ref
+    close = dict(rtol=1e-4, atol=0.0)  # relative only: the values are small
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]), torch.tensor([ref[s] for s in range(STEPS)]),
+                               **close)
+    norms = [logged(tmp_path / run, "train/grad_norm") for run in ("ref", "sp")]
+    torch.testing.assert_close(torch.tensor(norms[1]), torch.tensor(norms[0]), **close)
+    states = [torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+              for run in ("ref", "sp")]
+    assert not torch.equal(states[0]["router.logits"], torch.full_like(states[0]["router.logits"], -2.0))  # it moved
+    torch.testing.assert_close(states[1]["router.cost"], states[0]["router.cost"], **close)
+    # Adam divides each logit's step by its gradient's own scale, which magnifies rounding where a gradient is small
+    torch.testing.assert_close(states[1]["router.logits"], states[0]["router.logits"], rtol=1e-3, atol=0.0)
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    """The per-step values of one logged metric, in step order."""
+    import csv
+
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = {int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)}
+    return [rows[s] for s in sorted(rows)]
