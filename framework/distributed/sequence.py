@@ -8,7 +8,8 @@ a contiguous band of rows:
     patch embedding       every rank embeds the whole latent, then keeps its band (a forward hook)
     softmax self-attn     all-to-all sequence -> heads (q, k, v in one exchange per head group), attention
                           over all tokens for H/P heads, all-to-all back; with G head groups each group's
-                          exchanges overlap another group's attention, forward and backward
+                          exchanges overlap another group's attention, forward and backward, and each group's
+                          output is projected (its columns of the output projection) while later ones travel
     SANA linear attn      the small per-head sums K^T.V and sum(K) are all-reduced (one all-reduce per head group,
                           each travelling while the next group's sums, or the previous group's output, are computed,
                           forward and backward), then applied locally
@@ -241,12 +242,8 @@ class _Layout:
         return o.reshape(self.B, self.hl, self.P, self.n, self.D).permute(2, 3, 0, 1, 4)
 
     def received_out(self, r: torch.Tensor) -> torch.Tensor:
-        """(P: source heads, n, B, hl, D) -> (B, n, hg, D) (a copy: the join, where the outputs are needed)."""
-        return r.permute(2, 1, 0, 3, 4).reshape(self.B, self.n, self.hg, self.D)
-
-    def join(self, received: list[torch.Tensor]) -> torch.Tensor:
-        """The groups' received outputs, waited for here, -> (B, n, H, D)."""
-        return torch.cat([self.received_out(_wait(r)) for r in received], dim=2)
+        """(P: source heads, n, B, hl, D), waited for here -> (B, n, hg, D) (a copy, where the output is needed)."""
+        return _wait(r).permute(2, 1, 0, 3, 4).reshape(self.B, self.n, self.hg, self.D)
 
     def unreceived_out(self, d: torch.Tensor) -> torch.Tensor:
         """The adjoint of received_out: (B, n, hg, D) -> (P, n, B, hl, D)."""
@@ -284,33 +281,35 @@ class _Received(torch.autograd.Function):
         return _all_to_all(grad, ctx.group), None, None
 
 
-class _JoinOutputs(torch.autograd.Function):
-    """The groups' attention outputs, already sent (heads -> sequence) in forward as each was ready, joined into
-    (B, n, H, D). Backward issues every group's output-gradient exchange at once, so group g's attention backward
-    waits for its own only, while the others travel."""
+class _Arrived(torch.autograd.Function):
+    """One group's attention output, back from its heads -> sequence exchange (issued in forward as soon as the group
+    had attended), waited for here as (B, n, hg, D). Backward issues the group's output-gradient exchange and returns
+    it unwaited: the group's attention backward is the first to wait for it, and the autograd engine runs the later-made
+    nodes first (the other groups' output projections and exchanges), which hide it."""
 
     @staticmethod
-    def forward(ctx, lay: _Layout, group: Any, *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, lay: _Layout, group: Any) -> torch.Tensor:
         ctx.lay, ctx.group = lay, group
-        return lay.join(tensors[lay.G:])  # the first G are the send buffers, for autograd
+        return lay.received_out(received)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[Any, ...]:
-        lay = ctx.lay
-        back = [_all_to_all(lay.unreceived_out(g), ctx.group) for g in grad.split(lay.hg, dim=2)]
-        return (None, None, *back, *([None] * lay.G))
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _all_to_all(ctx.lay.unreceived_out(grad), ctx.group), None, None, None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
-    """Softmax attention over the whole sequence from this rank's tokens, (B, N/P, H, D) -> (B, N/P, H, D), in
-    `sp.head_groups` head groups G (1: one exchange in, one out).
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel,
+                      out_proj: nn.Linear) -> torch.Tensor:
+    """Softmax attention over the whole sequence from this rank's tokens, then its output projection `out_proj`:
+    (B, N/P, H, D) q, k, v -> (B, N/P, C), in `sp.head_groups` head groups G (1: one exchange in, one out).
 
     Per group, q, k and v travel in one all-to-all (sequence -> heads: all N tokens of H/(G P) heads). Forward: every
     group's exchange is issued first; group g waits for its own inputs only, attends, and issues its output exchange,
-    which travels while group g+1 attends. Backward: every output-gradient exchange is issued first; group g's
-    attention backward waits for its own, and its input-gradient exchange travels while group g+1's runs; they are
-    waited together at the end (ScaleFusion's intra-layer schedule, both ways). Attention itself is torch's, with
-    its own autograd (activation checkpointing recomputes it as any other layer)."""
+    which travels while group g+1 attends. Each group's output is then projected with its own columns of `out_proj`
+    as soon as it is back (the partial projections summed), while the later groups' outputs still travel. Backward:
+    each group's output-gradient exchange is issued as soon as its projection's backward has run; group g's attention
+    backward waits for its own, and its input-gradient exchange travels while group g+1's runs; they are waited
+    together at the end (ScaleFusion's schedule, both ways). Attention itself is torch's, with its own autograd
+    (activation checkpointing recomputes it as any other layer)."""
     B, n, H, D = q.shape
     lay = _Layout(B, n, H, D, sp.head_groups, sp.size)
     qkv = torch.stack([q, k, v])  # (3, B, n, H, D)
@@ -323,9 +322,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
         o = F.scaled_dot_product_attention(*lay.received_qkv(r))  # (B, hl, N, D); waits for this group's inputs
         out_sends.append(lay.send_out(o))
         out_received.append(_all_to_all(out_sends[-1].detach(), sp.group))
-    if grad:
-        return _JoinOutputs.apply(lay, sp.group, *out_sends, *out_received)
-    return lay.join(out_received)
+    cols = lay.hg * D  # group g's heads are out_proj's input columns [g cols, (g + 1) cols)
+    out = None
+    for g, (s, r) in enumerate(zip(out_sends, out_received)):
+        o = _Arrived.apply(s, r, lay, sp.group) if grad else lay.received_out(r)  # waits for this group's output
+        part = F.linear(o.flatten(2).to(q.dtype), out_proj.weight[:, g * cols:(g + 1) * cols])
+        out = part if out is None else out + part
+    return out if out_proj.bias is None else out + out_proj.bias
 
 
 class _Reduced(torch.autograd.Function):
@@ -382,8 +385,7 @@ class UlyssesAttnProcessor:
         q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
         if attn.norm_q is not None:
             q, k = attn.norm_q(q), attn.norm_k(k)
-        out = ulysses_attention(q, k, v, self.sp).flatten(2).to(q.dtype)
-        return attn.to_out[1](attn.to_out[0](out))
+        return attn.to_out[1](ulysses_attention(q, k, v, self.sp, attn.to_out[0]))
 
 
 class UlyssesLinearAttnProcessor:
