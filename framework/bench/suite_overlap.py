@@ -81,7 +81,9 @@ class Recorder:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.events, self.t0 = device, [], 0.0
-        self._keys: dict[int, str] = {}  # an asynchronous collective's result not yet used -> its op
+        # an asynchronous collective's result not yet used: its storage's address -> (its key, its op). Keys are
+        # numbered, never addresses: a freed result's address is reused by a later one's
+        self._pending: dict[int, tuple[int, str]] = {}
         self._next = 0
 
     def now(self) -> float:
@@ -107,16 +109,17 @@ class Recorder:
             def recorded(x: torch.Tensor, group: Any) -> torch.Tensor:
                 t = rec.now()
                 out = collective(x, group)
-                key = out.elem.untyped_storage().data_ptr()
-                rec._keys[key] = op
-                rec.events.append(Event(t, "issue", key, op, x.numel() * x.element_size()))
+                rec._next += 1
+                rec._pending[out.elem.untyped_storage().data_ptr()] = (rec._next, op)
+                rec.events.append(Event(t, "issue", rec._next, op, x.numel() * x.element_size()))
                 return out
             return recorded
 
         def first_use(x: Any) -> None:
-            key = x.elem.untyped_storage().data_ptr() if isinstance(x, AsyncCollectiveTensor) else None
-            if key in rec._keys:  # the first use of a recorded result (views share its storage)
-                rec.events.append(Event(rec.now(), "wait", key, rec._keys.pop(key), 0))
+            address = x.elem.untyped_storage().data_ptr() if isinstance(x, AsyncCollectiveTensor) else None
+            if address in rec._pending:  # the first use of a recorded result (views share its storage)
+                key, op = rec._pending.pop(address)
+                rec.events.append(Event(rec.now(), "wait", key, op, 0))
 
         def recorded_trigger_wait(self: AsyncCollectiveTensor) -> torch.Tensor:  # an op on the result
             first_use(self)
