@@ -105,18 +105,24 @@ def test_overlap_replay_stalls_only_for_results_not_yet_arrived():
     assert round(r["step_ms"], 9) == 17 and round(r["communication_ms"], 9) == 8 and r["collectives"] == 3
 
 
+def bench_overlap(tmp_path: Path, preset: str, head_groups: list[int]) -> list[dict]:
+    """`framework.bench overlap` on one block of `preset`, one rank of 2, a slow custom link (500 us, 10 MB/s): its
+    rows; traces under tmp_path/traces."""
+    out = tmp_path / "bench.json"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", f"preset={preset}", "num_layers=1",
+                       "latent_size=8", "ranks=2", f"head_groups={head_groups}".replace(" ", ""), "repeats=1",
+                       "link=custom", "latency_us=500", "bandwidth_GBps=0.01", f"trace_dir={tmp_path / 'traces'}",
+                       f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_bench_overlap_records_the_exchanges_where_they_are_issued_and_used(tmp_path):
     """One rank of 2, two head groups: forward issues both groups' q/k/v exchanges first, each group's attention waits
     for its own, and its output leaves before the next group attends; backward issues both output-gradient exchanges,
     and each group's input-gradient exchange leaves before the next group's attention backward waits. With a slow
     link, part of the communication is exposed; the replay and torch's profile are written as Chrome traces."""
-    out = tmp_path / "bench.json"
-    proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=pixart_debug", "num_layers=1",
-                       "latent_size=8", "ranks=2", "head_groups=[1,2]", "repeats=1", "link=custom", "latency_us=500",
-                       "bandwidth_GBps=0.01", f"trace_dir={tmp_path / 'traces'}", f"out={out}"],
-                      cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    g1, g2 = json.loads(out.read_text())
+    g1, g2 = bench_overlap(tmp_path, "pixart_debug", [1, 2])
     schedule = ["issue all_to_all", "issue all_to_all", "wait all_to_all", "issue all_to_all", "wait all_to_all",
                 "issue all_to_all", "wait all_to_all", "wait all_to_all"]
     assert g2["order"] == schedule + ["issue all_gather", "wait all_gather"] + schedule
@@ -134,13 +140,7 @@ def test_bench_overlap_issues_sanas_all_reduces_by_head_group_and_waits_late(tmp
     """SANA (linear attention) with 2 head groups: forward issues both groups' all-reduces before waiting for the
     first; backward issues both gradient all-reduces (each as its group's output backward ends) before waiting; the
     halo swap and the output gather are blocking. The `before` replay (one blocking all-reduce) exposes more."""
-    out = tmp_path / "bench.json"
-    proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=sana_debug", "num_layers=1",
-                       "latent_size=8", "ranks=2", "head_groups=[2]", "repeats=1", "link=custom", "latency_us=500",
-                       "bandwidth_GBps=0.01", f"trace_dir={tmp_path / 'traces'}", f"out={out}"],
-                      cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())
+    (row,) = bench_overlap(tmp_path, "sana_debug", [2])
     reduces = ["issue all_reduce", "issue all_reduce", "wait all_reduce", "wait all_reduce"]
     halo = ["issue halo", "wait halo"]
     assert row["order"] == reduces + halo + ["issue all_gather", "wait all_gather"] + halo + reduces

@@ -252,7 +252,7 @@ class _Layout:
 
 class _SendInputs(torch.autograd.Function):
     """(3, B, n, H, D) q, k, v -> each group's send buffer. Backward assembles the groups' input gradients, waiting
-    for their exchanges (issued by _Received) only here, after every group's attention backward has run."""
+    for their exchanges (issued by _Tied) only here, after every group's attention backward has run."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, ...]:
@@ -264,21 +264,22 @@ class _SendInputs(torch.autograd.Function):
         return torch.cat([ctx.lay.unsend_qkv(_wait(g)) for g in grads], dim=3), None
 
 
-class _Received(torch.autograd.Function):
-    """One group's received q/k/v (the exchange was issued in forward, with the others, outside autograd), tied to
-    the buffer it was sent from. Applied just before the group's attention, so that in backward the autograd engine
-    reaches it right after that attention's backward: it issues the input-gradient exchange (an all-to-all of equal
-    slices is its own adjoint) and returns it unwaited; _SendInputs waits for it, while the next group's attention
-    backward runs."""
+class _Tied(torch.autograd.Function):
+    """A collective's result (issued in forward outside autograd, still unwaited) tied to the tensor it was issued from,
+    so that backward issues the adjoint collective on the gradient and returns it unwaited: the gradient's first use
+    waits, after the autograd engine has run the nodes made later in forward, which hide it. Ulysses' q/k/v exchange
+    (applied just before its group's attention; an all-to-all of equal slices is its own adjoint; _SendInputs waits,
+    while the next group's attention backward runs) and SANA's per-head sums (every rank uses the group's total, so
+    the local sums' gradient is the total of every rank's: an all-reduce)."""
 
     @staticmethod
-    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, adjoint: Any, group: Any) -> torch.Tensor:
+        ctx.adjoint, ctx.group = adjoint, group
         return received.view_as(received)  # a view: the collective's result stays unwaited
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_to_all(grad, ctx.group), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.adjoint(grad, ctx.group), None, None, None
 
 
 class _Arrived(torch.autograd.Function):
@@ -318,7 +319,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     received = [_all_to_all(s.detach(), sp.group) for s in sends]  # every group's exchange issued first
     out_sends, out_received = [], []
     for s, r in zip(sends, received):
-        r = _Received.apply(s, r, sp.group) if grad else r
+        r = _Tied.apply(s, r, _all_to_all, sp.group) if grad else r
         o = F.scaled_dot_product_attention(*lay.received_qkv(r))  # (B, hl, N, D); waits for this group's inputs
         out_sends.append(lay.send_out(o))
         out_received.append(_all_to_all(out_sends[-1].detach(), sp.group))
@@ -331,29 +332,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     return out if out_proj.bias is None else out + out_proj.bias
 
 
-class _Reduced(torch.autograd.Function):
-    """One head group's all-reduced sums (the all-reduce was issued in forward, outside autograd), tied to this rank's
-    local sums. Every rank uses the group's total, so the local sums' gradient is the total of every rank's gradient:
-    backward issues that all-reduce and returns it unwaited. The local sums' own backward waits for it; the autograd
-    engine runs the later-made nodes first (the other groups' output backward), which hide it."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, reduced: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return reduced.view_as(reduced)  # a view: the collective's result stays unwaited
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_reduce(grad, ctx.group), None, None
-
-
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """SANA's linear attention over the whole sequence from this rank's tokens: q (B, H, D, n), k (B, H, n, D) and v
     (B, H, E, n) -> (B, H, E, n), the per-head sums V.K^T (E, D) over all N tokens applied to this rank's queries.
 
     The sums are all-reduced in `sp.head_groups` head groups G: group g's local sums are computed and their all-reduce
     issued, and it travels while group g+1's sums are computed; each group's output waits for its own total only.
-    Backward issues each group's gradient all-reduce as its output backward finishes (_Reduced) and waits for it in
+    Backward issues each group's gradient all-reduce as its output backward finishes (_Tied) and waits for it in
     the local sums' backward, after the other groups' output backward ran."""
     grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
     chunks = [t.chunk(sp.head_groups, dim=1) for t in (q, k, v)]
@@ -361,7 +346,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Sequ
     issued = [_all_reduce(s.detach(), sp.group) for s in local]  # each issued as soon as its sums exist
     out = []
     for s, total, qg in zip(local, issued, chunks[0]):
-        total = _Reduced.apply(s, total, sp.group) if grad else total
+        total = _Tied.apply(s, total, _all_reduce, sp.group) if grad else total
         out.append(total @ qg)  # waits for this group's total
     return torch.cat(out, dim=1)
 
