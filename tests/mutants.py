@@ -184,6 +184,10 @@ MUTANTS = [
            (("framework/distributed/sequence.py", "        return grad[:, sp.rank * n:(sp.rank + 1) * n] * sp.size, None",
              "        return grad[:, sp.rank * n:(sp.rank + 1) * n], None"),),
            ("tests/test_cache_router.py::test_the_router_trained_under_sequence_parallelism_follows_one_process",)),
+    Mutant("caption_kv_not_in_gap", "the cross-attention's caption K/V are computed in its own module, not while the "
+           "self-attention's first exchange travels",
+           (("framework/distributed/sequence.py", "    if gap is not None:  # work that needs none of them, done while they travel\n        gap()\n", ""),),
+           ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     Mutant("socket_room_unchecked", "data loader workers start under a temp folder too deep for their Unix socket",
            (("framework/data/datamodule.py", "        if self.cfg.num_workers:\n            check_socket_room()\n", ""),),
            ("tests/test_datamodule.py::test_a_temp_folder_too_deep_for_the_workers_socket_is_refused",)),

@@ -103,7 +103,9 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
         if p.grad is not None and q.grad is not None:
             dist.all_reduce(q.grad, op=dist.ReduceOp.AVG)
             diffs.append(float((q.grad - p.grad).abs().max()) / scale)
+    kv = [getattr(b.attn1.processor, "kv", None) for b in model.net.transformer_blocks]  # caption K/V in the gap
     return {"forward": relative(out["sp"], out["ref"]), "grad": max(diffs), "grads": len(diffs), "tokens": seen,
+            "kv_in_gap": sum(k.hits for k in kv if k is not None),
             "band_storage": band_storage, "all_gathers": len(gathers),
             "params": sum(1 for p in ref.parameters() if p.grad is not None)}
 

@@ -9,7 +9,8 @@ a contiguous band of rows:
     softmax self-attn     all-to-all sequence -> heads (q, k, v in one exchange per head group), attention
                           over all tokens for H/P heads, all-to-all back; with G head groups each group's
                           exchanges overlap another group's attention, forward and backward, and each group's
-                          output is projected (its columns of the output projection) while later ones travel
+                          output is projected (its columns of the output projection) while later ones travel; the
+                          block's caption K/V projections run while the first exchanges travel
     SANA linear attn      the small per-head sums K^T.V and sum(K) are all-reduced (one all-reduce per head group,
                           each travelling while the next group's sums, or the previous group's output, are computed,
                           forward and backward), then applied locally
@@ -34,6 +35,7 @@ all-reduces (the same, by head group) and Mix-FFN halo exchange. diffusers' own 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,14 +301,15 @@ class _Arrived(torch.autograd.Function):
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel,
-                      out_proj: nn.Linear) -> torch.Tensor:
+                      out_proj: nn.Linear, gap: Any = None) -> torch.Tensor:
     """Softmax attention over the whole sequence from this rank's tokens, then its output projection `out_proj`:
     (B, N/P, H, D) q, k, v -> (B, N/P, C), in `sp.head_groups` head groups G (1: one exchange in, one out).
 
     Per group, q, k and v travel in one all-to-all (sequence -> heads: all N tokens of H/(G P) heads). Forward: every
     group's exchange is issued first; group g waits for its own inputs only, attends, and issues its output exchange,
     which travels while group g+1 attends. Each group's output is then projected with its own columns of `out_proj`
-    as soon as it is back (the partial projections summed), while the later groups' outputs still travel. Backward:
+    as soon as it is back (the partial projections summed), while the later groups' outputs still travel. `gap`, if
+    given, runs right after the first exchanges are issued (the block's caption K/V projections: CaptionKV). Backward:
     each group's output-gradient exchange is issued as soon as its projection's backward has run; group g's attention
     backward waits for its own, and its input-gradient exchange travels while group g+1's runs; they are waited
     together at the end (ScaleFusion's schedule, both ways). Attention itself is torch's, with its own autograd
@@ -317,6 +320,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     grad = torch.is_grad_enabled() and qkv.requires_grad
     sends = _SendInputs.apply(qkv, lay) if grad else [lay.send_qkv(qkv, g) for g in range(lay.G)]
     received = [_all_to_all(s.detach(), sp.group) for s in sends]  # every group's exchange issued first
+    if gap is not None:  # work that needs none of them, done while they travel
+        gap()
     out_sends, out_received = [], []
     for s, r in zip(sends, received):
         r = _Tied.apply(s, r, _all_to_all, sp.group) if grad else r
@@ -355,11 +360,48 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Sequ
 # Attention processors (diffusers' processor interface; the parameters stay where they are)
 # --------------------------------------------------------------------------------------------------
 
-class UlyssesAttnProcessor:
-    """Softmax self-attention on this rank's tokens (replaces AttnProcessor2_0 on pixart / dit attn1)."""
+class CaptionKV:
+    """ScaleFusion's other gap filler: a block's cross-attention key and value projections of the caption, which do not
+    depend on the image tokens, computed while the self-attention's exchanges travel (`fill`, from the self-attention
+    processor) and handed to the cross-attention's to_k / to_v when they are called on that same caption tensor (else
+    they compute as usual). The caption is taken from the block's call; the layers' own `forward` is replaced on the
+    instance, so parameters and state-dict keys stay as they are. `hits` counts the projections handed over."""
 
-    def __init__(self, sp: SequenceParallel) -> None:
-        self.sp = sp
+    def __init__(self, block: nn.Module) -> None:
+        self.attn2, self.caption, self.ready, self.hits = block.attn2, None, {}, 0
+        block.register_forward_pre_hook(self.capture, with_kwargs=True)
+        for name in ("to_k", "to_v"):
+            layer = getattr(self.attn2, name)
+            layer.forward = functools.partial(self.project, name, layer)
+
+    @staticmethod
+    def applies(block: nn.Module) -> bool:
+        attn2 = getattr(block, "attn2", None)  # dit's blocks have no cross-attention; a normed caption differs
+        return attn2 is not None and attn2.is_cross_attention and attn2.norm_cross is None
+
+    def capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.caption = kwargs.get("encoder_hidden_states", args[2] if len(args) > 2 else None)
+
+    def fill(self) -> None:
+        x, self.caption = self.caption, None
+        if x is not None:
+            self.ready = {name: (x, type(layer).forward(layer, x))
+                          for name, layer in (("to_k", self.attn2.to_k), ("to_v", self.attn2.to_v))}
+
+    def project(self, name: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        done = self.ready.pop(name, None)
+        if done is not None and done[0] is x:
+            self.hits += 1
+            return done[1]
+        return type(layer).forward(layer, x)
+
+
+class UlyssesAttnProcessor:
+    """Softmax self-attention on this rank's tokens (replaces AttnProcessor2_0 on pixart / dit attn1); with `kv`, the
+    block's caption K/V projections fill the gap while the first exchange travels."""
+
+    def __init__(self, sp: SequenceParallel, kv: CaptionKV | None = None) -> None:
+        self.sp, self.kv = sp, kv
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
@@ -370,7 +412,8 @@ class UlyssesAttnProcessor:
         q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
         if attn.norm_q is not None:
             q, k = attn.norm_q(q), attn.norm_k(k)
-        return attn.to_out[1](ulysses_attention(q, k, v, self.sp, attn.to_out[0]))
+        gap = self.kv.fill if self.kv is not None else None
+        return attn.to_out[1](ulysses_attention(q, k, v, self.sp, attn.to_out[0], gap))
 
 
 class UlyssesLinearAttnProcessor:
@@ -439,7 +482,8 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
                     or attn.spatial_norm is not None or attn.rescale_output_factor != 1.0:
                 raise ValueError(f"sequence_parallel: {view.name}.attn1 is not plain softmax self-attention "
                                  f"({type(attn.processor).__name__}); it cannot be split")
-            attn.set_processor(UlyssesAttnProcessor(sp))
+            kv = CaptionKV(view.module) if CaptionKV.applies(view.module) else None
+            attn.set_processor(UlyssesAttnProcessor(sp, kv))
         if seq.rows_arg is not None:
             _split_rows(view.module, sp, seq.rows_arg)
     denoiser.sequence_parallel = sp
