@@ -355,3 +355,21 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
     path = study.plot(cmd, {"fd": fd}, tmp_path / "growth.png")
     assert path.stat().st_size > 10_000
     json.dumps(fd)  # what growth.json holds
+
+
+def test_growth_study_gives_grown_only_overrides_to_tagged_grown_arms(tmp_path):
+    """grown_overrides go to the grown arms alone, which grown_tag names (beside the untagged ones, sharing small,
+    control and scratch); overrides without a tag are refused."""
+    from plugins.growth import study
+
+    cmd = study.StudyCommand(inits=["cyclic"], grown_overrides=["plugins.growth.new_lr_scale=4"], grown_tag="_lr4",
+                             out=str(tmp_path))
+    assert study.arms(cmd) == ["small", "control", "grown_cyclic_lr4", "scratch"]
+    small = tmp_path / "small.ckpt"
+    for arm in study.arms(cmd):
+        args = study.arm_args(cmd, arm, small)
+        assert ("plugins.growth.new_lr_scale=4" in args) == (arm == "grown_cyclic_lr4"), arm
+    assert "plugins.growth.init=cyclic" in study.arm_args(cmd, "grown_cyclic_lr4", small)
+    assert study.run_dir(cmd, "grown_cyclic_lr4", 0) == tmp_path / "grown_cyclic_lr4" / "seed0"
+    with pytest.raises(ValueError, match="need a grown_tag"):
+        study.StudyCommand(grown_overrides=["plugins.growth.new_lr_scale=4"])

@@ -52,9 +52,17 @@ class StudyCommand:
     """The grown arms' new blocks ramp their lr in over this many steps (plugins.growth.new_warmup_steps)."""
     overrides: list[str] = field(default_factory=list)
     """More train overrides for every arm, each quoted: "overrides=['eval.seeds=1']"."""
+    grown_overrides: list[str] = field(default_factory=list)
+    """More train overrides for the grown arms only ("grown_overrides=['plugins.growth.new_lr_scale=4']"); they need
+    a `grown_tag`, which names those arms (grown_cyclic_lr4), so they sit beside the untagged ones and share the
+    small, control and scratch runs of the same `out`."""
+    grown_tag: str = ""
     out: str = "runs/growth_study"
 
     def __post_init__(self) -> None:
+        if self.grown_overrides and not self.grown_tag:
+            raise ValueError(f"grown_overrides={self.grown_overrides} need a grown_tag naming those grown arms "
+                             "(grown_tag=_lr4 gives grown_cyclic_lr4), so they do not mix with untagged runs")
         if not 0 < self.small_steps < self.total_steps:
             raise ValueError(f"small_steps={self.small_steps} must be between 0 and total_steps={self.total_steps}")
         if self.small_steps % self.eval_every or self.total_steps % self.eval_every:
@@ -72,7 +80,7 @@ ConfigStore.instance().store(name="growth_study_command", node=StudyCommand)
 
 
 def arms(cmd: StudyCommand) -> list[str]:
-    return ["small", "control", *(f"grown_{i}" for i in cmd.inits), "scratch"]
+    return ["small", "control", *(f"grown_{i}{cmd.grown_tag}" for i in cmd.inits), "scratch"]
 
 
 def arm_args(cmd: StudyCommand, arm: str, small_ckpt: Path) -> list[str]:
@@ -84,9 +92,10 @@ def arm_args(cmd: StudyCommand, arm: str, small_ckpt: Path) -> list[str]:
         return [f"model.num_layers={cmd.small_layers}", f"init_from={small_ckpt}", *rest]
     if arm == "scratch":
         return [f"model.num_layers={cmd.large_layers}", f"trainer.max_steps={cmd.total_steps}"]
-    init = arm.removeprefix("grown_")
+    init = arm.removeprefix("grown_").removesuffix(cmd.grown_tag)
     return [f"model.num_layers={cmd.large_layers}", "plugins=[growth]", f"plugins.growth.ckpt={small_ckpt}",
-            f"plugins.growth.init={init}", f"plugins.growth.new_warmup_steps={cmd.new_warmup_steps}", *rest]
+            f"plugins.growth.init={init}", f"plugins.growth.new_warmup_steps={cmd.new_warmup_steps}", *rest,
+            *cmd.grown_overrides]
 
 
 def run_dir(cmd: StudyCommand, arm: str, seed: int) -> Path:
