@@ -160,6 +160,10 @@ def timed_fit(module: pl.LightningModule, data: torch.utils.data.Dataset, *, bat
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    if num_workers:
+        from framework.data.datamodule import check_socket_room
+
+        check_socket_room()
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, num_workers=num_workers, pin_memory=on_gpu)
     timer = StepTimer(warmup)
     trainer = pl.Trainer(

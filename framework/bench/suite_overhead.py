@@ -188,6 +188,10 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
         mask = torch.arange(text.shape[1])[None] < lengths[:, None]  # (B, L)
         return {"latents": latents, "text_embeds": text, "text_mask": mask}
 
+    if cfg.data.num_workers:
+        from framework.data.datamodule import check_socket_room
+
+        check_socket_room()  # as the framework's own loader does
     loader = torch.utils.data.DataLoader(dataset, batch_size=B, num_workers=cfg.data.num_workers, collate_fn=collate,
                                          drop_last=True, pin_memory=device.type == "cuda")
     empty = info.empty_text_embeds.float().to(device)  # (L0, D)

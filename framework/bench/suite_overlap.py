@@ -94,7 +94,7 @@ class Recorder:
     def _blocking(self, op: str, nbytes: int) -> None:
         self._next += 1
         t = self.now()
-        self.events += [Event(t, "issue", -self._next, op, nbytes), Event(t, "wait", -self._next, op, nbytes)]
+        self.events += [Event(t, "issue", self._next, op, nbytes), Event(t, "wait", self._next, op, nbytes)]
 
     def __enter__(self) -> "Recorder":
         import framework.distributed.sequence as seq
