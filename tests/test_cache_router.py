@@ -445,10 +445,26 @@ def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps
         assert r["fd_ci"][0] <= r["fd_ci"][1] and r["fd"] > 0
         assert r["num_images"] == rows["full"]["num_images"] > 0
     assert (tmp_path / "curve" / "cache_curve.png").is_file()
-    # a finished router is kept: a second call trains nothing (the schedule file is not rewritten)
+    # a finished router is kept: a second call trains nothing (the schedule file is not rewritten); the same router
+    # added again by `routers` is a series of its own, named by its folder, not one overwriting the other
     stamp = (router_dir / "cache_schedule.json").stat().st_mtime_ns
-    run(dataclasses.replace(cfg, thresholds=[0.5], fewer=[], uniform=[]))
+    again = {r["variant"]: r for r in run(dataclasses.replace(cfg, thresholds=[0.5], fewer=[], uniform=[],
+                                                               routers=[str(router_dir)]))}
     assert (router_dir / "cache_schedule.json").stat().st_mtime_ns == stamp
+    added = again["learned s=0.003 (router_sparsity0.003) t=0.5"]
+    assert added["branches_computed"] == again["learned s=0.003 t=0.5"]["branches_computed"]
+    assert added["paired_error"] == again["learned s=0.003 t=0.5"]["paired_error"]  # same schedule, same seeds
+
+
+def test_the_cache_curve_names_a_straight_through_router_apart():
+    from framework.bench.suite_cache_curve import learned_name
+
+    soft = CacheSchedule("ddim", 4, {"branches": [["attn1"]]}, [[[True]]] * 4, kind="learned", source={"sparsity": 0.003, "hard": False})
+    hard = dataclasses.replace(soft, source={"sparsity": 0.003, "hard": True})
+    assert learned_name(soft, Path("a/router_sparsity0.003/cache_schedule.json"), set()) == "learned s=0.003"
+    assert learned_name(hard, Path("b/hard/cache_schedule.json"), {"learned s=0.003"}) == "learned s=0.003 hard"
+    assert learned_name(hard, Path("b/hard/cache_schedule.json"), {"learned s=0.003 hard"}) == "learned s=0.003 hard (hard)"
+    assert learned_name(dataclasses.replace(soft, source={}), Path("c/mine.json"), set()) == "learned c"
 
 
 def test_the_cache_curve_calls_a_win_only_at_equal_speed_beyond_the_intervals():

@@ -112,6 +112,16 @@ def at_threshold(schedule: CacheSchedule, threshold: float) -> CacheSchedule:
                          beta=schedule.beta, threshold=threshold, source=schedule.source)
 
 
+def learned_name(schedule: CacheSchedule, path: Path, taken: set[str]) -> str:
+    """A learned series' name: its sparsity, and "hard" for a straight-through router; its folder's name where that
+    is not enough to tell it from a series already `taken` (two routers of one sparsity from different runs)."""
+    source = schedule.source or {}
+    name = f"learned {path.parent.name}"
+    if "sparsity" in source:
+        name = f"learned s={source['sparsity']:g}" + (" hard" if source.get("hard") else "")
+    return f"{name} ({path.parent.name})" if name in taken else name
+
+
 # --------------------------------------------------------------------------------------------
 # Measuring
 # --------------------------------------------------------------------------------------------
@@ -239,7 +249,7 @@ def run(cfg: CacheCurveBench) -> list[dict[str, Any]]:
     variants: dict[str, tuple[str, str, int, CacheSchedule | None]] = {"full": ("full", "full", cfg.steps, None)}
     for path in train_routers(cfg, sampler, pipe.objective.cfg.name):
         learned = pipe.schedule(CacheSchedule.load(path), sampler, cfg.steps)  # refuses another model / sampler / steps
-        name = f"learned s={learned.source.get('sparsity', '?'):g}" if learned.source else f"learned {path.parent.name}"
+        name = learned_name(learned, path, {v[0] for v in variants.values()})
         for t in cfg.thresholds:
             schedule = at_threshold(learned, t)
             variants[f"{name} t={t:g}"] = (name, "learned", cfg.steps, schedule)
