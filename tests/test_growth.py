@@ -371,5 +371,7 @@ def test_growth_study_gives_grown_only_overrides_to_tagged_grown_arms(tmp_path):
         assert ("plugins.growth.new_lr_scale=4" in args) == (arm == "grown_cyclic_lr4"), arm
     assert "plugins.growth.init=cyclic" in study.arm_args(cmd, "grown_cyclic_lr4", small)
     assert study.run_dir(cmd, "grown_cyclic_lr4", 0) == tmp_path / "grown_cyclic_lr4" / "seed0"
+    assert study.report_path(cmd) == tmp_path / "growth_lr4"  # the untagged study's growth.json is not overwritten
+    assert study.report_path(study.StudyCommand(out=str(tmp_path))) == tmp_path / "growth"
     with pytest.raises(ValueError, match="need a grown_tag"):
         study.StudyCommand(grown_overrides=["plugins.growth.new_lr_scale=4"])

@@ -12,7 +12,8 @@ decay over total_steps), run as four arms per seed, each a `python -m framework.
     scratch    `large_layers` blocks from random weights for the whole plan
 
 Runs already complete are kept (a study can be stopped and started again, seeds added later). Then
-growth.png (fd and accuracy against training FLOPs: seed means with 95% t-intervals) and growth.json:
+growth.png (fd and accuracy against training FLOPs: seed means with 95% t-intervals) and growth.json (growth_TAG.*
+for a grown_tag's arms):
 per arm the final fd / accuracy with intervals, and for each grown arm the fraction of the scratch run's
 training FLOPs at which it first reaches the scratch run's final fd (the goal is <= 0.7 with the intervals of
 the final fds apart).
@@ -244,16 +245,21 @@ def main(cfg: StudyCommand) -> None:
     for seed in cmd.seeds:
         for arm in arms(cmd):
             train_arm(cmd, arm, seed)
-    out = Path(cmd.out)
     results = {"fd": compare(cmd, "fd")}
     acc = accuracy_key(cmd)
     if acc:
         results[acc] = compare(cmd, acc)
-    (out / "growth.json").write_text(json.dumps(results, indent=2))
-    plot(cmd, results, out / "growth.png")
+    report = report_path(cmd)
+    report.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot(cmd, results, report.with_suffix(".png"))
     summary = {m: {k: v for k, v in r.items() if k != "curves"} for m, r in results.items()}
     print(json.dumps(summary, indent=2))
-    print(f"wrote {out / 'growth.json'} and {out / 'growth.png'}")
+    print(f"wrote {report.with_suffix('.json')} and {report.with_suffix('.png')}")
+
+
+def report_path(cmd: StudyCommand) -> Path:
+    """out/growth (+ .json, .png); a tagged study's report is its own (growth_lr4), so the untagged one is kept."""
+    return Path(cmd.out) / f"growth{cmd.grown_tag}"
 
 
 if __name__ == "__main__":
