@@ -188,6 +188,11 @@ MUTANTS = [
            "self-attention's first exchange travels",
            (("framework/distributed/sequence.py", "    if gap is not None:  # work that needs none of them, done while they travel\n        gap()\n", ""),),
            ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
+    Mutant("caption_kv_when_cached", "the caption K/V are computed in the gap at a cached-sampling step that reuses the "
+           "cross-attention's output",
+           (("framework/distributed/sequence.py", "        if x is not None and (runs is None or runs()):\n",
+             "        if x is not None:\n"),),
+           ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     Mutant("socket_room_unchecked", "data loader workers start under a temp folder too deep for their Unix socket",
            (("framework/data/datamodule.py", "        if self.cfg.num_workers:\n            check_socket_room()\n", ""),),
            ("tests/test_datamodule.py::test_a_temp_folder_too_deep_for_the_workers_socket_is_refused",)),

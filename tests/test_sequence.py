@@ -59,6 +59,12 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
         # cached sampling (uniform:2 reuses every other step's branches) under the split equals it unsplit, and the
         # cache changes the images (it is really on)
         assert r["cached_max_diff"] < 1e-5 and r["cached_vs_full"] > 1e-3, (family, r)
+    # a schedule reusing only the cross-attention at steps 1 and 3 samples as unsplit; pixart's caption K/V are
+    # computed in the self-attention's gap only at the steps that run the cross-attention (2 of 4 steps, 2 batches,
+    # k and v per block) and every one is used
+    r = result["sample/pixart"]
+    assert r["no_attn2_max_diff"] < 1e-5 and r["kv_blocks"] > 0, r
+    assert r["no_attn2_kv"] == [8 * r["kv_blocks"]] * 2, r
 
 
 def test_four_ranks_with_interior_bands_equal_the_whole_model(tmp_path, digits_shards):

@@ -364,11 +364,12 @@ class CaptionKV:
     """ScaleFusion's other gap filler: a block's cross-attention key and value projections of the caption, which do not
     depend on the image tokens, computed while the self-attention's exchanges travel (`fill`, from the self-attention
     processor) and handed to the cross-attention's to_k / to_v when they are called on that same caption tensor (else
-    they compute as usual). The caption is taken from the block's call; the layers' own `forward` is replaced on the
-    instance, so parameters and state-dict keys stay as they are. `hits` counts the projections handed over."""
+    they compute as usual). Nothing is computed at a cached-sampling step that reuses the cross-attention's output. The
+    caption is taken from the block's call; the layers' own `forward` is replaced on the instance, so parameters and
+    state-dict keys stay as they are. `filled` counts the projections computed in gaps, `hits` those handed over."""
 
     def __init__(self, block: nn.Module) -> None:
-        self.attn2, self.caption, self.ready, self.hits = block.attn2, None, {}, 0
+        self.block, self.attn2, self.caption, self.ready, self.filled, self.hits = block, block.attn2, None, {}, 0, 0
         block.register_forward_pre_hook(self.capture, with_kwargs=True)
         for name in ("to_k", "to_v"):
             layer = getattr(self.attn2, name)
@@ -384,9 +385,11 @@ class CaptionKV:
 
     def fill(self) -> None:
         x, self.caption = self.caption, None
-        if x is not None:
+        runs = getattr(self.block.attn2, "runs", None)  # cached sampling's stand-in (caching._Branch) says
+        if x is not None and (runs is None or runs()):
             self.ready = {name: (x, type(layer).forward(layer, x))
                           for name, layer in (("to_k", self.attn2.to_k), ("to_v", self.attn2.to_v))}
+            self.filled += 2
 
     def project(self, name: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         done = self.ready.pop(name, None)

@@ -178,6 +178,10 @@ class _Branch(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._runner.call(self.key, self.inner, args, kwargs)
 
+    def runs(self) -> bool:
+        """Whether the next call runs the branch (False: it returns the cached output)."""
+        return self._runner.runs(self.key)
+
 
 class BranchRunner:
     """Runs a denoiser's residual branches by a per-step plan, inside `with runner.installed():`.
@@ -194,8 +198,11 @@ class BranchRunner:
         self.compute: list[list[bool]] | None = None
         self.beta: torch.Tensor | None = None
 
+    def runs(self, key: tuple[int, int]) -> bool:
+        return self.compute is None or self.compute[key[0]][key[1]]
+
     def call(self, key: tuple[int, int], inner: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-        if self.compute is not None and not self.compute[key[0]][key[1]]:
+        if not self.runs(key):
             return self.cache[key]  # (B, N, D), or (B, D, h, w) for SANA's conv MLP
         out = inner(*args, **kwargs)
         if self.beta is not None:
