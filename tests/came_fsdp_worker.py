@@ -16,7 +16,6 @@ TASK and writes the results as `NAME_rank<r>.pt` into OUT_DIR.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
