@@ -485,7 +485,10 @@ def test_the_cache_curve_calls_a_win_only_at_equal_speed_beyond_the_intervals():
     assert not learned["goal"] and not learned["vs_uniform"][0]["beats_paired_error"]
     rows[3]["fd_ci"] = [10.2, 10.6]
     compare(rows)
-    assert rows[0]["goal"]
+    assert rows[0]["goal"] and not rows[0]["goal_paired_error"]
+    rows[0]["paired_error_ci"] = [0.01, 0.04]  # below both neighbours' [0.05, 0.15]
+    compare(rows)
+    assert rows[0]["goal_paired_error"]
 
 
 def test_the_paired_bootstrap_sees_a_difference_that_separate_fd_intervals_hide():
