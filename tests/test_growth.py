@@ -351,6 +351,13 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
                                                                                fd["scratch_total_flops"]])
     for arm, final in fd["final"].items():
         assert final["low"] <= final["mean"] <= final["high"], arm
+    # paired by seed, checked by hand: the mean of the per-seed differences of the last evaluations
+    last = {arm: [fd["curves"][arm][seed][-1][1] for seed in ("0", "1")] for arm in fd["curves"]}
+    for ref in ("scratch", "control"):
+        for arm, d in fd[f"paired_to_{ref}"].items():
+            assert d["mean"] == pytest.approx((last[arm][0] - last[ref][0] + last[arm][1] - last[ref][1]) / 2), (ref, arm)
+            assert d["low"] <= d["mean"] <= d["high"]
+        assert ref not in fd[f"paired_to_{ref}"]
     assert len(fd["flops_fraction_to_reach_scratch_final"]["grown_cyclic"]) == 2
     path = study.plot(cmd, {"fd": fd}, tmp_path / "growth.png")
     assert path.stat().st_size > 10_000

@@ -14,9 +14,10 @@ decay over total_steps), run as four arms per seed, each a `python -m framework.
 Runs already complete are kept (a study can be stopped and started again, seeds added later). Then
 growth.png (fd and accuracy against training FLOPs: seed means with 95% t-intervals) and growth.json (growth_TAG.*
 for a grown_tag's arms):
-per arm the final fd / accuracy with intervals, and for each grown arm the fraction of the scratch run's
-training FLOPs at which it first reaches the scratch run's final fd (the goal is <= 0.7 with the intervals of
-the final fds apart).
+per arm the final fd / accuracy with intervals, the same paired by seed against scratch and against the control
+(the arm's final value minus theirs, seed by seed: the seeds' shared noise cancels), and for each grown arm the
+fraction of the scratch run's training FLOPs at which it first reaches the scratch run's final fd (the goal is
+<= 0.7 with the intervals of the final fds apart).
 """
 
 from __future__ import annotations
@@ -195,8 +196,14 @@ def compare(cmd: StudyCommand, metric: str) -> dict[str, Any]:
                    if (v[metric] <= target if lower_is_better else v[metric] >= target)]
             fractions.append(hit[0] / scratch_total if hit else None)
         reach[arm] = fractions
+    # Paired by seed: an arm's final value minus scratch's (or the control's) of the same seed. The seeds' shared
+    # noise (data order, the small model) cancels, which the arms' own intervals above keep.
+    last = {arm: {s: runs[s][max(runs[s])][metric] for s in cmd.seeds} for arm, runs in data.items()}
+    paired = {ref: {arm: dict(zip(("mean", "low", "high"), interval([last[arm][s] - last[ref][s] for s in cmd.seeds])))
+                    for arm in last if arm != ref} for ref in ("scratch", "control")}
     return {"metric": metric, "seeds": cmd.seeds, "scratch_total_flops": scratch_total,
             "final": {arm: {"mean": m, "low": lo, "high": hi} for arm, (m, lo, hi) in final.items()},
+            "paired_to_scratch": paired["scratch"], "paired_to_control": paired["control"],
             "flops_fraction_to_reach_scratch_final": reach,
             "curves": {arm: {str(s): [[x, v[metric]] for x, v in sorted(runs[s].items()) if metric in v] for s in runs}
                        for arm, runs in data.items()}}
