@@ -467,6 +467,19 @@ def test_the_cache_curve_names_a_straight_through_router_apart():
     assert learned_name(dataclasses.replace(soft, source={}), Path("c/mine.json"), set()) == "learned c"
 
 
+def test_the_cache_curve_plots_an_fd_below_its_biased_interval(tmp_path):
+    """fd's bootstrap is biased upward, so an estimate can lie below its own interval (it did on the pairs model):
+    the figure is still drawn, that bar starting at the point."""
+    from framework.bench.suite_cache_curve import plot
+
+    def row(variant, kind, speedup, fd, ci):
+        return {"variant": variant, "series": variant, "kind": kind, "speedup": speedup, "fd": fd, "fd_ci": ci,
+                "paired_error": 0.1, "paired_error_ci": [0.05, 0.15], "accuracy": 0.9, "accuracy_ci": [0.85, 0.95]}
+
+    rows = [row("full", "full", 1.0, 14.7, [14.9, 18.0]), row("learned", "learned", 1.4, 15.0, [15.1, 18.3])]
+    assert plot(rows, tmp_path / "curve.png", "title").stat().st_size > 10_000
+
+
 def test_the_cache_curve_calls_a_win_only_at_equal_speed_beyond_the_intervals():
     from framework.bench.suite_cache_curve import compare
 

@@ -224,7 +224,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
         for name, rs in groups.items():
             rs = sorted(rs, key=lambda r: r["speedup"])
             xs, ys = [r["speedup"] for r in rs], [r[key] for r in rs]
-            err = [[y - r[f"{key}_ci"][0] for y, r in zip(ys, rs)], [r[f"{key}_ci"][1] - y for y, r in zip(ys, rs)]]
+            # fd's bootstrap is biased upward: its estimate may lie below its interval, so that bar starts at the point
+            err = [[max(0.0, y - r[f"{key}_ci"][0]) for y, r in zip(ys, rs)],
+                   [max(0.0, r[f"{key}_ci"][1] - y) for y, r in zip(ys, rs)]]
             marker = {"full": "*", "uniform": "s", "fewer": "^"}.get(rs[0]["kind"], "o")
             ax.errorbar(xs, ys, yerr=err, marker=marker, capsize=3, label=name, linestyle="-" if len(rs) > 1 else "none")
         ax.set_xlabel("measured speed-up over the full sampler")
