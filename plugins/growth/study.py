@@ -183,7 +183,9 @@ def curves(cmd: StudyCommand) -> dict[str, dict[int, dict[float, dict[str, float
 def compare(cmd: StudyCommand, metric: str) -> dict[str, Any]:
     data = curves(cmd)
     scratch_total = max(data["scratch"][cmd.seeds[0]])
-    final = {arm: interval([runs[s][max(runs[s])][metric] for s in cmd.seeds]) for arm, runs in data.items()}
+    # each arm's last evaluation, seed by seed
+    last = {arm: {s: runs[s][max(runs[s])][metric] for s in cmd.seeds} for arm, runs in data.items()}
+    final = {arm: interval(list(values.values())) for arm, values in last.items()}
     target = final["scratch"][0]
     lower_is_better = metric == "fd"
     reach: dict[str, Any] = {}
@@ -198,12 +200,11 @@ def compare(cmd: StudyCommand, metric: str) -> dict[str, Any]:
         reach[arm] = fractions
     # Paired by seed: an arm's final value minus scratch's (or the control's) of the same seed. The seeds' shared
     # noise (data order, the small model) cancels, which the arms' own intervals above keep.
-    last = {arm: {s: runs[s][max(runs[s])][metric] for s in cmd.seeds} for arm, runs in data.items()}
-    paired = {ref: {arm: dict(zip(("mean", "low", "high"), interval([last[arm][s] - last[ref][s] for s in cmd.seeds])))
-                    for arm in last if arm != ref} for ref in ("scratch", "control")}
-    return {"metric": metric, "seeds": cmd.seeds, "scratch_total_flops": scratch_total,
-            "final": {arm: {"mean": m, "low": lo, "high": hi} for arm, (m, lo, hi) in final.items()},
-            "paired_to_scratch": paired["scratch"], "paired_to_control": paired["control"],
+    paired = {ref: {arm: interval([last[arm][s] - last[ref][s] for s in cmd.seeds]) for arm in last if arm != ref}
+              for ref in ("scratch", "control")}
+    named = lambda intervals: {arm: dict(zip(("mean", "low", "high"), i)) for arm, i in intervals.items()}
+    return {"metric": metric, "seeds": cmd.seeds, "scratch_total_flops": scratch_total, "final": named(final),
+            "paired_to_scratch": named(paired["scratch"]), "paired_to_control": named(paired["control"]),
             "flops_fraction_to_reach_scratch_final": reach,
             "curves": {arm: {str(s): [[x, v[metric]] for x, v in sorted(runs[s].items()) if metric in v] for s in runs}
                        for arm, runs in data.items()}}
