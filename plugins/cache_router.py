@@ -19,7 +19,8 @@ One training step (the `TrainingLoss` hook of framework/training/registry.py), a
      in the forward and beta's gradient in the backward, straight through);
   4. loss = MSE(student, teacher) + sparsity * sum(cost * beta_k) on the guided predictions (uncond +
      guidance * (cond - uncond), both halves in one batch sharing one cache, as in sampling): the penalty
-     pushes beta down wherever the cache costs the sampled image little. `cost` weighs each branch by its share of the model's work
+     pushes beta down wherever the cache costs the sampled image little.
+     `cost` weighs each branch by its share of the model's work
      (`plugins.cache_router.cost`: its forward FLOPs, or its measured time on this device; mean 1), so the
      router does not buy a cheap cross-attention with an expensive MLP; `none` weighs them alike (the paper's).
 Captions and labels are dropped as in training; a dropped caption's guided prediction is the unconditional one.

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -32,6 +33,26 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "spec
 # ---------------------------------------------------------------------------------------------
 # Builders (plain functions: other test files import them)
 # ---------------------------------------------------------------------------------------------
+
+
+class CompiledBlocks(pl.Callback):
+    """Which of the model's blocks ran inside a torch.compile trace: a forward hook on each block's first linear
+    layer records torch.compiler.is_compiling() (public API: Dynamo's counters are internals another torch version
+    keeps elsewhere). After the run, `compiled` holds one bool per block."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from framework.distributed.fsdp import shard_units
+
+        self.model = pl_module.model
+        units = shard_units(pl_module.model)
+        self.seen: list[set[bool]] = [set() for _ in units]
+        for seen, unit in zip(self.seen, units):
+            layer = next(m for m in unit.modules() if isinstance(m, torch.nn.Linear))
+            layer.register_forward_hook(lambda *_, seen=seen: seen.add(torch.compiler.is_compiling()))
+
+    @property
+    def compiled(self) -> list[bool]:
+        return [True in seen for seen in self.seen]
 
 
 def make_tiny_vae(root: Path, scaling_factor: float = 0.5, shift_factor: float = 0.1, seed: int = 0) -> Path:

@@ -111,7 +111,8 @@ class Probe(pl.Callback):
 
         state = optimizer.state
         self.params = {
-            name: {"dtensor": isinstance(p, DTensor), "local_shape": list(p.to_local().shape if isinstance(p, DTensor) else p.shape),
+            name: {"dtensor": isinstance(p, DTensor),
+                   "local_shape": list(p.to_local().shape if isinstance(p, DTensor) else p.shape),
                    "shape": list(p.shape), "trains": p.requires_grad, "grad": p.grad is not None,
                    "optimizer_state": bool(state.get(p))}
             for name, p in pl_module.model.named_parameters()

@@ -1,7 +1,8 @@
 """`python -m tests.fsdp_init_worker CASES_JSON OUT_DIR`: the fsdp set-up of several models, 2 ranks, gloo, CPU.
 
 For each case ({"model": preset, "seed": N, "init_from": path or null}) it seeds like framework.train
-(`pl.seed_everything`), draws 3 numbers (as tests/test_fsdp_init.py's reference does), builds the real DiffusionModule with strategy=fsdp and lets a Lightning
+(`pl.seed_everything`), draws 3 numbers (as tests/test_fsdp_init.py's reference does), builds the real DiffusionModule
+with strategy=fsdp and lets a Lightning
 Trainer (the real FSDPStrategy, max_steps=0) run set-up: configure_model shards the meta model and
 materialises it, then Lightning's own set-up. At on_fit_start, before any step, every rank writes
 OUT_DIR/case<i>_rank<r>.pt: the gathered parameters (full_tensor), every buffer as that rank holds

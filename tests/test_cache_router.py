@@ -360,7 +360,7 @@ def test_the_distillation_starts_where_guided_sampling_is_and_distils_the_guided
     student, teacher = [], []
     with runner.installed():
         for h, text_h, mask_h, labels_h in halves:
-            cut = lambda v: None if v is None else v[h]
+            cut = lambda v, h=h: None if v is None else v[h]
             runner.reset()
             with torch.no_grad():
                 model(calls[k - 1][0][h], calls[k - 1][1][h], cut(text_h), cut(mask_h), cut(labels_h))  # fills the cache
@@ -368,7 +368,7 @@ def test_the_distillation_starts_where_guided_sampling_is_and_distils_the_guided
                     student.append(model(calls[k][0][h], calls[k][1][h], cut(text_h), cut(mask_h), cut(labels_h)))
     with torch.no_grad():
         for h, text_h, mask_h, labels_h in halves:
-            cut = lambda v: None if v is None else v[h]
+            cut = lambda v, h=h: None if v is None else v[h]
             teacher.append(model(calls[k][0][h], calls[k][1][h], cut(text_h), cut(mask_h), cut(labels_h)))
     guided = lambda cond, uncond: uncond + g * (cond - uncond)
     expected = torch.nn.functional.mse_loss(guided(*student), guided(*teacher))
@@ -459,7 +459,8 @@ def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps
 def test_the_cache_curve_names_a_straight_through_router_apart():
     from framework.bench.suite_cache_curve import learned_name
 
-    soft = CacheSchedule("ddim", 4, {"branches": [["attn1"]]}, [[[True]]] * 4, kind="learned", source={"sparsity": 0.003, "hard": False})
+    soft = CacheSchedule("ddim", 4, {"branches": [["attn1"]]}, [[[True]]] * 4, kind="learned",
+                         source={"sparsity": 0.003, "hard": False})
     hard = dataclasses.replace(soft, source={"sparsity": 0.003, "hard": True})
     assert learned_name(soft, Path("a/router_sparsity0.003/cache_schedule.json"), set()) == "learned s=0.003"
     assert learned_name(hard, Path("b/hard/cache_schedule.json"), {"learned s=0.003"}) == "learned s=0.003 hard"
@@ -536,7 +537,8 @@ def test_the_paired_bootstrap_sees_a_difference_that_separate_fd_intervals_hide(
 
 def test_the_router_trained_under_sequence_parallelism_follows_one_process(tmp_path, digits_shards, sources):
     """The router stage on 2 sequence-parallel ranks (each holding half of every image's tokens; PixArt: the stage
-    touches no family's split, tests/test_sequence.py checks those) against one process with the same batches. No sparsity penalty and a router that
+    touches no family's split, tests/test_sequence.py checks those) against one process with the same batches.
+    No sparsity penalty and a router that
     starts mostly cached, so the loss and the gradient are the distillation's: the same losses and gradient norms
     step by step (through the gathered prediction), the same router logits at the end, and the same branch costs
     (counted on the split model)."""

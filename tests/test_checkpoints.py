@@ -33,7 +33,8 @@ def test_keep_checkpoints_keeps_the_newest_numbered_files_across_a_resume(tmp_pa
 
 
 def test_keep_checkpoints_zero_keeps_only_last(tmp_path, digits_shards):
-    cfg = cheap(tmp_path, digits_shards, "trainer.checkpoint_every_n_steps=1", "trainer.keep_checkpoints=0", "logger=none", steps=2)
+    cfg = cheap(tmp_path, digits_shards, "trainer.checkpoint_every_n_steps=1", "trainer.keep_checkpoints=0", "logger=none",
+                steps=2)
     train(compose_cfg(cfg))
     assert names(tmp_path / "run" / "checkpoints") == ["last.ckpt"]
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2

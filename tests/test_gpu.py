@@ -86,14 +86,14 @@ class StepProbe(pl.Callback):
         linear = next(m for n, m in pl_module.model.named_modules() if n.endswith("to_q"))
         linear.register_forward_hook(lambda mod, args, out: self.compute_dtypes.add(out.dtype))
         self.model, self.watched = pl_module.model, linear.weight
-        self.first = linear.weight.detach().clone()
+        self.first = linear.weight.detach().cpu().clone()  # Lightning moves the module to the CPU after fit
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
 
     def changed(self) -> bool:
-        return not torch.equal(self.watched.detach(), self.first)
+        return not torch.equal(self.watched.detach().cpu(), self.first)
 
 
 def bf16_steps(preset: str, batch_size: int, device: torch.device, steps: int = 2) -> tuple[StepProbe, int]:
@@ -190,18 +190,15 @@ def test_fsdp_on_one_gpu_gathers_bf16_parameters_over_nccl(cuda, tmp_path, tier_
 @pytest.mark.gpu
 def test_compiled_blocks_on_cuda_follow_the_eager_losses(cuda, tmp_path, tier_shards, monkeypatch):
     """The CPU counterpart is tests/test_train.py::test_compiled_blocks_run_compiled_and_follow_the_eager_losses."""
-    from torch._dynamo.utils import counters
-
-    from framework.distributed.fsdp import shard_units
-    from tests.test_train import losses
+    from tests.conftest import CompiledBlocks
+    from tests.test_train import _with_callback, losses
 
     eager = _train_with(TrainProbe(), monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=bf16-mixed", run="eager"))
-    counters.clear()
-    model_probe = StepProbe()
+    model_probe, blocks = StepProbe(), CompiledBlocks()
+    _with_callback(monkeypatch, blocks)
     compiled = _train_with(model_probe, monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=bf16-mixed",
                                                               "strategy.compile=true", run="compiled"))
-    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
-    assert all(unit._compiled_call_impl is not None for unit in shard_units(model_probe.model)), "a block runs eager"
+    assert all(blocks.compiled), blocks.compiled
     assert model_probe.compute_dtypes == {torch.bfloat16}
     le, lc = losses(Path(eager["run_dir"])), losses(Path(compiled["run_dir"]))
     assert sorted(le) == sorted(lc)
@@ -221,7 +218,11 @@ def test_xformers_and_sdpa_attention_agree(cuda, preset):
     real-size model, bf16): outputs within bf16 tolerance."""
     pytest.importorskip("xformers", reason="xformers is not installed (pip install -e .[xformers])")
     from framework.bench.harness import synthetic_batches
-    from framework.models.backbones import apply_attention_backend, build_denoiser, load_preset
+    from framework.models.backbones import apply_attention_backend, build_denoiser, load_preset, xformers_problem
+
+    problem = xformers_problem()
+    if problem is not None:  # a wheel built for another torch: the product refuses it (test_backbones), skip here
+        pytest.skip(problem)
 
     small = {"num_layers": 2} if preset != "sd2_base" else {}
     mcfg = load_preset(preset, **small)
@@ -274,6 +275,20 @@ def test_adamw_follows_the_reference_step_on_the_cpu():
     assert not fused and err < 1e-6, (fused, err)
 
 
+def test_fused_adamw_only_for_cuda_parameters_without_a_grad_scaler():
+    """The fused kernel unscales inside its own step, after the norm check and clipping read the gradients (on an
+    H200, Lightning refused to clip a 16-mixed run for it): runs with a grad scaler go without it."""
+    from types import SimpleNamespace
+
+    from framework.training.optim import fused_adamw
+
+    on_gpu, on_cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    assert fused_adamw([on_gpu, {"params": [on_gpu]}], grad_scaler=False)
+    assert not fused_adamw([on_gpu, {"params": [on_gpu]}], grad_scaler=True)
+    assert not fused_adamw([on_gpu, on_cpu], grad_scaler=False)
+    assert not fused_adamw([], grad_scaler=False)
+
+
 # --------------------------------------------------------------------------------------------------
 # 16-mixed: an overflow is skipped by the grad scaler and skip_nonfinite together
 # --------------------------------------------------------------------------------------------------
@@ -284,11 +299,12 @@ class OverflowProbe(pl.Callback):
     weight changed and the grad scaler's scale after the step."""
 
     def __init__(self, at: int) -> None:
-        self.at, self.changed, self.scales = at, [], []
+        self.at, self.changed, self.scales, self.scales_before = at, [], [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.weight = next(p for p in pl_module.model.parameters() if p.ndim == 2)
         self.before = self.weight.detach().clone()
+        self.scales_before.append(trainer.precision_plugin.scaler.get_scale())
 
     def on_after_backward(self, trainer, pl_module) -> None:
         if trainer.global_step == self.at:
@@ -304,8 +320,12 @@ def test_16_mixed_skips_an_overflowing_step_under_skip_nonfinite(cuda, tmp_path,
     probe = OverflowProbe(at=2)
     out = _train_with(probe, monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=16-mixed",
                                                    "trainer.skip_nonfinite=true", steps=5))
-    assert probe.changed == [True, True, False, True, True], probe.changed
-    assert probe.scales[2] == probe.scales[1] / 2, probe.scales  # the scaler backed off once
+    # A step changes the weights exactly when the scaler did not back off. Besides the planted inf, the scaler may
+    # back off on its own at the start (its first scale, 2**16, can overflow fp16 gradients: seen on an H200).
+    backed_off = [after < before for before, after in zip(probe.scales_before, probe.scales)]
+    assert probe.changed == [not b for b in backed_off], (probe.changed, probe.scales_before, probe.scales)
+    assert probe.changed[1] and not probe.changed[2] and probe.changed[3:] == [True, True], probe.changed
+    assert probe.scales[2] == probe.scales_before[2] / 2, probe.scales  # the planted inf halved the scale
     ckpt = torch.load(out["checkpoint"], weights_only=True, map_location="cpu")
     assert ckpt["global_step"] == 5
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
@@ -380,26 +400,32 @@ def test_sampling_and_evaluation_devices_on_the_cpu(tmp_path, tier_shards, monke
 # --------------------------------------------------------------------------------------------------
 
 
-def norm_step_times(preset: str, device: torch.device, steps: int, rounds: int) -> dict[bool, list[float]]:
-    """Median step time (ms) of `rounds` alternating bf16-mixed fits without and with plugins=[low_precision_norm]."""
-    from framework.bench.suite_norm import _fit
-
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for swap in (False, True):
-            times[swap].append(_fit(preset, swap, device, "bf16-mixed", steps, 3, 8, None)["step_ms_median"])
-    return times
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["sd2_base", "pixart_xl_2_256"])
-def test_low_precision_norms_make_a_bf16_step_measurably_faster(cuda, preset):
-    times = norm_step_times(preset, cuda, steps=20, rounds=3)
-    print(f"{preset}: fp32 norms {times[False]} ms, low-precision norms {times[True]} ms")
-    # every low-precision round faster than every fp32 round: not the noise of one run
-    assert max(times[True]) < min(times[False]), times
+def test_low_precision_norms_compute_a_real_size_forward_in_bf16(cuda, preset):
+    """Every norm of the real-size model is swapped and computes in bf16 under CUDA autocast, and the output stays
+    within bf16 tolerance of the fp32-norm forward. Their speed is a figure, not a test: `python -m framework.bench
+    gpu` (its lp_norm row) and `python -m framework.bench norm`."""
+    from framework.bench.harness import synthetic_batches
+    from framework.models.backbones import build_denoiser, load_preset
+    from plugins.low_precision_norm import SWAPS, apply_low_precision_norms
 
-
-def test_norm_step_times_on_the_cpu():
-    times = norm_step_times("pixart_debug", torch.device("cpu"), steps=2, rounds=1)
-    assert all(len(v) == 1 and v[0] > 0 for v in times.values()), times
+    mcfg = load_preset(preset, **({"num_layers": 2} if preset != "sd2_base" else {}))
+    torch.manual_seed(0)
+    with torch.device(cuda):
+        net = build_denoiser(mcfg).eval()
+    batch = next(iter(torch.utils.data.DataLoader(synthetic_batches(mcfg, 2, 77), batch_size=2)))
+    x, text = batch["latents"].to(cuda), batch["text_embeds"].to(cuda)
+    mask, t = batch["text_mask"].to(cuda), torch.tensor([250.0, 750.0], device=cuda)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = net(x, t, text, mask).float()
+        norms = [m for m in net.modules() if any(type(m) in pairs for pairs in SWAPS.values())]
+        swapped = apply_low_precision_norms(net)
+        dtypes: set[torch.dtype] = set()
+        for m in norms:
+            m.register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
+        got = net(x, t, text, mask).float()
+    assert norms and sum(swapped.values()) == len(norms), (swapped, len(norms))
+    assert dtypes == {torch.bfloat16}, dtypes
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 2e-2, f"{preset}: low-precision norms moved the output by {rel:.2e}"

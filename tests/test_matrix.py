@@ -194,8 +194,10 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
     if "experiment=cache_router" in extra:  # only the router trained; the evaluation used its schedule
         import torch
 
-        trained, source = (torch.load(p, weights_only=True)["state_dict"] for p in (last_ckpt, request.getfixturevalue("growth_source")))
-        assert all(torch.equal(trained[k], v) for k, v in source.items()) and trained.keys() - source.keys() == {"router.logits", "router.cost"}
+        trained, source = (torch.load(p, weights_only=True)["state_dict"]
+                           for p in (last_ckpt, request.getfixturevalue("growth_source")))
+        assert all(torch.equal(trained[k], v) for k, v in source.items())
+        assert trained.keys() - source.keys() == {"router.logits", "router.cost"}
         assert metrics["cache_schedule"] == "learned" and (run_dir / "cache_schedule.png").is_file()
 
     if "strategy.async_save=true" in extra:  # the background saves completed: last.ckpt is step 4, nothing half-written

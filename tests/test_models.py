@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from framework.models import backbones
 from framework.models.flops import count_train_flops_per_sample
 from framework.models.backbones import (
     PRESET_DIR,
@@ -181,6 +182,7 @@ def test_xformers_selection_never_touches_sana_linear_attention(monkeypatch):
     switched = []
     monkeypatch.setattr(diffusers.utils, "is_xformers_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backbones, "xformers_problem", lambda: None)
     monkeypatch.setattr(Attention, "set_use_memory_efficient_attention_xformers",
                         lambda self, flag: switched.append(self))
     before = {n: type(b.attn1.processor) for n, b in enumerate(net.net.transformer_blocks)}
@@ -188,6 +190,19 @@ def test_xformers_selection_never_touches_sana_linear_attention(monkeypatch):
     assert switched == list(targets.values())
     after = {n: type(b.attn1.processor) for n, b in enumerate(net.net.transformer_blocks)}
     assert after == before and all(t.__name__ == "SanaLinearAttnProcessor2_0" for t in after.values())
+
+
+def test_an_xformers_build_without_kernels_is_refused_naming_the_key(monkeypatch):
+    """An xformers wheel built for another torch imports but cannot run (seen on an H200 with torch 2.11): refused
+    before any module is switched, with the reason."""
+    import diffusers.utils
+
+    net = _built("pixart_debug")
+    monkeypatch.setattr(diffusers.utils, "is_xformers_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backbones, "xformers_problem", lambda: "xformers 0.0.35 has no kernel for this GPU and torch")
+    with pytest.raises(RuntimeError, match="model.attention=xformers: xformers 0.0.35 has no kernel.*model.attention=sdpa"):
+        apply_attention_backend(net.net, "xformers")
 
 
 def test_xformers_selection_takes_every_softmax_attention():
@@ -244,3 +259,21 @@ def test_train_flops_count_attention_and_leave_grads_alone():
     tokens = (net.cfg.sample_size // net.cfg.patch_size) ** 2
     linear_only = 6 * tokens * sum(p.numel() for b in net.net.transformer_blocks for p in b.parameters())
     assert flops > linear_only
+
+
+@pytest.mark.parametrize("groups", [1, 4, 16])
+def test_a_grouped_convolutions_backward_counts_twice_its_forward(groups):
+    """Input gradient and weight gradient each cost what the forward does, grouped or not (torch's own formula
+    counts a grouped weight gradient as dense: SANA's depthwise convolution made its MFU read 179% on an H200)."""
+    from torch.utils import flop_counter
+
+    from framework.models.flops import _CUSTOM
+
+    conv = torch.nn.Conv2d(16, 32, 3, padding=1, groups=groups)
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=_CUSTOM) as counter:
+        conv(x).sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    forward = 2 * 2 * 8 * 8 * 32 * (16 // groups) * 9  # 2 FLOPs per multiply-add: batch, pixels, c_out, c_in/groups, 3x3
+    assert counts[torch.ops.aten.convolution] == forward
+    assert counts[torch.ops.aten.convolution_backward] == 2 * forward

@@ -201,8 +201,9 @@ def test_diffusers_export_of_sana_needs_a_dc_ae(own_data, tmp_path):
     before anything is written (not an AttributeError from inside diffusers)."""
     from framework.export import ExportCommand, export
 
-    out = train(compose_cfg(_run(own_data, "sana", "model=sana_debug", "trainer.max_steps=1", "trainer.checkpoint_every_n_steps=1",
-                                 "sample.every_n_steps=0", f"sample.vae={own_data['vae']}", f"sample.text_encoder={own_data['text']}")))
+    out = train(compose_cfg(_run(own_data, "sana", "model=sana_debug", "trainer.max_steps=1",
+                                 "trainer.checkpoint_every_n_steps=1", "sample.every_n_steps=0",
+                                 f"sample.vae={own_data['vae']}", f"sample.text_encoder={own_data['text']}")))
     with pytest.raises(ValueError, match="SanaPipeline takes an AutoencoderDC.*AutoencoderKL.*format=safetensors"):
         export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers",
                              vae=str(own_data["vae"]), text_encoder=str(own_data["text"])))

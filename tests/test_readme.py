@@ -1,5 +1,5 @@
-"""Every command the README (and each docs/ page) shows is accepted by the command it names: same module, keys that exist, values of the
-right type. Each runs with Hydra's `--cfg job` (compose and print, nothing trained or read), so the README's
+"""Every command the README (and each docs/ page) shows is accepted by the command it names: same module, keys that
+exist, values of the right type. Each runs with Hydra's `--cfg job` (compose and print, nothing trained or read), so the README's
 placeholder paths (/data/my_images, /models/...) need not exist. What the commands then do is run for real
 elsewhere: the quickstart in test_train.py, the own-images recipe (precompute, train, sample, eval, export)
 in test_own_data.py, sbatch and the submitit sweep in test_slurm.py, each plugin's command in its own file.

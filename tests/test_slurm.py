@@ -111,7 +111,8 @@ def warn_mid_run(job_id: str, run_dir: Path, *scancel: str) -> None:
 
 
 def wait_done(job_id: str) -> dict[str, str]:
-    return wait_for(f"job {job_id} to finish", lambda: (j := job(job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and j, every=1)
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    return wait_for(f"job {job_id} to finish", lambda: (j := job(job_id)).get("JobState") in ended and j, every=1)
 
 
 def check_resumed_cleanly(run_dir: Path, out: str, cache: Path) -> int:

@@ -41,8 +41,9 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.bench import (suite_buckets, suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_gpu, suite_init_memory,
-                             suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_overlap, suite_sequence, suite_train)
+from framework.bench import (suite_buckets, suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode,
+                             suite_ema, suite_gpu, suite_init_memory, suite_memory, suite_norm, suite_optimizer,
+                             suite_overhead, suite_overlap, suite_sequence, suite_train)
 from framework.bench.harness import write_json
 from framework.cli import quiet_hydra
 

@@ -12,7 +12,8 @@ same seeds for every variant: fd to the real held-out images and accuracy, each 
 (`bootstrap` resamples), and the paired error: each image's mean squared difference from the full sampler's image
 of the same prompt and seed. fd's bootstrap is biased upward (a resample repeats images), so its interval sits
 mostly above the estimate and two variants' intervals overlap even when one is better on every resample:
-comparisons therefore bootstrap the difference, resampling the same images for both variants. Speed: `time_images` images per round, the variants taking turns for `repeats`
+comparisons therefore bootstrap the difference, resampling the same images for both variants.
+Speed: `time_images` images per round, the variants taking turns for `repeats`
 rounds after a warm-up round, best round kept. Written: `out` (one row per variant) and the curve beside it (.png).
 A learned point is compared with the uniform and fewer-step points within 3% of its speed; it "beats" one when the
 paired interval of the fd difference (or of the paired-error difference) lies wholly below 0. `goal`: it beats a

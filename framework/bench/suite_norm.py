@@ -36,7 +36,8 @@ def _fit(preset: str, swap: bool, device: torch.device, precision: str, steps: i
     """One timed fit with or without the plugin; median step time, peak GPU memory, what was swapped."""
     mcfg = load_preset(preset, **({} if sample_size is None else {"sample_size": sample_size}))
     torch.manual_seed(0)
-    module = bench_module(mcfg)
+    with torch.device(device):  # built where it trains: initialising a real-size model on the host takes minutes
+        module = bench_module(mcfg)
     data = synthetic_batches(mcfg, (warmup + steps) * batch_size, text_len=77)
     cbs = [LowPrecisionNorm(LowPrecisionNormConfig())] if swap else []
     times = timed_fit(module, data, batch_size=batch_size, warmup=warmup, steps=steps, device=device,

@@ -252,7 +252,8 @@ def _main() -> None:
     side, a = sys.argv[1], json.loads(sys.argv[2])
     result = framework_side(a) if side == "framework" else loop_side(a)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    row = {"side": side, "batch_size": result["batch_size"], "samples_per_s": a["steps"] * result["batch_size"] / result["seconds"],
+    row = {"side": side, "batch_size": result["batch_size"],
+           "samples_per_s": a["steps"] * result["batch_size"] / result["seconds"],
            "step_ms": result["seconds"] / a["steps"] * 1e3, "threads": result["threads"], "device": device}
     (Path(a["work"]) / f"{side}.json").write_text(json.dumps(row))
     from framework.distributed.env import leave

@@ -437,7 +437,8 @@ def to_pil(img: torch.Tensor, size: int | None = None) -> Image.Image:
     return im
 
 
-def save_grid(images: torch.Tensor, captions: Sequence[str], path: str | os.PathLike, ncol: int | None = None, cell: int = 96) -> Path:
+def save_grid(images: torch.Tensor, captions: Sequence[str], path: str | os.PathLike, ncol: int | None = None,
+              cell: int = 96) -> Path:
     """Write a PNG grid with each image's prompt printed under it."""
     n = len(images)
     ncol = ncol or min(n, 10)

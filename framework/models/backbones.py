@@ -281,8 +281,27 @@ def apply_attention_backend(net: nn.Module, attention: str) -> None:
             "model.attention=xformers needs the xformers package and a CUDA GPU "
             f"(xformers installed: {is_xformers_available()}, GPU: {torch.cuda.is_available()}). "
             "Install `latentforge[xformers]` on a GPU machine, or set model.attention=sdpa.")
+    problem = xformers_problem()
+    if problem is not None:
+        raise RuntimeError(f"model.attention=xformers: {problem}. Reinstall xformers for torch {torch.__version__}, "
+                           "or set model.attention=sdpa.")
     for module in xformers_targets(net).values():
         module.set_use_memory_efficient_attention_xformers(True)
+
+
+def xformers_problem() -> str | None:
+    """Why xformers' memory-efficient attention cannot run on this machine's GPU, or None when it can (one tiny
+    bf16 call). An xformers wheel built for another torch imports but has no kernels to run."""
+    try:
+        import xformers.ops
+    except ImportError as e:
+        return f"xformers does not import ({e})"
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    try:
+        xformers.ops.memory_efficient_attention(q, q, q)
+    except (NotImplementedError, RuntimeError) as e:
+        return f"xformers {getattr(xformers, '__version__', '?')} has no kernel for this GPU and torch ({str(e).splitlines()[0]})"
+    return None
 
 
 # --------------------------------------------------------------------------------------------------

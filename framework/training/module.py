@@ -189,7 +189,9 @@ class DiffusionModule(pl.LightningModule):
         if sorted(map(id, params)) != sorted(id(p) for g in groups for p in g["params"]):
             raise RuntimeError(f"{type(hook).__name__}.param_groups must return each trainable parameter once")
         cfg = self.optimizer_cfg
-        opt = build_optimizer([{"params": g["params"], "lr": cfg.lr * g.get("lr_scale", 1.0)} for g in groups], cfg)
+        scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
+        opt = build_optimizer([{"params": g["params"], "lr": cfg.lr * g.get("lr_scale", 1.0)} for g in groups], cfg,
+                              grad_scaler=scaled)
         base = lr_lambda(self.optimizer_cfg, self.max_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, [group_lambda(base, g.get("warmup_steps", 0)) for g in groups])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -66,10 +66,16 @@ class OptimizerConfig:
             OPTIMIZER_CHECKS[self.name](self)
 
 
-def _adamw(params: Iterable, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def fused_adamw(params: list, grad_scaler: bool) -> bool:
+    """Whether AdamW runs its fused kernel: it exists for CUDA tensors only (the whole update in one launch), and
+    it unscales a grad scaler's gradients inside its own step, after the norm check and clipping have read them
+    (Lightning refuses to clip for it), so a run with a grad scaler (16-mixed) goes without it."""
+    return not grad_scaler and bool(params) and all(p.is_cuda for p in _tensors(params))
+
+
+def _adamw(params: Iterable, cfg: OptimizerConfig, grad_scaler: bool = False) -> torch.optim.Optimizer:
     params = list(params)
-    # The fused kernel exists for CUDA tensors only; it runs the whole update in one launch.
-    fused = bool(params) and all(p.is_cuda for p in _tensors(params))
+    fused = fused_adamw(params, grad_scaler)
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
     )
@@ -90,7 +96,11 @@ OPTIMIZER_CHECKS: dict[str, Callable[[OptimizerConfig], None]] = {}
 """Optional per-optimizer config checks run by OptimizerConfig.__post_init__ (raise ValueError)."""
 
 
-def build_optimizer(params: Iterable, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable, cfg: OptimizerConfig, grad_scaler: bool = False) -> torch.optim.Optimizer:
+    """grad_scaler: the run scales its gradients (16-mixed on a GPU): AdamW then goes without its fused kernel
+    (fused_adamw)."""
+    if cfg.name == "adamw":
+        return _adamw(params, cfg, grad_scaler)
     return OPTIMIZERS[cfg.name](params, cfg)
 
 

@@ -216,7 +216,8 @@ def describe(record: dict[str, Any]) -> str:
     """One line on what a growth did."""
     return (f"growth: {record['from_layers']} -> {record['to_layers']} blocks, init={record['init']}, from "
             f"{record['weights']} weights of {record['source']} (step {record['source_step']}); "
-            + ("starts as the same function" if same_function(record) else "starts as a DIFFERENT function (drop_last or zero_gate=false)"))
+            + ("starts as the same function" if same_function(record)
+               else "starts as a DIFFERENT function (drop_last or zero_gate=false)"))
 
 
 # --------------------------------------------------------------------------------------------
