@@ -29,15 +29,14 @@ from PIL import Image
 
 from data_prep.config import PrecomputeConfig, SourceConfig, register_configs
 from data_prep.encoders import ImageCodec, TextEncoder, load_image_codec, load_text_encoder
+from data_prep.record import DATASET_FILE, FORMAT_VERSION, DatasetRecord
 from data_prep.sources import Record, get_source
 
 FINGERPRINT_FILE = "precompute.json"
-DATASET_FILE = "dataset.json"
 EMPTY_CAPTION_FILE = "empty_caption.safetensors"
 PROMPTS_FILE = "prompts.safetensors"  # the grid prompts' embeddings, one tensor per prompt (keys "0", "1", ...)
 GRID_PROMPTS = 8  # captions kept as grid prompts when neither the config nor the source names any
 RANK_DONE_FILE = "done.json"
-FORMAT_VERSION = 1
 
 
 def log(msg: str) -> None:
@@ -88,7 +87,7 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    """Atomic write: a reader never sees half a file (dataset.json is the completion marker)."""
+    """Atomic write: a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
     os.replace(tmp, path)
@@ -301,7 +300,7 @@ def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: 
 
 
 def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
-           out: Path, world: int, buckets: list[tuple[int, int]] | None = None) -> dict:
+           out: Path, world: int, buckets: list[tuple[int, int]] | None = None) -> DatasetRecord:
     from safetensors.torch import save_file
 
     from data_prep.buckets import nearest_bucket
@@ -330,37 +329,37 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         extra = {"buckets": table, "bucket_spec": cfg.buckets if isinstance(cfg.buckets, str) else "list"}
         log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
-    info = {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": fp["fingerprint"],
-        "image_codec": {"name": cfg.vae, "class": codec.class_name},
-        "text_encoder": {"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens},
-        "latent_channels": int(latent_shape[0]),
-        "latent_size": [int(latent_shape[1]), int(latent_shape[2])],
-        "downsample": codec.downsample,
-        "scaling_factor": codec.scaling_factor,
-        "shift_factor": codec.shift_factor,
-        "posterior": codec.posterior,
-        "text_dim": text.dim,
-        "image_mode": mode,
-        "resolution": cfg.resolution if buckets is None else latent_shape[1] * codec.downsample,
-        **({"width": cfg.width} if cfg.width is not None else {}),
-        "num_samples": sum(s["rows"] for s in stats),
-        "num_images": sum(s["images"] for s in stats),
-        "skipped": {"bad_images": sum(s["bad_images"] for s in stats),
-                    "missing_captions": sum(s["missing_captions"] for s in stats)},
-        "num_classes": source.num_classes,
-        "empty_caption": EMPTY_CAPTION_FILE,
-        "prompts": {"file": PROMPTS_FILE, "texts": prompts},
-        "columns": ["latents", "text_embeds", "caption", "key"] + (["label"] if source.num_classes else [])
+    record = DatasetRecord(
+        format_version=FORMAT_VERSION,
+        fingerprint=fp["fingerprint"],
+        image_codec={"name": cfg.vae, "class": codec.class_name},
+        text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens},
+        latent_channels=int(latent_shape[0]),
+        latent_size=[int(latent_shape[1]), int(latent_shape[2])],
+        downsample=codec.downsample,
+        scaling_factor=codec.scaling_factor,
+        shift_factor=codec.shift_factor,
+        posterior=codec.posterior,
+        text_dim=text.dim,
+        image_mode=mode,
+        resolution=cfg.resolution if buckets is None else latent_shape[1] * codec.downsample,
+        width=cfg.width,
+        num_samples=sum(s["rows"] for s in stats),
+        num_images=sum(s["images"] for s in stats),
+        skipped={"bad_images": sum(s["bad_images"] for s in stats),
+                 "missing_captions": sum(s["missing_captions"] for s in stats)},
+        num_classes=source.num_classes,
+        empty_caption=EMPTY_CAPTION_FILE,
+        prompts={"file": PROMPTS_FILE, "texts": prompts},
+        columns=["latents", "text_embeds", "caption", "key"] + (["label"] if source.num_classes else [])
         + (["bucket", "original_size", "crop_top_left"] if buckets is not None else []),
-        "latents_scaled": False,  # trainer applies (x - shift_factor) * scaling_factor exactly once
-        "source": {"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},
-        "world_size": world,
+        latents_scaled=False,  # the trainer applies (x - shift_factor) * scaling_factor exactly once
+        source={"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},
+        world_size=world,
         **extra,
-    }
-    _write_json(out / DATASET_FILE, info)  # LAST: marks the dataset complete
-    return info
+    )
+    record.write(out)  # LAST: marks the dataset complete
+    return record
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,9 +435,9 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
             f"({stats['images'] / max(stats['seconds'], 1e-9):.1f} images/s, {device})")
     if rank != 0:
         return out
-    info = finish(cfg, fp, source, codec, text, mode, out, world, buckets)
-    log(f"wrote {info['num_samples']} samples to {out} (latents {info['latent_channels']}x"
-        f"{info['latent_size'][0]}x{info['latent_size'][1]}, text dim {info['text_dim']})")
+    record = finish(cfg, fp, source, codec, text, mode, out, world, buckets)
+    log(f"wrote {record.num_samples} samples to {out} (latents {record.latent_channels}x"
+        f"{record.latent_size[0]}x{record.latent_size[1]}, text dim {record.text_dim})")
     return out
 
 

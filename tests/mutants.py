@@ -134,7 +134,7 @@ MUTANTS = [
              "        ok = torch.ones((), dtype=torch.bool, device=whole.device)\n"),),
            ("tests/test_train.py::test_a_nonfinite_gradient_with_a_finite_loss_is_skipped",)),
     Mutant("nonfinite_weights_saved", "a non-finite step found late is not checked before the next checkpoint save",
-           (("framework/training/module.py", "        self.check_finite()  # never save weights that a non-finite step produced\n",
+           (("framework/training/module.py", "        self.finite.check()  # never save weights that a non-finite step produced\n",
              ""),),
            ("tests/test_train.py::test_a_nonfinite_step_found_late_leaves_no_checkpoint_of_its_weights",)),
     Mutant("noise_by_global_rank", "a rank draws the noise of the samples at its global rank's position, not Streaming's "
@@ -218,6 +218,10 @@ MUTANTS = [
            (("framework/bench/suite_overlap.py", "            start = max(e.t + stall, free)",
              "            start = max(e.t, free)"),),
            ("tests/test_bench.py::test_the_replay_exposes_what_the_computation_does_not_hide",)),
+    Mutant("dataset_record_reads_newer_versions", "a dataset.json from a newer LatentForge is read as if it were this one's",
+           (("data_prep/record.py", "if not isinstance(version, int) or version > FORMAT_VERSION:",
+             "if not isinstance(version, int):"),),
+           ("tests/test_data_prep.py::test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),

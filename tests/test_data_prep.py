@@ -69,6 +69,26 @@ def test_digits_dataset_json_and_rows(digits_shards, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read(digits_shards, tmp_path):
+    """dataset.json is one typed record (data_prep/record.py): the file precompute wrote reads back and writes the
+    same JSON; a record from a newer LatentForge, or one missing a field, is refused naming the file and the fix."""
+    from data_prep.record import FORMAT_VERSION, DatasetRecord
+
+    written = json.loads((digits_shards / "dataset.json").read_text())
+    record = DatasetRecord.read(digits_shards)
+    assert record.format_version == FORMAT_VERSION and record.num_samples == 1438 * 3
+    assert record.to_json() == written  # no field lost or added on the way through
+    assert "width" not in written and "buckets" not in written  # optional fields stay out when a dataset has none
+    record.write(tmp_path)
+    assert json.loads((tmp_path / "dataset.json").read_text()) == written
+    newer = {**written, "format_version": FORMAT_VERSION + 1}
+    with pytest.raises(ValueError, match=f"format_version {FORMAT_VERSION + 1}.*reads up to {FORMAT_VERSION}"):
+        DatasetRecord.from_json(newer, "somewhere/dataset.json")
+    partial = {k: v for k, v in written.items() if k != "text_dim"}
+    with pytest.raises(ValueError, match=r"somewhere/dataset.json lacks \['text_dim'\]"):
+        DatasetRecord.from_json(partial, "somewhere/dataset.json")
+
+
 def test_folder_with_vae_matches_diffusers_and_transformers(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
     """The stored latents are what diffusers itself gives for each image (its VaeImageProcessor's resize-and-crop,
     AutoencoderKL.encode's posterior mean, unscaled), and the text embeddings what transformers' model gives for

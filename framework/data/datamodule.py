@@ -11,7 +11,6 @@ the LightningModule calls `drop_captions` per step.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import urllib.parse
@@ -23,10 +22,10 @@ import lightning as L
 import numpy as np
 import torch
 
+from data_prep.record import DATASET_FILE, DatasetRecord
 from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
 
-DATASET_FILE = "dataset.json"
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # streaming.base.shuffle's algorithms
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +110,7 @@ class DatasetInfo:
     empty_text_embeds: torch.Tensor  # (L0, D) float32
     downsample: int = 1
     posterior: str = "none"
-    raw: dict = field(default_factory=dict)  # the whole dataset.json
+    record: Optional[DatasetRecord] = None  # the whole dataset.json
     # aspect-ratio buckets (data_prep/buckets.py): [{"size": [h, w], "dir", "latent_size", "num_samples"}]; empty:
     # every latent is latent_size
     buckets: list = field(default_factory=list)
@@ -120,7 +119,7 @@ class DatasetInfo:
     def summary(self) -> dict:
         """What generation needs to know (the Pipeline's `info`); plain values, so checkpoints load with weights_only."""
         return {
-            "path": self.path, "source": self.raw.get("source"), "image_codec": self.image_codec,
+            "path": self.path, "source": self.record.source if self.record else None, "image_codec": self.image_codec,
             "text_encoder": self.text_encoder, "image_mode": self.image_mode, "scaling_factor": self.scaling_factor,
             "shift_factor": self.shift_factor, "num_classes": self.num_classes,
             "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
@@ -185,38 +184,29 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
                                     "Re-run the same `python -m data_prep.precompute ...` to complete it.")
         raise FileNotFoundError(f"{file} not found: {path} is not a LatentForge dataset. Build one with "
                                 f"`python -m data_prep.precompute out={path}` (or set data.prepare).")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is corrupt ({err}); re-run data_prep.precompute into a new folder.") from None
-    need = ["latent_channels", "latent_size", "text_dim", "scaling_factor", "shift_factor", "num_samples",
-            "empty_caption", "image_codec", "text_encoder", "resolution"]
-    missing = [k for k in need if k not in raw]
-    if missing:
-        raise ValueError(f"{file} lacks {missing}; it was not written by this version of data_prep.precompute.")
-    empty_file = _fetch(path, raw["empty_caption"], local)
+    rec = DatasetRecord.read(file)
+    empty_file = _fetch(path, rec.empty_caption, local)
     try:
         empty = load_file(str(empty_file))["text_embeds"].float()  # (L0, D)
     except Exception as err:
         raise ValueError(f"{empty_file} (the empty-caption embedding named in {file}) is missing or corrupt: "
                          f"{err}") from None
-    if empty.ndim != 2 or empty.shape[1] != raw["text_dim"]:
-        raise ValueError(f"{empty_file}: shape {tuple(empty.shape)} does not match text_dim={raw['text_dim']} "
+    if empty.ndim != 2 or empty.shape[1] != rec.text_dim:
+        raise ValueError(f"{empty_file}: shape {tuple(empty.shape)} does not match text_dim={rec.text_dim} "
                          f"in {file}.")
     prompt_embeds: dict[str, torch.Tensor] = {}
-    if raw.get("prompts"):  # datasets written before grid prompts were encoded have none
-        spec = raw["prompts"]
-        tensors = load_file(str(_fetch(path, spec["file"], local)))
-        prompt_embeds = {text: tensors[str(i)] for i, text in enumerate(spec["texts"])}
+    if rec.prompts:  # datasets written before grid prompts were encoded have none
+        tensors = load_file(str(_fetch(path, rec.prompts["file"], local)))
+        prompt_embeds = {text: tensors[str(i)] for i, text in enumerate(rec.prompts["texts"])}
     return DatasetInfo(
-        latent_channels=int(raw["latent_channels"]), latent_size=tuple(raw["latent_size"]),
-        text_dim=int(raw["text_dim"]), scaling_factor=float(raw["scaling_factor"]),
-        shift_factor=float(raw["shift_factor"]), num_classes=raw.get("num_classes"),
-        image_codec=raw["image_codec"]["name"], text_encoder=raw["text_encoder"]["name"],
-        image_mode=raw.get("image_mode", "RGB"), resolution=int(raw["resolution"]), path=str(file),
-        num_samples=int(raw["num_samples"]), empty_text_embeds=empty, downsample=int(raw.get("downsample", 1)),
-        posterior=raw.get("posterior", "none"), raw=raw, prompt_embeds=prompt_embeds,
-        buckets=[b for b in raw.get("buckets", []) if b["num_samples"] > 0],
+        latent_channels=int(rec.latent_channels), latent_size=tuple(rec.latent_size),
+        text_dim=int(rec.text_dim), scaling_factor=float(rec.scaling_factor),
+        shift_factor=float(rec.shift_factor), num_classes=rec.num_classes,
+        image_codec=rec.image_codec["name"], text_encoder=rec.text_encoder["name"],
+        image_mode=rec.image_mode, resolution=int(rec.resolution), path=str(file),
+        num_samples=int(rec.num_samples), empty_text_embeds=empty, downsample=int(rec.downsample),
+        posterior=rec.posterior, record=rec, prompt_embeds=prompt_embeds,
+        buckets=[b for b in rec.buckets or [] if b["num_samples"] > 0],
     )
 
 

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from framework.inference.pipeline import Pipeline, save_grid, with_encoders
 from framework.evaluation.prompts import grid_prompts, prompt_labels
-from framework.training.registry import averaged_weights
+from framework.training.registry import averaged_weights, logging_step
 from framework.distributed.fsdp import reshard
 
 
@@ -107,7 +107,7 @@ class LoggedStepThroughput(ThroughputMonitor):
     @rank_zero_only
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            *args: Any) -> None:
-        if trainer.fit_loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+        if trainer.fit_loop._should_accumulate() or not logging_step(trainer):
             batches, samples = self._pending
             self._pending = (batches + 1, samples + self.batch_size_fn(batch))
             return

@@ -19,16 +19,12 @@ from framework.inference.checkpoint import CKPT_KEY
 from framework.models.conditioning import drop_captions
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
 from framework.models.objectives import Objective, ObjectiveConfig
+from framework.training.finite import FiniteGuard, NonFiniteLossError  # noqa: F401  (the module's error)
 from framework.training.optim import OptimizerConfig, build_optimizer, group_lambda, lr_lambda
-from framework.training.registry import param_groups_hook, training_loss_hook
+from framework.training.registry import logging_step, param_groups_hook, training_loss_hook
 from framework.distributed.mesh import ParallelDims
 
-MAX_CONSECUTIVE_SKIPS = 20  # with trainer.skip_nonfinite: stop after this many non-finite steps in a row
 LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Raised when the loss is NaN/inf and skipping such steps was not asked for."""
 
 
 class DiffusionModule(pl.LightningModule):
@@ -64,18 +60,14 @@ class DiffusionModule(pl.LightningModule):
             if init_from:
                 load_weights(self.model, init_from)
         self.objective = Objective(objective)
-        self.max_steps, self.seed, self.skip_nonfinite = max_steps, seed, skip_nonfinite
+        self.max_steps, self.seed = max_steps, seed
+        self.finite = FiniteGuard(skip_nonfinite)  # trainer.skip_nonfinite: the non-finite checks of every step
         self.allow_global_batch_change = allow_global_batch_change  # trainer.allow_global_batch_change
         self.config = config or {}  # the resolved run config, stored in every checkpoint
         self.strategy_cfg = strategy  # StrategyConfig: block preparation and sharding in configure_model
         # Set from the dataset in setup(); kept in checkpoints so sampling needs no dataset.
         self.empty_text: torch.Tensor | None = None
         self.dataset_info: dict[str, Any] = {}
-        self.consecutive_skips = 0  # non-finite steps skipped in a row (trainer.skip_nonfinite)
-        self.step_skipped = False  # trainer.skip_nonfinite: the last optimizer step was skipped
-        self._loss_finite: torch.Tensor | None = None  # this step's micro-batch losses all finite (device bool)
-        self._first_bad: torch.Tensor | None = None  # the first step with a non-finite loss / norm, -1: none (device)
-        self._grad_norm: torch.Tensor | None = None  # this step's gradient norm, for clipping
         self._batch_end: float | None = None  # when the last step ended: the next one's data wait starts there
         self._configured = False  # configure_model ran (Lightning may call it again)
         # Counted on the first real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
@@ -140,9 +132,9 @@ class DiffusionModule(pl.LightningModule):
     # ---- what a logged step records --------------------------------------------------------
 
     def _logging_step(self) -> bool:
-        """Whether this step's values reach the loggers (Lightning's rule: every trainer.log_every_n_steps).
+        """Whether this step's values reach a logger (framework.training.registry.logging_step, with a logger).
         The extra per-step figures are computed on those steps only: each costs a host synchronisation."""
-        return bool(self.trainer.loggers) and self.trainer._logger_connector.should_update_logs
+        return bool(self.trainer.loggers) and logging_step(self.trainer)
 
     def on_train_start(self) -> None:
         for logger in self.trainer.loggers:  # the resolved run config as the run's config (W&B) / hparams.yaml
@@ -260,10 +252,8 @@ class DiffusionModule(pl.LightningModule):
             if self._logging_step():
                 self._log_loss_by_level(pred, target, t)
 
-        # Checked with this step's gradient norm in on_before_optimizer_step: no host wait here.
-        finite = torch.isfinite(loss.detach())
-        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        if self.trainer._logger_connector.should_update_logs:
+        self.finite.add_loss(loss)  # checked with this step's gradient norm before the optimizer step
+        if logging_step(self.trainer):
             # Only on logging steps (and then to the progress bar too, which refreshes on those steps): the
             # average over ranks and its read on the host are a synchronisation the other steps do without.
             # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
@@ -274,88 +264,35 @@ class DiffusionModule(pl.LightningModule):
     # ---- finiteness: the losses and the gradient norm, once per optimizer step ----------------
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The global gradient norm (also what clipping uses) and this step's losses, checked for finiteness together.
-
-        One flag, all-reduced (min) so every rank agrees; its value stays on the device. With
-        trainer.skip_nonfinite the host reads it now (skipping must be decided before the step): a bad step's
-        gradients are dropped on every rank, so no parameter or optimizer state changes (the step still counts).
-        Otherwise the first bad step is recorded on the device and read at logging steps, before every
-        checkpoint save and at the end of training (check_finite): the run stops there, before any checkpoint
-        holds the non-finite weights, with no host wait on the other steps.
-        """
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        self._grad_norm = norm  # a DTensor under fsdp (the shards' norms combined): clipping takes it as it is
-        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        ok = torch.isfinite(whole.detach().float()).reshape(())
-        if self._loss_finite is not None:
-            ok = ok & self._loss_finite.reshape(())
-        self._loss_finite = None
-        if self.trainer.world_size > 1:
-            import torch.distributed as dist
-
-            flag = ok.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # enqueued; NCCL keeps the host going
-            ok = flag.bool()
-        if self.skip_nonfinite:
-            self.step_skipped = not bool(ok)
-            if self.step_skipped:
-                self._skip(optimizer)
-            else:
-                self.consecutive_skips = 0
-        else:
-            step = torch.full((), self.global_step, dtype=torch.long, device=ok.device)
-            first = self._first_bad if self._first_bad is not None else torch.full_like(step, -1)
-            self._first_bad = torch.where(ok | (first >= 0), first, step)
+        """The step's losses and global gradient norm checked together (framework/training/finite.py)."""
+        norm = self.finite.before_step(list(self.parameters()), optimizer, self.global_step, self.trainer.world_size,
+                                       self.device)
         if self._logging_step():
-            self.log("train/grad_norm", whole.detach().float(), on_step=True, on_epoch=False)
+            self.log("train/grad_norm", norm.detach().float(), on_step=True, on_epoch=False)
 
-    def _skip(self, optimizer: torch.optim.Optimizer) -> None:
-        """trainer.skip_nonfinite: no parameter changes this step (gradients set to None make AdamW and CAME leave
-        the parameters and their state untouched; under 16-mixed the GradScaler has seen the inf/NaN too)."""
-        optimizer.zero_grad(set_to_none=True)
-        self._grad_norm = None
-        # A skipped step does not change the weights, so a run whose weights are already
-        # non-finite would loop forever: give up after a run of skips.
-        self.consecutive_skips += 1
-        if self.consecutive_skips > MAX_CONSECUTIVE_SKIPS:
-            raise NonFiniteLossError(
-                f"{self.consecutive_skips} consecutive non-finite losses at step {self.global_step}: the weights"
-                " are likely broken; resume from an earlier checkpoint with a lower optimizer.lr."
-            )
+    @property
+    def step_skipped(self) -> bool:
+        """trainer.skip_nonfinite: whether the last optimizer step was skipped."""
+        return self.finite.step_skipped
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Clip by the norm on_before_optimizer_step computed (one pass over the gradients, not two)."""
-        if not gradient_clip_val or self._grad_norm is None or gradient_clip_algorithm not in (None, "norm"):
+        norm = self.finite.take_grad_norm()
+        if not gradient_clip_val or norm is None or gradient_clip_algorithm not in (None, "norm"):
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         params = [p for p in self.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self._grad_norm)
-        self._grad_norm = None
-
-    def check_finite(self) -> None:
-        """Stop (every rank: the flag is the same on all) if some step since the last check had a non-finite loss or
-        gradient norm. A host read: called on logging steps, before checkpoint saves and at the end of training."""
-        if self._first_bad is None:
-            return
-        step = int(self._first_bad)
-        if step < 0:
-            return
-        raise NonFiniteLossError(
-            f"loss is nan or inf (or the gradient norm is) on some rank at step {step}; stopping with the last good "
-            "checkpoint intact. Lower optimizer.lr, enable gradient clipping, or set trainer.skip_nonfinite=true to "
-            "skip such steps."
-        )
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     def on_train_batch_end(self, *args: Any) -> None:
         import time
 
         if self._logging_step():
-            self.check_finite()
+            self.finite.check()
         self._batch_end = time.perf_counter()
 
     def on_train_end(self) -> None:
-        self.check_finite()
+        self.finite.check()
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -368,7 +305,7 @@ class DiffusionModule(pl.LightningModule):
         return dm.cfg.batch_size * (self.trainer.world_size // sequence) * self.trainer.accumulate_grad_batches
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.check_finite()  # never save weights that a non-finite step produced
+        self.finite.check()  # never save weights that a non-finite step produced
         # update, not replace: callbacks' on_save_checkpoint ran first (plugins/ema.py adds ema_state).
         checkpoint.setdefault(CKPT_KEY, {}).update({
             "global_batch": self.global_batch(),

@@ -34,6 +34,12 @@ class Plugin:
 PLUGINS: dict[str, Plugin] = {}
 
 
+def logging_step(trainer: pl.Trainer) -> bool:
+    """Whether this training step's values are logged (Lightning's rule: every trainer.log_every_n_steps, and the
+    last step). The one place that reads it: Lightning keeps it private."""
+    return trainer._logger_connector.should_update_logs
+
+
 def register_plugin(name: str, config: type, build: Callable[[Any, Any], pl.Callback]) -> None:
     PLUGINS[name] = Plugin(name, config, build)
 

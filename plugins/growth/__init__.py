@@ -44,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from framework.models.plans import families_with, plan_of
 from framework.models.blocks import block_views, restack_state, silence_block, stack_depth
 from framework.models.backbones import ModelConfig, build_denoiser, to_model_config
-from framework.training.registry import register_plugin
+from framework.training.registry import logging_step, register_plugin
 
 INITS = ("constant", "cyclic", "block_expand")
 # Fields that may differ between the source and the grown model (everything else is the same network).
@@ -271,7 +271,7 @@ class Growth(pl.Callback):
     # ---- what the new blocks do, on logging steps -------------------------------------------------
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self.new_blocks or not pl_module._logging_step() or self._hooks:
+        if not self.new_blocks or not (trainer.loggers and logging_step(trainer)) or self._hooks:
             return
         views = block_views(pl_module.model)
         for j in self.new_blocks:

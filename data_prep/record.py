@@ -1,0 +1,91 @@
+"""dataset.json: the one record of a precomputed dataset. data_prep.precompute writes it last (it marks the dataset
+complete); the trainer, sampling and evaluation read it (framework/data/datamodule.py). One typed record, written
+and read here only, with a format version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+DATASET_FILE = "dataset.json"
+# Raised when a field is added, removed or changes meaning; a reader refuses a record newer than itself.
+FORMAT_VERSION = 1
+_OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec")  # present only for datasets that have them
+
+
+@dataclass
+class DatasetRecord:
+    """What a dataset's latents and text embeddings are and how they were made."""
+
+    image_codec: dict[str, Any]  # {"name": pixel | a VAE folder, "class"}
+    text_encoder: dict[str, Any]  # {"name": minilm | a folder, "class", "max_tokens"}
+    latent_channels: int
+    latent_size: list[int]  # [h, w] of every latent (the base size when bucketed)
+    text_dim: int
+    scaling_factor: float
+    shift_factor: float
+    num_samples: int  # rows (a source may caption an image several times)
+    resolution: int
+    empty_caption: str  # the file holding the empty caption's embedding (L0, D)
+    downsample: int = 1  # pixels per latent cell
+    posterior: str = "none"  # KL VAEs: "mean" or "sample"
+    image_mode: str = "RGB"
+    num_classes: Optional[int] = None
+    prompts: Optional[dict[str, Any]] = None  # {"file", "texts"}: the grid prompts' embeddings
+    fingerprint: Optional[str] = None  # the precompute config's digest (precompute.json)
+    num_images: Optional[int] = None
+    skipped: dict[str, int] = field(default_factory=dict)  # {"bad_images", "missing_captions"}
+    columns: list[str] = field(default_factory=list)  # the MDS columns
+    latents_scaled: bool = False  # the trainer applies (x - shift_factor) * scaling_factor exactly once
+    source: dict[str, Any] = field(default_factory=dict)  # {"name", "path", ...the source's metadata}
+    world_size: int = 1  # ranks that encoded it
+    width: Optional[int] = None  # the image width when it differs from the resolution
+    buckets: Optional[list[dict[str, Any]]] = None  # aspect-ratio buckets: [{"size", "dir", "latent_size", "num_samples"}]
+    bucket_spec: Optional[str] = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k: v for k, v in out.items() if not (k in _OMITTED_WHEN_NONE and v is None)}
+
+    def write(self, folder: str | Path) -> Path:
+        """Atomically (a reader never sees half a file: the file marks the dataset complete)."""
+        path = Path(folder) / DATASET_FILE
+        tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], where: str | Path) -> "DatasetRecord":
+        """The record in `raw` (the parsed file `where`), with one clear error for each way it can be wrong."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} holds {type(raw).__name__}, not a dataset record; re-run data_prep.precompute.")
+        version = raw.get("format_version", 1)  # the first records had the version from the start; be lenient
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ValueError(f"{where} has format_version {version!r}; this LatentForge reads up to {FORMAT_VERSION}. "
+                             "Upgrade LatentForge, or re-run data_prep.precompute with this version into a new folder.")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = [n for n, f in fields.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ValueError(f"{where} lacks {missing}; it was not written by this version of data_prep.precompute.")
+        return cls(**{k: v for k, v in raw.items() if k in fields})
+
+    @classmethod
+    def read(cls, path: str | Path) -> "DatasetRecord":
+        """A local dataset.json file (or the folder holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / DATASET_FILE
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is corrupt ({err}); re-run data_prep.precompute into a new folder.") from None
+        return cls.from_json(raw, path)
