@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from framework.config import StrategyConfig
+from framework.distributed.config import StrategyConfig
 from framework.models.backbones import load_preset
 from framework.training.module import DiffusionModule
 from framework.models.objectives import ObjectiveConfig

@@ -555,7 +555,7 @@ def test_fsdp_bf16_mixed_computes_with_bf16_parameters_and_keeps_fp32_masters(ru
     ("16-mixed", True, torch.float16), ("bf16-mixed", False, None), ("bf16-true", True, None),
 ])
 def test_fsdp_parameter_dtype_follows_trainer_precision(precision, mixed, dtype):
-    from framework.config import StrategyConfig
+    from framework.distributed.config import StrategyConfig
     from framework.distributed.strategy import build_strategy
 
     # The accelerator plays no part: a 32-true run on a GPU computes in fp32 like one device would.

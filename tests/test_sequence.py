@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from framework.config import StrategyConfig
+from framework.distributed.config import StrategyConfig
 import torch
 
 from framework.models.backbones import build_denoiser, load_preset

@@ -32,6 +32,7 @@ from typing import Any, Generator
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy, Strategy
 
+from framework.distributed.config import StrategyConfig
 from framework.distributed.fsdp import fsdp_param_dtype
 from framework.distributed.mesh import Mesh, ParallelDims
 
@@ -220,8 +221,8 @@ def _remove_entry(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def build_strategy(cfg: Any, precision: str) -> Strategy | str:
-    """The Lightning strategy for `strategy.name` (cfg: StrategyConfig) at the run's resolved `precision`."""
+def build_strategy(cfg: StrategyConfig, precision: str) -> Strategy | str:
+    """The Lightning strategy for `strategy.name` at the run's resolved `precision`."""
     if cfg.name == "single":
         return "auto"
     if cfg.name == "ddp":

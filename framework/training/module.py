@@ -22,6 +22,7 @@ from framework.models.objectives import Objective, ObjectiveConfig
 from framework.training.finite import FiniteGuard, NonFiniteLossError  # noqa: F401  (the module's error)
 from framework.training.optim import OptimizerConfig, build_optimizer, group_lambda, lr_lambda
 from framework.training.registry import logging_step, param_groups_hook, training_loss_hook
+from framework.distributed.config import StrategyConfig
 from framework.distributed.mesh import ParallelDims
 
 LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
@@ -40,7 +41,7 @@ class DiffusionModule(pl.LightningModule):
         skip_nonfinite: bool = False,
         allow_global_batch_change: bool = False,
         config: dict[str, Any] | None = None,
-        strategy: Any = None,
+        strategy: StrategyConfig | None = None,
         init_from: str | None = None,
     ) -> None:
         super().__init__()
@@ -64,7 +65,7 @@ class DiffusionModule(pl.LightningModule):
         self.finite = FiniteGuard(skip_nonfinite)  # trainer.skip_nonfinite: the non-finite checks of every step
         self.allow_global_batch_change = allow_global_batch_change  # trainer.allow_global_batch_change
         self.config = config or {}  # the resolved run config, stored in every checkpoint
-        self.strategy_cfg = strategy  # StrategyConfig: block preparation and sharding in configure_model
+        self.strategy_cfg = strategy  # block preparation and sharding in configure_model
         # Set from the dataset in setup(); kept in checkpoints so sampling needs no dataset.
         self.empty_text: torch.Tensor | None = None
         self.dataset_info: dict[str, Any] = {}
