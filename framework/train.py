@@ -25,7 +25,7 @@ from framework.data.datamodule import LatentDataModule
 from framework.training.loggers import RunCSVLogger, wandb_logger
 from framework.training.module import DiffusionModule
 from framework.inference.pipeline import Pipeline, with_encoders
-from framework.training.registry import averaged_weights, build_plugin_callbacks
+from framework.training.registry import build_plugin_callbacks
 
 config_lib.register()
 
@@ -240,23 +240,16 @@ def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningM
     Returns {} when the dataset has no built-in metrics.
     """
     from framework.eval import evaluate
-    from framework.distributed.fsdp import reshard
     from framework.evaluation.prompts import dataset_kind
+    from framework.training.callbacks import inference_view
 
     if dataset_kind(pl_module.dataset_info) is None and not settings.real:
         return {}
     rank0 = trainer.global_rank == 0
     if rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    was_training = pl_module.training
-    pl_module.eval()
-    try:
-        with averaged_weights(trainer, pl_module):
-            metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None,
-                               split_ranks=trainer.world_size > 1)
-    finally:
-        reshard(pl_module.model)
-        pl_module.train(was_training)
+    with inference_view(trainer, pl_module):
+        metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None, split_ranks=trainer.world_size > 1)
     if rank0:
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         flat = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}

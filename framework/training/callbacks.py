@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ThroughputMonitor
@@ -24,6 +25,21 @@ def module_pipeline(pl_module: pl.LightningModule, vae: str | None = None, text_
     # The text encoder is checked at start-up, only where a prompt needs it (framework.train.check_encoders).
     info = with_encoders(pl_module.dataset_info, vae, text_encoder, ("sample.vae", "sample.text_encoder"), text=False)
     return Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, info, pl_module.device)
+
+
+@contextmanager
+def inference_view(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
+    """The module as sampling and evaluation during training see it: eval mode, with the averaged weights when a
+    plugin keeps them (a WeightAverager, e.g. plugins/ema.py); afterwards the training weights, sharded again under
+    fsdp, and the module's training mode as it was."""
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        with averaged_weights(trainer, pl_module):
+            yield
+    finally:
+        reshard(pl_module.model)
+        pl_module.train(was_training)
 
 
 class SampleGrid(pl.Callback):
@@ -54,17 +70,12 @@ class SampleGrid(pl.Callback):
         columns = c.prompts or grid_prompts(pl_module.dataset_info)
         prompts = [p for p in columns for _ in range(c.per_prompt)]
         labels = prompt_labels(self._pipeline(pl_module), prompts)
-        was_training = pl_module.training
-        pl_module.eval()
         try:
-            # When a plugin keeps averaged weights (a WeightAverager, e.g. plugins/ema.py), grids show them.
-            with averaged_weights(trainer, pl_module):
+            with inference_view(trainer, pl_module):
                 # Every rank denoises its share; rank 0 alone decodes (no VAE on the other ranks) and writes.
                 images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels,
                                                             split_ranks=trainer.world_size > 1, decode_on_rank0=True)
         finally:
-            reshard(pl_module.model)
-            pl_module.train(was_training)
             self._pipeline(pl_module).free_text_encoder()  # not held between grids
         if trainer.global_rank != 0:
             return None
