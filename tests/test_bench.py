@@ -9,6 +9,7 @@ from tests import zygote
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_train_writes_one_row_per_mode(tmp_path):
     out = tmp_path / "bench.json"
     proc = zygote.run(
@@ -30,6 +31,7 @@ def test_bench_rejects_an_unknown_suite():
     assert proc.returncode != 0 and "SUITE is one of" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_checkpoint_saves_the_same_bytes_both_ways(tmp_path):
     """Two CPU ranks save their shards synchronously and with async_save: the same checkpoint size, and an
     asynchronous save is complete on disk only after the loop was released."""
@@ -45,6 +47,7 @@ def test_bench_checkpoint_saves_the_same_bytes_both_ways(tmp_path):
     assert not any(p.name.startswith("bench_ckpt_") for p in tmp_path.iterdir())  # nothing left behind
 
 
+@pytest.mark.slow
 def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards):
     """The framework's train command and the hand-written loop each run in their own process on the same shards,
     batch and threads; the command prints the ratio and writes a row per run plus the medians."""

@@ -57,6 +57,7 @@ def test_the_data_module_reads_each_batch_from_one_bucket_and_reports_what_it_le
     assert len(batches) == 5 and len({k for b in batches for k in b["key"]}) == 40
 
 
+@pytest.mark.slow
 def test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly(bucketed, tmp_path):
     """1 process x 8 and 2 ranks x 4 (ddp, and fsdp) see the same global batches, each from one bucket, and take the
     same steps; 2 ranks stopped at step 2 and resumed finish like the uninterrupted run."""
@@ -282,6 +283,7 @@ def test_the_shapes_detector_finds_the_named_blocks_and_a_square_crop_loses_them
         parse_scene("a handwritten 3")
 
 
+@pytest.mark.slow
 def test_the_bucket_demonstration_runs_end_to_end(tmp_path):
     from framework.bench.suite_buckets import BucketsBench, run
 

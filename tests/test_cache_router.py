@@ -173,6 +173,7 @@ def backbone(ckpt: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.startswith("model.")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_router_training_lowers_the_distillation_loss_and_leaves_the_backbone_bit_identical(
         name, tmp_path, digits_shards, sources):
@@ -272,6 +273,7 @@ def test_the_sparsity_penalty_weighs_each_branch_by_its_cost():
     assert torch.allclose(loss, 0.25 + 0.5 * (flops / flops.mean() * beta).sum().float())
 
 
+@pytest.mark.slow
 def test_the_stage_resumes_after_a_kill_like_an_uninterrupted_run(tmp_path, digits_shards, sources, monkeypatch):
     full, resumed = crash_and_resume(tmp_path, digits_shards, stage_args("pixart_debug", sources["pixart_debug"]),
                                      monkeypatch)
@@ -413,6 +415,7 @@ def test_straight_through_trains_on_the_forward_that_sampling_runs(digits_shards
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps(tmp_path, digits_shards, sources):
     """A router trained by the command itself (a child framework.train), read at two thresholds; uniform:K at each
     learned schedule's count of computed branches; fewer steps. The full sampler is the paired error's reference
@@ -535,6 +538,7 @@ def test_the_paired_bootstrap_sees_a_difference_that_separate_fd_intervals_hide(
     assert rows[0]["goal"] and rows[0]["vs_uniform"][0]["beats_paired_error"]
 
 
+@pytest.mark.slow
 def test_the_router_trained_under_sequence_parallelism_follows_one_process(tmp_path, digits_shards, sources):
     """The router stage on 2 sequence-parallel ranks (each holding half of every image's tokens; PixArt: the stage
     touches no family's split, tests/test_sequence.py checks those) against one process with the same batches.

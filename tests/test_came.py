@@ -275,6 +275,7 @@ def _single_process(quantize: bool) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_fsdp_unquantized_matches_single_process(fsdp_results):
     single = _single_process(quantize=False)
     for k, v in fsdp_results["came"]["first"].items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from framework.training.checkpointing import checkpoint_step
@@ -17,6 +18,7 @@ def names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+@pytest.mark.slow
 def test_keep_checkpoints_keeps_the_newest_numbered_files_across_a_resume(tmp_path, digits_shards):
     common = ["trainer.checkpoint_every_n_steps=1", "trainer.keep_checkpoints=2", "resume=auto", "logger=none"]
     train(compose_cfg(cheap(tmp_path, digits_shards, *common, steps=3)))

@@ -77,6 +77,7 @@ def quick_ckpt(tmp_path_factory, digits_shards) -> str:
     return train(compose_cfg(cheap(tmp_path_factory.mktemp("ckpt"), digits_shards, steps=2)))["checkpoint"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["decode_ranks=1", "sequence_parallel=2"])
 def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, quick_ckpt, split):
     """`torchrun ... -m framework.eval decode_ranks=1` (or sequence_parallel=2) on 2 processes: the same
@@ -134,6 +135,7 @@ def test_sequence_parallel_denoising_groups_with_decode_ranks(tmp_path, quick_ck
     assert proc.returncode != 0 and "not whole groups of 2" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_decode_reports_each_way_and_each_ranks_role(tmp_path):
     """`framework.bench decode` on 2 ranks: images/s, one prompt's latency and each rank's peak memory with its role
     (the decoding rank never built the denoiser; in the split way both ranks denoise and decode)."""

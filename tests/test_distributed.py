@@ -55,6 +55,8 @@ UPDATE_TOL = dict(rtol=1e-2, atol=1e-5)
 # A constant lr: a run stopped early by a smaller trainer.max_steps then has the schedule of the whole run.
 LR = ["optimizer.lr=1e-3", "optimizer.warmup_steps=0", "optimizer.schedule=constant"]
 
+pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")
+
 
 def _train_args(run_dir: Path, data: Path, cache: Path, *overrides: str) -> list[str]:
     """tests.dist_train's arguments: the digits shards, the debug model, per-step logging, no grids or eval."""

@@ -136,6 +136,7 @@ def test_nothing_is_allocated_before_the_start(tmp_path, digits_shards, recorder
         assert all(torch.equal(p, recorder.weights[3][n]) for n, p in recorder.module.model.named_parameters())
 
 
+@pytest.mark.slow
 def test_crash_and_resume_gives_the_ema_of_an_uninterrupted_run(tmp_path, digits_shards):
     # start 3, every 2: the crash at step 4 falls between two updates (3 and 5).
     fields = ema_plugin(decay=0.7, every=2, start=3)
@@ -263,6 +264,7 @@ def test_ddp_two_ranks_keep_the_full_ema_equal_to_one_process(tmp_path, digits_s
         assert all(not t["dtensor"] and t["local_numel"] == t["numel"] for t in probe["tensors"].values())
 
 
+@pytest.mark.slow
 def test_fsdp_ema_is_sharded_and_resumes_to_the_single_process_ema(tmp_path, digits_shards, single_process_ema):
     from framework.inference.checkpoint import is_sharded, read_sharded
 

@@ -313,6 +313,7 @@ def test_growth_report_by_hand(tmp_path):
     assert r["loss_around_growth"] == {"small_last": pytest.approx(1.9 / 3), "grown_first": pytest.approx(0.95 / 3)}
 
 
+@pytest.mark.slow
 def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digits_shards, monkeypatch):
     """plugins.growth.study on a 4-step plan (2 + 2), 2 seeds: the arms run once (a second pass keeps them); the
     grown and control runs start from the small model's function (their first fd is the small run's last) at the

@@ -58,6 +58,8 @@ MATRIX = [
       "trainer.accumulate_grad_batches=2"]),
 ]
 
+pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")
+
 
 def run_command(run_dir: Path, data: Path | str, strategy: str, devices: int, logger: str, extra: list[str],
                 launcher: bool = True, env_extra: dict[str, str] | None = None) -> str:

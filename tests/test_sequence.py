@@ -67,6 +67,7 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
     assert r["no_attn2_kv"] == [8 * r["kv_blocks"]] * 2, r
 
 
+@pytest.mark.slow
 def test_four_ranks_with_interior_bands_equal_the_whole_model(tmp_path, digits_shards):
     """P = 4: ranks 1 and 2 hold interior bands (SANA's halo comes from both neighbours), 4 tokens per rank; SANA's
     sums all-reduced in 2 head groups too."""
@@ -147,6 +148,7 @@ def test_training_refuses_an_indivisible_split_at_start_up(tmp_path, digits_shar
         train(compose_cfg(overrides))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["sana", "dit"])
 def test_two_rank_sequence_parallel_training_follows_one_process(tmp_path, digits_shards, family):
     """sana (linear attention, halo exchange) and dit (class labels) on 2 sequence-parallel ranks against one

@@ -50,7 +50,7 @@ def _no_cluster() -> str | None:
 _REASON = _no_cluster()
 if _REASON and os.environ.get("CI") == "true":
     raise RuntimeError(f"CI must run the Slurm tests: {_REASON}")
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+pytestmark = [pytest.mark.skipif(_REASON is not None, reason=_REASON or ""), pytest.mark.slow]
 
 
 def tiny(run_dir: Path | str, data: Path, cache: str, paced: bool = False) -> list[str]:

@@ -289,6 +289,7 @@ def test_skip_nonfinite_gives_up_on_a_run_of_bad_steps(tmp_path, digits_shards):
                                 "trainer.skip_nonfinite=true", steps=60)))
 
 
+@pytest.mark.slow
 def test_quickstart_learns_the_prompts(tmp_path, digits_shards):
     """The README's job cut to 500 steps (about a minute): the digits it draws are the ones the captions ask for.
 
@@ -430,6 +431,7 @@ def test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_losses(tmp
     assert losses(Path(plain["run_dir"])) == losses(Path(ckpt["run_dir"]))
 
 
+@pytest.mark.slow
 def test_compiled_blocks_run_compiled_and_follow_the_eager_losses(tmp_path, digits_shards, extra_callback):
     """strategy.compile=true: every block runs inside a torch.compile trace (none does without it) and the losses
     follow the eager run's."""
