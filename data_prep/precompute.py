@@ -29,7 +29,7 @@ from PIL import Image
 
 from data_prep.config import PrecomputeConfig, SourceConfig, register_configs
 from data_prep.encoders import ImageCodec, TextEncoder, load_image_codec, load_text_encoder
-from data_prep.record import DATASET_FILE, FORMAT_VERSION, DatasetRecord
+from data_prep.record import DATASET_FILE, FORMAT_VERSION, DatasetRecord, write_json_atomic
 from data_prep.sources import Record, get_source
 
 FINGERPRINT_FILE = "precompute.json"
@@ -84,13 +84,6 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
         content["buckets"] = cfg.buckets if isinstance(cfg.buckets, str) else [list(map(int, s)) for s in cfg.buckets]
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "config": content}
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    """Atomic write: a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def _world() -> tuple[int, int, int]:
@@ -405,7 +398,7 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
         return out
     out.mkdir(parents=True, exist_ok=True)
     if not (out / FINGERPRINT_FILE).is_file():  # written first; every rank writes the same content
-        _write_json(out / FINGERPRINT_FILE, {**fp, "world_size": world})
+        write_json_atomic(out / FINGERPRINT_FILE, {**fp, "world_size": world})
 
     source = get_source(cfg.source)
     device = cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -430,7 +423,7 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
             shutil.rmtree(stale, ignore_errors=True)
         stats = encode_rank(cfg, source, codec, text, mode, rank_dir, rank, world, buckets)
         rank_dir.mkdir(parents=True, exist_ok=True)  # with buckets it holds no shards, only this marker
-        _write_json(rank_dir / RANK_DONE_FILE, stats)
+        write_json_atomic(rank_dir / RANK_DONE_FILE, stats)
         log(f"rank {rank}: {stats['images']} images -> {stats['rows']} rows in {stats['seconds']:.1f}s "
             f"({stats['images'] / max(stats['seconds'], 1e-9):.1f} images/s, {device})")
     if rank != 0:

@@ -18,6 +18,13 @@ FORMAT_VERSION = 1
 _OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec")  # present only for datasets that have them
 
 
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write `obj` as JSON so that a reader never sees half a file (a temporary file, then a rename)."""
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
 @dataclass
 class DatasetRecord:
     """What a dataset's latents and text embeddings are and how they were made."""
@@ -54,11 +61,9 @@ class DatasetRecord:
         return {k: v for k, v in out.items() if not (k in _OMITTED_WHEN_NONE and v is None)}
 
     def write(self, folder: str | Path) -> Path:
-        """Atomically (a reader never sees half a file: the file marks the dataset complete)."""
+        """Atomically: the file marks the dataset complete."""
         path = Path(folder) / DATASET_FILE
-        tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True))
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_json())
         return path
 
     @classmethod
