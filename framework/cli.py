@@ -69,6 +69,14 @@ class RankSharing:
     sequence_parallel_head_groups: int = 1
     """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
 
+    def sharing(self) -> Any:
+        """The framework/inference/sharing.py object these settings name (after share_ranks has joined the job)."""
+        from framework.inference.sharing import DecodeRanks, OneProcess, SplitRanks
+
+        if self.decode_ranks:
+            return DecodeRanks(self.decode_ranks)
+        return SplitRanks() if self.sequence_parallel > 1 else OneProcess()  # the groups share the prompts
+
 
 @dataclass
 class EncoderPaths:

@@ -202,8 +202,19 @@ def to_object(cfg: DictConfig) -> TrainConfig:
     return obj
 
 
+def check_plugins(plugins: Any) -> None:
+    """Each selected plugin's fields (plugins.<name>.*) against its own dataclass: a misspelled field, a wrong type or
+    a failed check raises, naming the plugin. The plugins must be registered (`import plugins`, as the commands do);
+    framework.train runs this before anything else, so a typo costs no dataset build."""
+    from framework.training.registry import plugin_config
+
+    for name, fields in (plugins or {}).items():
+        plugin_config(name, fields)
+
+
 def validate(cfg: TrainConfig) -> None:
-    """Checks that need more than one group."""
+    """Checks that need more than one group, and the plugins' own fields."""
+    check_plugins(cfg.plugins)
     m = cfg.model
     t = cfg.trainer
     n_devices = len(t.devices) if isinstance(t.devices, (list, tuple)) else t.devices

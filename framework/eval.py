@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.config import EvalSettings
 from framework.inference.pipeline import Pipeline, save_grid
+from framework.inference.sharing import Sharing
 from framework.evaluation.prompts import PromptSet, dataset_kind, prompt_set
 from framework.evaluation.scoring import generate_candidates, score_images
 
@@ -28,14 +29,13 @@ def evaluate(
     pipe: Pipeline,
     settings: EvalSettings,
     grid_path: str | Path | None = None,
-    split_ranks: bool = False,
+    ranks: Sharing | None = None,
     progress: bool = False,
-    decode_ranks: int = 0,
 ) -> dict[str, Any]:
     """Metrics of `pipe` on its dataset's prompt set (best_of / selection / pick from `settings`).
 
-    split_ranks: called by every rank of a multi-process job, which share the generation (Pipeline.generate).
-    decode_ranks: called by every rank; the last K decode (Pipeline.generate); rank 0 scores, the others get {}.
+    ranks: how the ranks of a multi-process job share the generation (Pipeline.generate; every rank calls this):
+    SplitRanks, every rank gets the metrics; DecodeRanks, rank 0 scores and the others get {}.
     """
     from framework.inference.bestof import select
     from framework.evaluation.judge import get_judge
@@ -44,13 +44,12 @@ def evaluate(
     if settings.real:  # one's own data: fid / clip_score against held-out real images
         from framework.evaluation.realdata import evaluate_real
 
-        return evaluate_real(pipe, settings, grid_path, split_ranks, progress)
+        return evaluate_real(pipe, settings, grid_path, ranks, progress)
     if kind is None:
         raise ValueError(f"no classifier scores this dataset (source {pipe.info.get('source')!r}); evaluation "
                          "knows the digits and digit_pairs data. Use framework.sample to look at the images.")
     ps = prompt_set(kind, settings.seeds, settings.phrasings)
-    candidates, images_per_s = generate_candidates(pipe, ps, settings, settings.best_of, split_ranks, progress,
-                                                   decode_ranks)
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, settings.best_of, ranks, progress)
     if candidates is None:  # a rank that only helped (decode_ranks)
         return {}
     judge = None
@@ -108,10 +107,9 @@ def eval_summary(metrics: dict[str, Any]) -> str:
 
 
 def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Path,
-                  decode_ranks: int = 0, split_ranks: bool = False) -> dict[str, Any]:
+                  ranks: Sharing | None = None) -> dict[str, Any]:
     """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections.
-    With decode_ranks every rank calls it; rank 0 scores and writes, the others get {}. split_ranks: as in
-    evaluate."""
+    ranks: as in evaluate (with DecodeRanks rank 0 scores and writes, the others get {})."""
     from framework.inference.bestof import SELECTIONS, select
     from framework.evaluation.judge import get_judge
 
@@ -120,8 +118,7 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"scaling={ns}: give candidate counts >= 1, e.g. scaling=[1,2,4,8]")
     ns = sorted(set(ns))
-    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], split_ranks, progress=True,
-                                                   decode_ranks=decode_ranks)
+    candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], ranks, progress=True)
     if candidates is None:
         return {}
     judge = get_judge(settings.judge or ps.judge, settings.judge_path)
@@ -206,7 +203,6 @@ def run(cfg: EvalCommand) -> None:
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
                                     vae=cfg.vae, text_encoder=cfg.text_encoder, lazy=bool(cfg.decode_ranks))
     rank0 = share_ranks(pipe, cfg)
-    split = cfg.sequence_parallel > 1  # the sequence-parallel groups share the prompts
     if dataset_kind(pipe.info) is None and not cfg.real:
         raise SystemExit(
             f"framework.eval: the checkpoint was trained on {pipe.info.get('source')!r}; only the digits and"
@@ -216,13 +212,13 @@ def run(cfg: EvalCommand) -> None:
     out = Path(cfg.out) if cfg.out else Path(cfg.ckpt).resolve().parent.parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
     if cfg.scaling:
-        result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.decode_ranks, split)
+        result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.sharing())
         if rank0:
             print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
             print(json.dumps(result))
         return
     grid = out / ("samples.png" if cfg.real else "judged.png")
-    metrics = evaluate(pipe, cfg, grid, split_ranks=split, progress=True, decode_ranks=cfg.decode_ranks)
+    metrics = evaluate(pipe, cfg, grid, cfg.sharing(), progress=True)
     if not rank0:
         return
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
 from framework.inference.pipeline import Pipeline, save_grid, to_pil
+from framework.inference.sampling import SamplingPlan
 from framework.evaluation.prompts import prompt_labels
 from framework.evaluation.settings import ImageSize
 
@@ -78,10 +79,8 @@ def run(cfg: SampleCommand) -> list[Path]:
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()
-    images = pipe.generate(prompts, cfg.steps, cfg.guidance, cfg.sampler, cfg.seed, labels=prompt_labels(pipe, prompts),
-                           candidates=cfg.best_of, progress=True, cache_schedule=cfg.cache_schedule,
-                           decode_ranks=cfg.decode_ranks, split_ranks=cfg.sequence_parallel > 1,
-                           size=pipe.latent_size(cfg.height, cfg.width, cfg.aspect))
+    plan = SamplingPlan.of(cfg, candidates=cfg.best_of, size=pipe.latent_size(cfg.height, cfg.width, cfg.aspect))
+    images = pipe.generate(prompts, plan, prompt_labels(pipe, prompts), ranks=cfg.sharing(), progress=True)
     seconds = time.perf_counter() - t0
     if images is None or not rank0:  # a rank that only helped (decode_ranks, sequence_parallel): rank 0 writes
         return []

@@ -150,9 +150,11 @@ def chosen_model_keys(dcfg: DictConfig) -> set[str]:
     preset = PRESET_DIR / f"{dcfg.model.name}.yaml"
     values = OmegaConf.load(preset) if preset.is_file() else {}
     chosen = {k for k in dcfg.model if k in values and dcfg.model[k] != values[k]}
-    if HydraConfig.initialized():  # a command-line value equal to the preset's is a choice too
-        chosen |= {o.split("=", 1)[0].lstrip("+~").removeprefix("model.") for o in HydraConfig.get().overrides.task
-                   if o.lstrip("+~").startswith("model.")}
+    if HydraConfig.initialized():  # a command-line value equal to the preset's is a choice too (Hydra's own parser)
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))]
+        chosen |= {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     return chosen
 
 
@@ -241,6 +243,7 @@ def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningM
     """
     from framework.eval import evaluate
     from framework.evaluation.prompts import dataset_kind
+    from framework.inference.sharing import SplitRanks
     from framework.training.callbacks import inference_view
 
     if dataset_kind(pl_module.dataset_info) is None and not settings.real:
@@ -249,7 +252,8 @@ def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningM
     if rank0:
         out_dir.mkdir(parents=True, exist_ok=True)
     with inference_view(trainer, pl_module):
-        metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None, split_ranks=trainer.world_size > 1)
+        ranks = SplitRanks() if trainer.world_size > 1 else None
+        metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None, ranks)
     if rank0:
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         flat = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -295,6 +299,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     """Run training (and the final evaluation when eval.at_end); returns what was written.
 
     `extra_callbacks`: Lightning callbacks added to the run's own (a notebook's, or a benchmark's timer)."""
+    config_lib.check_plugins(dcfg.get("plugins"))  # before fitting the model may build the dataset
     info = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
     if info is not None:

@@ -58,7 +58,7 @@ export PYTHONUNBUFFERED=1
 
 status=0
 if [ "$PART" = all ] || [ "$PART" = tier ]; then
-    "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_gpu.py --junitxml="$RESULTS/gpu_tier.xml" 2>&1 \
+    "$PY" -m pytest -m gpu -q -rA -o "addopts=" -p no:cacheprovider tests/test_gpu.py --junitxml="$RESULTS/gpu_tier.xml" 2>&1 \
         | tee "$RESULTS/gpu_tier.log" || status=1
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then

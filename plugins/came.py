@@ -29,7 +29,7 @@ pixart_xl_2_256, against 1.022 when blocks ran across rows and so depended on th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from framework.distributed.dtensor import local_tensor
-from framework.training.optim import OPTIMIZER_CHECKS, OPTIMIZERS, OptimizerConfig
+from framework.training.optim import OPTIMIZER_CHECKS, OPTIMIZER_SETTINGS, OPTIMIZERS, OptimizerConfig
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 
 # --------------------------------------------------------------------------------------------
@@ -311,32 +311,50 @@ class CAME(torch.optim.Optimizer):
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass
+class CameSettings:
+    """CAME's own fields, `optimizer.settings.*` under optimizer=came / came8bit."""
+
+    eps: list[float] = field(default_factory=lambda: [1e-30, 1e-16])
+    """Constants added to the squared gradient and to the instability."""
+    clip_threshold: float = 1.0
+    """The normalised update is scaled down until its RMS is at most this."""
+    block_size: int = 2048
+    """came8bit: at most this many elements per quantization block of the 8-bit first moment (one fp32 min and
+    scale each); each matrix row is cut into equal blocks, so the layout is the same on any number of ranks."""
+    min_8bit_size: int = 16384
+    """came8bit: matrices with more elements than this keep their first moment in 8 bits; smaller stay fp32."""
+
+    def __post_init__(self) -> None:
+        if len(self.eps) != 2 or min(self.eps) < 0:
+            raise ValueError(f"optimizer.settings.eps={list(self.eps)}: expected 2 values >= 0, e.g. [1e-30,1e-16]")
+        if self.clip_threshold <= 0:
+            raise ValueError(f"optimizer.settings.clip_threshold={self.clip_threshold} must be > 0 (CAME's default is 1.0)")
+        if self.block_size <= 0:
+            raise ValueError(f"optimizer.settings.block_size={self.block_size} must be > 0 (SANA-1.5 uses 2048)")
+        if self.min_8bit_size < 0:
+            raise ValueError(f"optimizer.settings.min_8bit_size={self.min_8bit_size} must be >= 0")
+
+
 def build_came(params: Iterable, cfg: OptimizerConfig, quantize: bool = False) -> CAME:
     """CAME from the `optimizer` config group (came8bit: quantize=True)."""
+    s: CameSettings = cfg.settings
     return CAME(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=tuple(cfg.came_eps), clip_threshold=cfg.clip_threshold,
-        weight_decay=cfg.weight_decay, quantize=quantize, block_size=cfg.block_size,
-        min_8bit_size=cfg.min_8bit_size,
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=tuple(s.eps), clip_threshold=s.clip_threshold,
+        weight_decay=cfg.weight_decay, quantize=quantize, block_size=s.block_size, min_8bit_size=s.min_8bit_size,
     )
 
 
-def check_came_config(cfg: OptimizerConfig) -> None:
-    """Start-up checks of the fields CAME reads."""
+def check_came_betas(cfg: OptimizerConfig) -> None:
+    """CAME reads three betas from the shared field."""
     if len(cfg.betas) != 3 or not all(0.0 <= b < 1.0 for b in cfg.betas):
         raise ValueError(
             f"optimizer.betas={list(cfg.betas)}: {cfg.name} needs 3 rates in [0, 1) for the update, the squared"
             f" gradient and the instability, e.g. optimizer.betas=[0.9,0.999,0.9999]"
         )
-    if len(cfg.came_eps) != 2 or min(cfg.came_eps) < 0:
-        raise ValueError(f"optimizer.came_eps={list(cfg.came_eps)}: expected 2 values >= 0, e.g. [1e-30,1e-16]")
-    if cfg.clip_threshold <= 0:
-        raise ValueError(f"optimizer.clip_threshold={cfg.clip_threshold} must be > 0 (CAME's default is 1.0)")
-    if cfg.block_size <= 0:
-        raise ValueError(f"optimizer.block_size={cfg.block_size} must be > 0 (SANA-1.5 uses 2048)")
-    if cfg.min_8bit_size < 0:
-        raise ValueError(f"optimizer.min_8bit_size={cfg.min_8bit_size} must be >= 0")
 
 
 OPTIMIZERS["came"] = build_came
 OPTIMIZERS["came8bit"] = lambda params, cfg: build_came(params, cfg, quantize=True)
-OPTIMIZER_CHECKS["came"] = OPTIMIZER_CHECKS["came8bit"] = check_came_config
+OPTIMIZER_CHECKS["came"] = OPTIMIZER_CHECKS["came8bit"] = check_came_betas
+OPTIMIZER_SETTINGS["came"] = OPTIMIZER_SETTINGS["came8bit"] = CameSettings

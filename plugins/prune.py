@@ -30,6 +30,7 @@ from framework.models.plans import families_with, plan_of
 from framework.models.blocks import block_views, has_stack, restack_state
 from framework.cli import quiet_hydra
 from framework.inference.pipeline import Pipeline
+from framework.inference.sampling import SamplingPlan
 
 METHODS = ("importance", "last", "random")
 
@@ -78,8 +79,8 @@ ConfigStore.instance().store(name="prune_command", node=PruneCommand)
 # --------------------------------------------------------------------------------------------
 
 
-def block_importance(pipe: Pipeline, prompts: list[str], labels: list[int | None] | None, steps: int,
-                     guidance: float, sampler: str | None, seed: int) -> list[float]:
+def block_importance(pipe: Pipeline, prompts: list[str], labels: list[int | None] | None,
+                     plan: SamplingPlan) -> list[float]:
     """BI of every block of `pipe.model`, measured while it samples `prompts`."""
     views = block_views(pipe.model)
     total = torch.zeros(len(views), dtype=torch.float64)
@@ -96,7 +97,7 @@ def block_importance(pipe: Pipeline, prompts: list[str], labels: list[int | None
 
     handles = [v.module.register_forward_hook(recorder(i), with_kwargs=True) for i, v in enumerate(views)]
     try:
-        pipe.generate(prompts, steps, guidance, sampler, seed, labels, progress=True)
+        pipe.generate(prompts, plan, labels, progress=True)
     finally:
         for h in handles:
             h.remove()
@@ -178,8 +179,7 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
                          f"prune; pruning supports {families_with(lambda p: p.stack)}.")
     prompts = calibration_prompts(pipe, cmd.prompts)
     with torch.no_grad():
-        importance = block_importance(pipe, prompts, prompt_labels(pipe, prompts), cmd.steps, cmd.guidance,
-                                      cmd.sampler, cmd.seed)
+        importance = block_importance(pipe, prompts, prompt_labels(pipe, prompts), SamplingPlan.of(cmd))
     n = len(importance)
     kept = choose_kept(importance, cmd.keep, cmd.method, list(cmd.protect), cmd.seed, pipe.model.cfg.family)
     state = restack_state(model_weights(ckpt, used), kept)

@@ -213,6 +213,30 @@ def s3(digits_shards) -> dict[str, str]:
     server.stop()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """A short base folder of this session's own for tmp_path, unless --basetemp is given: a test's TMPDIR lies under
+    it (tests/test_distributed.py's run folders), and data loader workers open Unix sockets under TMPDIR, whose paths
+    may have at most 107 characters (framework/data/datamodule.py check_socket_room). pytest's default base
+    (/tmp/pytest-of-USER/pytest-N/, and popen-gwN/ under it for each xdist worker) leaves too little room. Set on the
+    xdist controller (workers get theirs from it) before pytest's tmp_path factory reads it; a unique folder, so
+    pytest sessions side by side do not clear each other's."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="lf-", dir=tempfile.gettempdir())
+        config._latentforge_basetemp = config.option.basetemp
+
+
+def pytest_unconfigure(config):
+    """This session's own base folder is removed after a run that passed (kept after a failure, to look at)."""
+    base = getattr(config, "_latentforge_basetemp", None)
+    if base is not None and getattr(config, "_latentforge_passed", False):
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._latentforge_passed = exitstatus == 0
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A GPU-tier test skipped for want of a GPU is reported at its module, not its line, so the summary folds the

@@ -4,12 +4,13 @@ Every rank builds the same random 4-channel PixArt over the digits prompts with 
 image decoder (tests/conftest.py), then generates the prompts plainly (each rank alone) and with
 decode_ranks=K (all ranks together), with and without a cache schedule. Rank 0 writes OUT: whether the
 decoupled images equal the plain ones bit for bit, and the other ranks' return values. DECODE_RANKS=0:
-split_ranks with decode_on_rank0 instead (every rank denoises a share, rank 0 decodes): how far its images
+SplitRanks(decode_on_rank0=True) instead (every rank denoises a share, rank 0 decodes): how far its images
 are from the plain ones, and which ranks loaded the VAE.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,8 +24,11 @@ from framework.distributed.env import init_from_env, leave
 from framework.models.backbones import build_denoiser, load_preset
 from framework.models.objectives import Objective, ObjectiveConfig
 from framework.inference.pipeline import Pipeline
+from framework.inference.sampling import Sampler, SamplingPlan
+from framework.inference.sharing import DecodeRanks, SplitRanks
 
 PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0", "a scribbled 5", "a handwritten 9"]
+PLAN = SamplingPlan(steps=3, seed=4)
 
 
 def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
@@ -35,13 +39,13 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
     model = build_denoiser(load_preset("pixart_debug", in_channels=4, num_layers=2, text_dim=384))
     pipe = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
     result = {}
-    if decode_ranks == 0:  # split_ranks with decode_on_rank0 (training grids): a fresh pipeline, its VAE not yet loaded
+    if decode_ranks == 0:  # SplitRanks(decode_on_rank0=True) (training grids): a fresh pipeline, its VAE not yet loaded
         fresh = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
-        split = fresh.generate(PROMPTS, steps=3, seed=4, batch_size=2, split_ranks=True, decode_on_rank0=True)
+        split = fresh.generate(PROMPTS, PLAN, batch_size=2, ranks=SplitRanks(decode_on_rank0=True))
         loaded = [None] * dist.get_world_size()
         dist.all_gather_object(loaded, fresh._codec is not None)
         if dist.get_rank() == 0:
-            plain = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2)
+            plain = pipe.generate(PROMPTS, PLAN, batch_size=2)
             result["rank0"] = {"max_diff": float((split - plain).abs().max()), "shape": list(split.shape),
                                "codec_loaded": loaded, "max_abs": float(plain.abs().max())}
             with open(out, "w") as f:
@@ -52,12 +56,12 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
         return
     slow = float(os.environ.get("SLOW_DECODE", "0"))
     if slow:  # a decoder that falls behind: each decode takes `slow` s more; when did denoising and decoding end?
-        plain = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2)
+        plain = pipe.generate(PROMPTS, PLAN, batch_size=2)
         events: list[tuple[str, float]] = []
-        denoise_batch, decode = pipe._denoise_batch, pipe.decode
+        latents, decode = Sampler.latents, pipe.decode
 
         def timed_denoise(*a, **k):
-            z = denoise_batch(*a, **k)
+            z = latents(*a, **k)
             events.append(("denoised", time.monotonic()))
             return z
 
@@ -67,9 +71,9 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
             events.append(("decoded", time.monotonic()))
             return images
 
-        pipe._denoise_batch, pipe.decode = timed_denoise, slow_decode
+        Sampler.latents, pipe.decode = timed_denoise, slow_decode  # (this worker process only)
         dist.barrier()
-        split = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, decode_ranks=decode_ranks)
+        split = pipe.generate(PROMPTS, PLAN, batch_size=2, ranks=DecodeRanks(decode_ranks))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, events)
         if dist.get_rank() == 0:
@@ -79,8 +83,9 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
         leave()
         return
     for schedule in (None, "uniform:2"):
-        plain = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, cache_schedule=schedule)  # 3 batches
-        split = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, cache_schedule=schedule, decode_ranks=decode_ranks)
+        plan = dataclasses.replace(PLAN, cache_schedule=schedule)
+        plain = pipe.generate(PROMPTS, plan, batch_size=2)  # 3 batches
+        split = pipe.generate(PROMPTS, plan, batch_size=2, ranks=DecodeRanks(decode_ranks))
         returned = [None] * dist.get_world_size()
         dist.all_gather_object(returned, None if split is None else list(split.shape))
         if dist.get_rank() == 0:
@@ -104,8 +109,8 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     pipe = Pipeline.from_checkpoint(ckpt, lazy=True)
     k = decode_ranks if decode_ranks == "auto" else int(decode_ranks)
     share_ranks(pipe, RankSharing(decode_ranks=k, sequence_parallel=int(os.environ.get("SEQUENCE_PARALLEL", "1"))))
-    images = pipe.generate(PROMPTS, steps=3, seed=4, batch_size=2, decode_ranks=k)
-    again = pipe.generate(PROMPTS[:2], steps=3, seed=4, batch_size=2, decode_ranks=k)  # a second call (eval makes many)
+    images = pipe.generate(PROMPTS, PLAN, batch_size=2, ranks=DecodeRanks(k))
+    again = pipe.generate(PROMPTS[:2], PLAN, batch_size=2, ranks=DecodeRanks(k))  # a second call (eval makes many)
     sp = group_of(pipe.model)
     state = {"built": pipe._build is None, "codec": pipe._codec is not None,
              "meta": next(pipe.model.parameters()).is_meta, "split": None if sp is None else [sp.rank, sp.size],
@@ -113,7 +118,7 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, state)
     if dist.get_rank() == 0:
-        plain = Pipeline.from_checkpoint(ckpt).generate(PROMPTS, steps=3, seed=4, batch_size=2)
+        plain = Pipeline.from_checkpoint(ckpt).generate(PROMPTS, PLAN, batch_size=2)
         with open(out, "w") as f:
             json.dump({"equal": bool(torch.equal(images, plain)), "max_diff": float((images - plain).abs().max()),
                        "again_equal": bool(torch.equal(again, images[:2])), "ranks": everyone}, f)

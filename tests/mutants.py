@@ -144,7 +144,7 @@ MUTANTS = [
            (DIST + "test_two_nodes_hybrid_sharded_follow_one_process_and_resume_on_one_node",
             "tests/test_sequence.py::test_the_job_mesh_dims_follow_nodes_and_sequence_groups")),
     Mutant("every_sequence_rank_decodes", "every rank of a sequence-parallel group decodes the same images",
-           (("framework/inference/pipeline.py", "        leader = sp is None or sp.rank == 0", "        leader = True"),),
+           (("framework/inference/sharing.py", "    leader = sp is None or sp.rank == 0", "    leader = True"),),
            ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     Mutant("throughput_skips_unlogged_batches", "the throughput monitor counts only the batches of logging steps",
            (("framework/training/callbacks.py", "        self._batches[stage] += batches  # the base class adds this batch's own",
@@ -197,7 +197,7 @@ MUTANTS = [
            (("framework/data/datamodule.py", "        if self.cfg.num_workers:\n            check_socket_room()\n", ""),),
            ("tests/test_datamodule.py::test_a_temp_folder_too_deep_for_the_workers_socket_is_refused",)),
     Mutant("decoders_build_the_denoiser", "every rank of decode_ranks builds and loads the denoiser, decoders too",
-           (("framework/inference/pipeline.py", "        if denoising:  # a decoding rank never builds the denoiser\n",
+           (("framework/inference/sharing.py", "        if denoising:  # a decoding rank never builds the denoiser\n",
              "        if True:\n"),),
            ("tests/test_decoupled.py::test_each_role_loads_only_its_own_model",)),
     Mutant("adamw_weight_decay_dropped", "the AdamW the trainer builds ignores optimizer.weight_decay",
@@ -222,6 +222,22 @@ MUTANTS = [
            (("data_prep/record.py", "if not isinstance(version, int) or version > FORMAT_VERSION:",
              "if not isinstance(version, int):"),),
            ("tests/test_data_prep.py::test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read",)),
+    Mutant("command_line_model_keys_ignored", "a model key given on the command line with the preset's own value is "
+           "fitted to the dataset instead of refused",
+           (("framework/train.py", "        chosen |= {k.removeprefix(\"model.\") for k in keys if k.startswith(\"model.\")}\n",
+             ""),),
+           ("tests/test_train.py::test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice",)),
+    Mutant("plugins_checked_after_the_data", "framework.train checks the plugins' fields only after fitting the model "
+           "to the data (a dataset may be built first)",
+           (("framework/train.py", "    config_lib.check_plugins(dcfg.get(\"plugins\"))  # before fitting the model may build the dataset\n",
+             ""),),
+           ("tests/test_train.py::test_a_misspelled_plugin_field_is_refused_before_any_data_is_built",)),
+    Mutant("plugins_unchecked_at_compose", "config.to_object leaves the plugins' own fields unchecked",
+           (("framework/config.py", "    check_plugins(cfg.plugins)\n", ""),),
+           ("tests/test_train.py::test_a_misspelled_plugin_field_is_refused_before_any_data_is_built",)),
+    Mutant("plan_guidance_ignored", "the sampler ignores the plan's guidance scale (the conditional prediction alone)",
+           (("framework/inference/sampling.py", "text2, mask2, lab), plan.guidance)", "text2, mask2, lab), 1.0)"),),
+           ("tests/test_own_data.py::test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),
@@ -269,7 +285,7 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
     env.update(TMPDIR=str(tmp), PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
                                f"--basetemp={tmp / 'pt'}", *tests], cwd=tree, env=env, capture_output=True, text=True,
                               timeout=timeout)
         code, out = proc.returncode, proc.stdout + proc.stderr

@@ -19,6 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from framework.inference.sampling import SamplingPlan
+from framework.inference.sharing import SplitRanks
 from framework.distributed.env import init_from_env, leave
 from framework.models.backbones import build_denoiser, load_preset
 from framework.distributed.mesh import Mesh, job_mesh
@@ -125,21 +127,23 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
     prompts = ["a handwritten 3", "the digit seven", "a handwritten 0"]
     plain = Pipeline(copy.deepcopy(model), Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
     split = Pipeline(model, Objective(ObjectiveConfig()), info.empty_text_embeds, info.summary())
-    want = plain.generate(prompts, steps=3, seed=2, batch_size=2)
-    want_cached = plain.generate(prompts, steps=4, seed=2, batch_size=2, cache_schedule="uniform:2")
+    three, cached = SamplingPlan(steps=3, seed=2), SamplingPlan(steps=4, seed=2, cache_schedule="uniform:2")
+    want = plain.generate(prompts, three, batch_size=2)
+    want_cached = plain.generate(prompts, cached, batch_size=2)
     install(model, init(mesh))
-    got = split.generate(prompts, steps=3, seed=2, batch_size=2, split_ranks=True)
-    got_cached = split.generate(prompts, steps=4, seed=2, batch_size=2, split_ranks=True, cache_schedule="uniform:2")
+    got = split.generate(prompts, three, batch_size=2, ranks=SplitRanks())
+    got_cached = split.generate(prompts, cached, batch_size=2, ranks=SplitRanks())
     # a schedule that runs the self-attention and reuses the cross-attention at steps 1 and 3: the caption K/V the
     # gap would compute there are not wanted
     uniform = split.schedule("uniform:2", None, 4)
     compute = [[[True, s % 2 == 0, True][: len(block)] for block in step] for s, step in enumerate(uniform.compute)]
     no_attn2 = dataclasses.replace(uniform, compute=compute, kind="learned")
-    want_no_attn2 = plain.generate(prompts, steps=4, seed=2, batch_size=2, cache_schedule=no_attn2)
+    no_attn2 = SamplingPlan(steps=4, seed=2, cache_schedule=no_attn2)
+    want_no_attn2 = plain.generate(prompts, no_attn2, batch_size=2)
     kv = [k for b in model.net.transformer_blocks if (k := getattr(b.attn1.processor, "kv", None)) is not None]
     for k in kv:
         k.filled = k.hits = 0
-    got_no_attn2 = split.generate(prompts, steps=4, seed=2, batch_size=2, split_ranks=True, cache_schedule=no_attn2)
+    got_no_attn2 = split.generate(prompts, no_attn2, batch_size=2, ranks=SplitRanks())
     diff = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
     cached_diff = float((got_cached - want_cached).abs().max()) if got_cached.shape == want_cached.shape else float("inf")
     decoded = [None] * dist.get_world_size()  # which ranks loaded the codec: the first decode loads it
@@ -148,7 +152,7 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
             "cached_max_diff": cached_diff, "no_attn2_max_diff": float((got_no_attn2 - want_no_attn2).abs().max()),
             "no_attn2_kv": [sum(k.filled for k in kv), sum(k.hits for k in kv)], "kv_blocks": len(kv),
             "cached_vs_full": float((want_cached - plain.generate(
-                prompts, steps=4, seed=2, batch_size=2)).abs().max())}
+                prompts, SamplingPlan(steps=4, seed=2), batch_size=2)).abs().max())}
 
 
 def main(data: str, out: str) -> None:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from framework.inference.sampling import SamplingPlan
 from framework.models.blocks import block_views
 from framework.inference.caching import CacheSchedule, model_signature, resolve_schedule, uniform_schedule
 from tests.test_growth import FAMILIES, crash_and_resume
@@ -42,7 +43,7 @@ def family_pipeline(name: str, digits_shards: Path):
 
 def generate(pipe, steps: int = 4, **kw) -> torch.Tensor:
     labels = [3, 7, 0] if pipe.model.cfg.num_classes is not None else None
-    return pipe.generate(PROMPTS, steps=steps, seed=5, labels=labels, batch_size=2, **kw)  # two batches
+    return pipe.generate(PROMPTS, SamplingPlan(steps=steps, seed=5, **kw), labels, batch_size=2)  # two batches
 
 
 def random_schedule(pipe, steps: int, seed: int = 0) -> CacheSchedule:
@@ -314,7 +315,7 @@ def recorded_sampling(name: str, digits_shards: Path, steps: int, guidance: floa
     hook = pipe.model.register_forward_pre_hook(lambda _, args: calls.append([a if a is None else a.clone() for a in args]))
     try:
         labels = [3, 7] if pipe.model.cfg.num_classes is not None else None
-        pipe.generate(PROMPTS[:2], steps=steps, guidance=guidance, sampler=sampler, seed=5, labels=labels, batch_size=2)
+        pipe.generate(PROMPTS[:2], SamplingPlan(steps, guidance, sampler, seed=5), labels, batch_size=2)
     finally:
         hook.remove()
     assert len(calls) == steps

@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import plugins  # noqa: F401  (registers optimizer=came / came8bit)
-from plugins.came import CAME, is_8bit, state_shapes
+from framework.training.optim import build_optimizer
+from plugins.came import CAME, CameSettings, is_8bit, state_shapes
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 from tests.came_fsdp_worker import OPT_KW, STEPS, build_model, train_steps
 from tests.zygote import torchrun
@@ -351,12 +352,26 @@ def _compose(overrides: list[str]):
 def test_hydra_composes_came8bit():
     from framework import config as config_lib
 
-    cfg = config_lib.to_object(_compose(["optimizer=came8bit", "optimizer.clip_threshold=0.5", "data.prepare=null"]))
+    cfg = config_lib.to_object(_compose(["optimizer=came8bit", "optimizer.settings.clip_threshold=0.5",
+                                         "optimizer.settings.eps=[1e-29,1e-15]", "optimizer.settings.block_size=64",
+                                         "optimizer.settings.min_8bit_size=100", "data.prepare=null"]))
     assert cfg.optimizer.name == "came8bit" and list(cfg.optimizer.betas) == [0.9, 0.999, 0.9999]
-    assert cfg.optimizer.clip_threshold == 0.5 and cfg.optimizer.block_size == 2048
-    assert config_lib.to_object(_compose(["optimizer=came", "data.prepare=null"])).optimizer.name == "came"
+    assert isinstance(cfg.optimizer.settings, CameSettings)
+    # Every setting reaches the optimizer the run builds.
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(4, 8))], cfg.optimizer)
+    group = opt.param_groups[0]
+    assert (group["clip_threshold"], group["eps"], group["block_size"], group["min_8bit_size"], group["quantize"]) == \
+        (0.5, (1e-29, 1e-15), 64, 100, True)
+    came = config_lib.to_object(_compose(["optimizer=came", "data.prepare=null"])).optimizer
+    assert came.name == "came" and came.settings == CameSettings()
     with pytest.raises(ValueError, match="optimizer.betas"):
         config_lib.to_object(_compose(["optimizer=came8bit", "optimizer.betas=[0.9,0.999]", "data.prepare=null"]))
+    with pytest.raises(ValueError, match="clip_threshld"):  # a misspelled setting, at composition
+        config_lib.to_object(_compose(["optimizer=came8bit", "+optimizer.settings.clip_threshld=0.5", "data.prepare=null"]))
+    with pytest.raises(ValueError, match=r"optimizer.settings.block_size=0 must be > 0"):
+        config_lib.to_object(_compose(["optimizer=came8bit", "optimizer.settings.block_size=0", "data.prepare=null"]))
+    with pytest.raises(ValueError, match="adamw has no settings of its own"):
+        config_lib.to_object(_compose(["+optimizer.settings.eps=[1e-30,1e-16]", "data.prepare=null"]))
 
 
 def test_short_training_run_with_came8bit(tmp_path, digits_shards):

@@ -49,7 +49,7 @@ def test_decoupled_generation_draws_the_plain_images(tmp_path, digits_shards, ti
 
 
 def test_grids_decode_on_rank_zero_only(tmp_path, digits_shards, tiny_vae_dir):
-    """split_ranks with decode_on_rank0 (a training job's sample grids) on 2 ranks: each denoises half the prompts,
+    """SplitRanks(decode_on_rank0=True) (a training job's sample grids) on 2 ranks: each denoises half the prompts,
     rank 0 alone loads the VAE and decodes them all, and the images are plain sampling's (the halves are denoised
     in other batches: float round-off only)."""
     out = tmp_path / "result.json"

@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.inference.sampling import SamplingPlan
 from tests.test_train import losses
 from tests import zygote
 from tests.zygote import Result, free_port, lightning_ranks
@@ -472,7 +473,7 @@ def test_sharded_folder_exports_and_samples(runs, tmp_path):
     for k, v in weights(folder).items():
         torch.testing.assert_close(exported[k[len("net."):]], v, rtol=0, atol=0)
     pipe = Pipeline.from_checkpoint(folder)
-    assert pipe.generate(["a handwritten 3"], steps=1).shape == (1, 1, 8, 8)
+    assert pipe.generate(["a handwritten 3"], SamplingPlan(steps=1)).shape == (1, 1, 8, 8)
 
 
 def test_growth_from_a_sharded_checkpoint_on_two_fsdp_ranks_equals_one_process(runs, tmp_path, digits_shards):

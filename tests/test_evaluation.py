@@ -11,6 +11,7 @@ import torch
 
 from data_prep.sources.digit_pairs import HELDOUT_PAIRS, TRAIN_PAIRS, pair_captions, parse_pair
 from data_prep.sources.digits import MAX_VALUE, digit_captions, heldout_digit_captions, load_digits
+from framework.inference.sampling import SamplingPlan
 from framework.inference.bestof import knockout, pick_by_score, select
 from framework.evaluation.judge import Judge, get_judge
 from framework.evaluation.metrics import digit_scorer, frechet_distance, real_digit_images, training_half
@@ -195,19 +196,19 @@ def tiny_pipeline(digits_shards: Path, sample_width: int | None = None):
 def test_best_of_one_is_plain_sampling_and_candidates_do_not_depend_on_n(digits_shards):
     pipe = tiny_pipeline(digits_shards)
     prompts = ["a handwritten 3", "the digit seven", "a scribbled 5"]
-    plain = pipe.generate(prompts, steps=3, seed=7)
-    one = pipe.generate(prompts, steps=3, seed=7, candidates=1)
+    plain = pipe.generate(prompts, SamplingPlan(steps=3, seed=7))
+    one = pipe.generate(prompts, SamplingPlan(steps=3, seed=7, candidates=1))
     kept = select(one.view(3, 1, *one.shape[1:]), prompts, None, "score", 1).flatten(0, 1)
     assert torch.equal(kept, plain)  # bit for bit
 
     # Candidate j of prompt i is the same draw whatever N is (one image per forward: no batch effects).
-    four = pipe.generate(prompts, steps=3, seed=7, candidates=4, batch_size=1).view(3, 4, 1, 8, 8)
-    two = pipe.generate(prompts, steps=3, seed=7, candidates=2, batch_size=1).view(3, 2, 1, 8, 8)
-    single = pipe.generate(prompts, steps=3, seed=7, batch_size=1)
+    four = pipe.generate(prompts, SamplingPlan(steps=3, seed=7, candidates=4), batch_size=1).view(3, 4, 1, 8, 8)
+    two = pipe.generate(prompts, SamplingPlan(steps=3, seed=7, candidates=2), batch_size=1).view(3, 2, 1, 8, 8)
+    single = pipe.generate(prompts, SamplingPlan(steps=3, seed=7), batch_size=1)
     assert torch.equal(four[:, :2], two) and torch.equal(four[:, 0], single)
     assert not torch.equal(four[:, 0], four[:, 1])
 
-    wide = tiny_pipeline(digits_shards, sample_width=16).generate(prompts[:1], steps=2)
+    wide = tiny_pipeline(digits_shards, sample_width=16).generate(prompts[:1], SamplingPlan(steps=2))
     assert wide.shape == (1, 1, 8, 16)
 
 

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from framework.inference.sampling import SamplingPlan
 from framework.models.blocks import block_views, silence_block
 from framework.models.backbones import build_denoiser, load_preset
 from plugins.growth import GrowthConfig, grow, grow_checkpoint, layer_plan
@@ -251,8 +252,9 @@ def test_grown_and_pruned_checkpoints_work_in_every_command(tmp_path, digits_sha
     assert (tmp_path / "pruned" / "importance.json").exists() and (tmp_path / "pruned" / "importance.png").exists()
     pruned = tmp_path / "pruned" / "p.ckpt"
     # Dropping identity blocks keeps the function: the pruned model samples what the marked one does.
-    a = Pipeline.from_checkpoint(marked).generate(["a handwritten 3"], steps=3, seed=1)
-    b = Pipeline.from_checkpoint(pruned).generate(["a handwritten 3"], steps=3, seed=1)
+    plan = SamplingPlan(steps=3, seed=1)
+    a = Pipeline.from_checkpoint(marked).generate(["a handwritten 3"], plan)
+    b = Pipeline.from_checkpoint(pruned).generate(["a handwritten 3"], plan)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     metrics = evaluate(Pipeline.from_checkpoint(pruned), EvalCommand(ckpt=str(pruned), seeds=1, phrasings=1, steps=2))
     assert 0 <= metrics["prompt_accuracy"] <= 1 and metrics["fd"] > 0

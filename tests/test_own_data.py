@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from framework.inference.sampling import SamplingPlan
 from framework.train import train
 from tests.conftest import make_image_folder, make_tiny_text_encoder, make_tiny_vae
 from tests.test_train import compose_cfg
@@ -143,7 +144,8 @@ def test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample(own_d
     from diffusers import DiffusionPipeline
 
     from framework.export import ExportCommand, export
-    from framework.inference.pipeline import Pipeline, noise_seeds
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import noise_seeds
 
     encoders = dict(vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
     folder = export(ExportCommand(ckpt=trained["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers", **encoders))
@@ -153,7 +155,7 @@ def test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample(own_d
 
     prompt, seed, steps, guidance = "a random picture number 2", 7, 4, 3.0
     ours = Pipeline.from_checkpoint(trained["checkpoint"], **encoders)
-    expected = ours.generate([prompt], steps, guidance, "dpm++", seed)  # (1, 3, 16, 16) in [-1, 1]
+    expected = ours.generate([prompt], SamplingPlan(steps, guidance, "dpm++", seed))  # (1, 3, 16, 16) in [-1, 1]
     (s,) = noise_seeds(seed, 1)
     latents = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(s))[None]  # framework.sample's noise
     got = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents, height=16, width=16,
@@ -170,7 +172,8 @@ def test_diffusers_export_of_a_class_conditional_dit_samples_like_framework_samp
 
     from data_prep.precompute import precompute
     from framework.export import ExportCommand, export
-    from framework.inference.pipeline import Pipeline, noise_seeds
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import noise_seeds
 
     src = make_image_folder(tmp_path / "images", n=12, size=20, seed=3)
     rows = [{"image": str(p), "caption": p.with_suffix(".txt").read_text(), "label": i % 3}
@@ -188,7 +191,7 @@ def test_diffusers_export_of_a_class_conditional_dit_samples_like_framework_samp
     pipe = DiffusionPipeline.from_pretrained(folder)
     assert type(pipe).__name__ == "DiTPipeline" and pipe.scheduler.config.prediction_type == "epsilon"
     seed, steps, label = 7, 4, 2
-    expected = Pipeline.from_checkpoint(out["checkpoint"]).generate(["class 2"], steps, 1.0, "dpm++", seed, labels=[label])
+    expected = Pipeline.from_checkpoint(out["checkpoint"]).generate(["class 2"], SamplingPlan(steps, 1.0, "dpm++", seed), [label])
     (s,) = noise_seeds(seed, 1)  # framework.sample's noise for this image: DiTPipeline draws it from this generator
     got = pipe(class_labels=[label], num_inference_steps=steps, guidance_scale=1.0,
                generator=torch.Generator().manual_seed(s), output_type="pt").images  # (1, 16, 16, 3) in [0, 1]
@@ -218,7 +221,8 @@ def test_diffusers_export_of_sana_with_a_dc_ae_samples_like_framework_sample(own
 
     from data_prep.precompute import precompute
     from framework.export import ExportCommand, export
-    from framework.inference.pipeline import Pipeline, noise_seeds
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import noise_seeds
     from tests.conftest import make_tiny_dc_ae
 
     dcae = make_tiny_dc_ae(tmp_path / "dcae")
@@ -237,7 +241,8 @@ def test_diffusers_export_of_sana_with_a_dc_ae_samples_like_framework_sample(own
     assert pipe.scheduler.config.prediction_type == "flow_prediction"
 
     prompt, seed, steps, guidance = "a random picture number 2", 7, 4, 3.0
-    expected = Pipeline.from_checkpoint(out["checkpoint"], **encoders).generate([prompt], steps, guidance, "dpm++", seed)
+    ours = Pipeline.from_checkpoint(out["checkpoint"], **encoders)
+    expected = ours.generate([prompt], SamplingPlan(steps, guidance, "dpm++", seed))
     (s,) = noise_seeds(seed, 1)
     latents = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(s))[None]  # framework.sample's noise
     got = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents, height=32, width=32,
@@ -254,7 +259,8 @@ def test_diffusers_export_of_an_sd2_unet_samples_like_framework_sample_unguided(
     from diffusers import DiffusionPipeline
 
     from framework.export import ExportCommand, export
-    from framework.inference.pipeline import Pipeline, noise_seeds
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import noise_seeds
 
     encoders = dict(vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
     out = train(compose_cfg(_run(own_data, "sd2", "model=sd2_unet_debug", "objective=v", "trainer.max_steps=2",
@@ -268,7 +274,7 @@ def test_diffusers_export_of_an_sd2_unet_samples_like_framework_sample_unguided(
 
     prompt, seed, steps = "a random picture number 2", 7, 4
     ours = Pipeline.from_checkpoint(out["checkpoint"], **encoders)
-    expected = ours.generate([prompt], steps, 1.0, "dpm++", seed)  # (1, 3, 16, 16) in [-1, 1]
+    expected = ours.generate([prompt], SamplingPlan(steps, 1.0, "dpm++", seed))  # (1, 3, 16, 16) in [-1, 1]
     (embeds,) = ours.encode([prompt])  # (L, D): the caption's own tokens, as training saw them
     (s,) = noise_seeds(seed, 1)
     latents = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(s))[None]
@@ -341,7 +347,7 @@ def test_eval_command_scores_own_data_against_held_out_images(own_data, trained,
     pipe = Pipeline.from_checkpoint(trained["checkpoint"], vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
     real, captions = real_images(metric_nets["real"], 16, 16)
     drawn = [c for c in captions for _ in range(2)]
-    images = pipe.generate(drawn, 2, 4.0, None, seed=0)
+    images = pipe.generate(drawn, SamplingPlan(2, 4.0, None, seed=0))
     net = ScriptedFeatures(metric_nets["inception"])
     assert metrics["fid"] == pytest.approx(fid_from_features(features(net, real), features(net, images)), rel=1e-6)
     assert metrics["clip_score"] == pytest.approx(float(clip_scores(images, drawn, metric_nets["clip"]).mean()), rel=1e-5)

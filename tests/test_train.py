@@ -64,14 +64,20 @@ def losses(run_dir: Path) -> dict[int, float]:
 def test_every_experiment_composes(experiment):
     # The real-size experiments read data=shards, whose path the user gives.
     given = ["data.path=DIR"] if "override /data: shards" in (CONF / "experiment" / f"{experiment}.yaml").read_text() else []
-    cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}", *given]))
+    cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}", *given]))  # the plugins' own fields too
     assert cfg.trainer.max_steps > 0
-    # The plugins' own fields (plugins.<name>.*) are typed by each plugin, not by the schema: check them too.
-    import plugins  # noqa: F401  (registers them)
-    from framework.training.registry import plugin_config
 
-    for name, fields in cfg.plugins.items():
-        plugin_config(name, fields)
+
+def test_a_misspelled_plugin_field_is_refused_before_any_data_is_built(tmp_path):
+    """plugins.ema.decy: refused by the config check, naming the plugin, before train() would prepare data.path (a
+    folder that does not exist yet, with data.prepare set, would be built first)."""
+    where = tmp_path / "not_built"
+    overrides = ["plugins=[ema]", "+plugins.ema.decy=0.9", f"data.path={where}", f"data.prepare.out={where}"]
+    with pytest.raises(ValueError, match=r"plugins.ema: .*decy"):
+        config_lib.to_object(compose_cfg(overrides))
+    with pytest.raises(ValueError, match=r"plugins.ema: .*decy"):
+        train(compose_cfg(overrides))
+    assert not (tmp_path / "not_built").exists()
 
 
 # Parameters of the published models (diffusers' DiT keeps a timestep/label embedder per block: ~750M stored).
@@ -102,6 +108,24 @@ def test_a_preset_takes_its_input_and_caption_widths_from_the_dataset(digits_sha
     m = config_lib.to_object(cfg).model
     assert (m.in_channels, m.sample_size, m.sample_width, m.text_dim) == (1, 8, None, 384)
     assert (m.num_layers, m.width, m.learned_sigma) == (28, 1152, False)  # the preset's, the quickstart's sigma
+
+
+def test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice(digits_shards):
+    """model.in_channels=4 on the command line is the preset's own value, but the user asked for it: a dataset of
+    1-channel latents is refused, naming the key, rather than silently fitted (Hydra's record of the overrides)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from framework.train import fit_model_to_data
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        overrides = ["model=pixart_xl_2_256", "model.in_channels=4", f"data.path={digits_shards}", "data.prepare=null"]
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            with pytest.raises(ValueError, match=r"model.in_channels=4 does not fit the dataset"):
+                fit_model_to_data(cfg)
+        finally:
+            HydraConfig.instance().cfg = None
 
 
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))

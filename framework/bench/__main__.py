@@ -18,7 +18,7 @@ Suites (one file each, framework/bench/suite_<name>.py):
   buckets    aspect-ratio buckets against square crops on synthetic mixed-aspect scenes: whether the blocks a held-out
              caption names near the edges are drawn (framework/evaluation/shapes.py); buckets.png
   decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
-             doing both (split_ranks), and denoising / decoding ranks (decode_ranks)
+             doing both (SplitRanks), and denoising / decoding ranks (decode_ranks)
   checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
              synchronous vs strategy.async_save (framework.distributed.strategy.ShardedSaver)
   overhead   the framework's own cost per step: framework.train against a hand-written loop (same shards, model,

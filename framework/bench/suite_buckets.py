@@ -71,6 +71,7 @@ def draw(ckpt: Path, captions: list[str], bucketed: bool, cfg: BucketsBench) -> 
     from data_prep.sources.shapes import LAYOUTS
     from framework.evaluation.shapes import parse_scene
     from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import SamplingPlan
 
     pipe = Pipeline.from_checkpoint(ckpt, weights="train")
     images: list[torch.Tensor | None] = [None] * len(captions)
@@ -79,7 +80,8 @@ def draw(ckpt: Path, captions: list[str], bucketed: bool, cfg: BucketsBench) -> 
         idx = [i for i, lay in enumerate(layouts) if lay == layout]
         h, w = LAYOUTS[layout]
         size = pipe.latent_size(h, w) if bucketed else None
-        out = pipe.generate([captions[i] for i in idx], cfg.sample_steps, cfg.guidance, seed=0, batch_size=64, size=size)
+        plan = SamplingPlan(cfg.sample_steps, cfg.guidance, seed=0, size=size)
+        out = pipe.generate([captions[i] for i in idx], plan, batch_size=64)
         for i, img in zip(idx, out):
             images[i] = img
     return images  # type: ignore[return-value]

@@ -35,6 +35,7 @@ from framework.cli import run_complete, train_child
 from framework.cli import resolve_device
 from framework.inference.caching import SCHEDULE_FILE, CacheSchedule
 from framework.inference.pipeline import Pipeline
+from framework.inference.sampling import SamplingPlan
 from framework.evaluation.prompts import PromptSet, dataset_kind, prompt_set
 
 EQUAL_SPEED = 0.03  # "equal measured speed": within 3%
@@ -269,8 +270,8 @@ def run(cfg: CacheCurveBench) -> list[dict[str, Any]]:
                  for name, v in variants.items()}
 
     def generate(p: PromptSet, name: str) -> torch.Tensor:
-        return pipe.generate(p.prompts, variants[name][2], cfg.guidance, sampler, seed=0, labels=labels(p),
-                             batch_size=cfg.batch_size, cache_schedule=schedules[name])
+        plan = SamplingPlan(variants[name][2], cfg.guidance, sampler, seed=0, cache_schedule=schedules[name])
+        return pipe.generate(p.prompts, plan, labels(p), batch_size=cfg.batch_size)
 
     best: dict[str, float] = {}
     for r in range(cfg.repeats + 1):  # round 0 warms up

@@ -4,7 +4,7 @@ A transformer denoiser (a preset, random weights, 4 latent channels) and a VAE d
 Stable Diffusion VAE's architecture (random weights: the cost is the architecture's) turn a batch of
 MiniLM-encoded prompts into images three ways, every rank taking part in each:
   one_rank    rank 0 alone, plain sampling (the others wait)
-  split       every rank denoises and decodes its share of the prompts (Pipeline.generate split_ranks)
+  split       every rank denoises and decodes its share of the prompts (Pipeline.generate with ranks=SplitRanks())
   decoupled   the last `decode_ranks` ranks decode while the others denoise (decode_ranks, framework/inference/decoupled.py)
   sequence_parallel         every rank in groups of P splitting each image's tokens, the groups sharing the prompts
   sequence_parallel_decode  the denoising ranks in groups of P, the last `decode_ranks` ranks decoding
@@ -106,12 +106,14 @@ def run(cfg: DecodeBench) -> list[dict[str, Any]]:
         return pipes[name]
 
     def generate(name: str, chosen: list[str]) -> torch.Tensor | None:
-        pipe = pipe_for(name)
+        from framework.inference.sampling import SamplingPlan
+        from framework.inference.sharing import DecodeRanks, SplitRanks
+
+        pipe, plan = pipe_for(name), SamplingPlan(steps=cfg.steps)
         if name == "one_rank":
-            return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size) if rank == 0 else None
-        if name in ("split", "sequence_parallel"):
-            return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size, split_ranks=True)
-        return pipe.generate(chosen, cfg.steps, batch_size=cfg.batch_size, decode_ranks=K)
+            return pipe.generate(chosen, plan, batch_size=cfg.batch_size) if rank == 0 else None
+        ranks = SplitRanks() if name in ("split", "sequence_parallel") else DecodeRanks(K)
+        return pipe.generate(chosen, plan, ranks=ranks, batch_size=cfg.batch_size)
 
     ways = [w for w in cfg.ways if possible.get(w, True)]
     for w in set(cfg.ways) - set(ways):

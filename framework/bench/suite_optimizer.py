@@ -42,7 +42,7 @@ def _state_bytes_per_param(preset: str) -> dict[str, Any]:
     with torch.device("meta"):
         net = build_denoiser(load_preset(preset))
     params = [p for p in net.parameters() if p.requires_grad]
-    eligible = {p for p in params if is_8bit(p.shape, bench_optimizer("came8bit").min_8bit_size)}
+    eligible = {p for p in params if is_8bit(p.shape, bench_optimizer("came8bit").settings.min_8bit_size)}
     n_all, n_elig = sum(p.numel() for p in params), sum(p.numel() for p in eligible)
     row: dict[str, Any] = {"preset": preset, "params": n_all, "eligible_params": n_elig}
     for name in BENCH_OPTIMIZERS:
@@ -81,7 +81,7 @@ def _step_seconds(preset: str, steps: int) -> dict[str, float]:
             if i > 0:  # the first step allocates the state
                 times[name].append(time.perf_counter() - start)
     out = {name: statistics.median(t) for name, t in times.items()}
-    min_8bit = bench_optimizer("came8bit").min_8bit_size
+    min_8bit = bench_optimizer("came8bit").settings.min_8bit_size
     eligible = sum(p.numel() for p in params if is_8bit(p.shape, min_8bit))
     out["quantized_param_fraction"] = eligible / sum(p.numel() for p in params)
     return out

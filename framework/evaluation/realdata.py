@@ -155,10 +155,12 @@ def mean_with_interval(values: torch.Tensor, resamples: int, seed: int = 0) -> t
 # --------------------------------------------------------------------------------------------
 
 
-def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None, split_ranks: bool = False,
+def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None, ranks: Any = None,
                   progress: bool = False) -> dict[str, Any]:
-    """fid and clip_score of `pipe` against `settings.real` (EvalSettings), with bootstrap intervals."""
+    """fid and clip_score of `pipe` against `settings.real` (EvalSettings), with bootstrap intervals. ranks: how the
+    ranks share the generation (Pipeline.generate); a rank that gets no images gets {}."""
     from framework.inference.pipeline import save_grid
+    from framework.inference.sampling import SamplingPlan
 
     if not (settings.inception or settings.clip):
         raise ValueError("evaluation on one's own data needs a feature network and/or CLIP: eval.inception=PATH "
@@ -169,9 +171,10 @@ def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None,
     prompts = eval_prompts(settings.prompts, captions)
     drawn = [p for p in prompts for _ in range(settings.seeds)]
     t0 = time.perf_counter()
-    images = pipe.generate(drawn, settings.steps, settings.guidance, settings.sampler, seed=0,
-                           batch_size=settings.batch_size, split_ranks=split_ranks, progress=progress,
-                           cache_schedule=settings.cache_schedule, size=size)
+    images = pipe.generate(drawn, SamplingPlan.of(settings, seed=0, size=size), ranks=ranks,
+                           batch_size=settings.batch_size, progress=progress)
+    if images is None:  # a rank that only helped (decode_ranks)
+        return {}
     metrics: dict[str, Any] = {"num_images": len(images), "num_real": len(real), "num_prompts": len(prompts),
                                "images_per_s": len(images) / (time.perf_counter() - t0), "bootstrap": settings.bootstrap}
     if settings.inception:

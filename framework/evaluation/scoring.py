@@ -14,6 +14,8 @@ import torch
 
 from framework.evaluation.settings import EvalSettings
 from framework.inference.pipeline import Pipeline
+from framework.inference.sampling import SamplingPlan
+from framework.inference.sharing import Sharing
 from framework.evaluation.prompts import PromptSet
 
 
@@ -74,17 +76,17 @@ def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> di
     return out
 
 
-def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n: int, split_ranks: bool = False,
-                        progress: bool = False, decode_ranks: int = 0) -> tuple[torch.Tensor | None, float]:
+def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n: int, ranks: Sharing | None = None,
+                        progress: bool = False) -> tuple[torch.Tensor | None, float]:
     """(P, n, C, H, W) candidates for the prompt set, and the images/s it took.
 
-    decode_ranks > 0 (Pipeline.generate): ranks other than 0 get (None, images/s)."""
+    ranks: how the ranks share the generation (Pipeline.generate); a rank that gets no images (DecodeRanks, other
+    than rank 0) gets (None, images/s)."""
     t0 = time.perf_counter()
     labels = ps.labels if pipe.model.cfg.num_classes is not None else None
-    images = pipe.generate(ps.prompts, settings.steps, settings.guidance, settings.sampler, seed=0, labels=labels,
-                           batch_size=settings.batch_size, split_ranks=split_ranks, candidates=n, progress=progress,
-                           cache_schedule=settings.cache_schedule, decode_ranks=decode_ranks,
+    plan = SamplingPlan.of(settings, seed=0, candidates=n,
                            size=pipe.latent_size(settings.height, settings.width, settings.aspect))
+    images = pipe.generate(ps.prompts, plan, labels, ranks=ranks, batch_size=settings.batch_size, progress=progress)
     seconds = time.perf_counter() - t0
     rate = len(ps.prompts) * n / seconds
     return (None if images is None else images.view(len(ps.prompts), n, *images.shape[1:])), rate

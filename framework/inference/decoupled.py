@@ -14,7 +14,7 @@ Launch: `torchrun --nproc_per_node=N -m framework.sample ... decode_ranks=K` (or
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,8 @@ def split_denoisers(pipe: Any, decode_ranks: int, size: int, head_groups: int = 
     pipe.split_when_built(sp, size)
 
 
-def choose_decode_ranks(pipe: Any, batch: dict[str, Any], denoise: Callable[[dict[str, Any]], torch.Tensor],
-                        latent_shape: tuple[int, int, int]) -> int:
+def choose_decode_ranks(pipe: Any, batch: Any, denoise: Callable[[Any], torch.Tensor],
+                        latent_shape: tuple[int, ...]) -> int:
     """decode_ranks=auto: K from measured stage times. Rank 0 (always a denoiser) denoises `batch` and sends the
     latents to the last rank (always a decoder), which decodes them, each timed once warm (models loaded first);
     the other ranks wait. With W ranks, denoising keeps up with decoding when (W - K) / t_denoise = K / t_decode:
@@ -63,7 +63,7 @@ def choose_decode_ranks(pipe: Any, batch: dict[str, Any], denoise: Callable[[dic
         times[0] = time.perf_counter() - t0
         dist.send(_wire(z), dst=world - 1)
     elif rank == world - 1:
-        z = _wire(torch.empty(batch["size"], *latent_shape))
+        z = _wire(torch.empty(len(batch), *latent_shape))
         dist.recv(z, src=0)
         _ = pipe.codec  # loaded before the clock starts
         t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def choose_decode_ranks(pipe: Any, batch: dict[str, Any], denoise: Callable[[dic
     t_denoise, t_decode = times.tolist()
     k = min(max(round(world * t_decode / (t_denoise + t_decode)), 1), world - 1)
     if rank == 0:
-        print(f"decode_ranks=auto: a batch of {batch['size']} takes {t_denoise:.2f} s to denoise and {t_decode:.2f} s "
+        print(f"decode_ranks=auto: a batch of {len(batch)} takes {t_denoise:.2f} s to denoise and {t_decode:.2f} s "
               f"to decode: {k} of {world} ranks decode", flush=True)
     return k
 
@@ -112,15 +112,15 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().cuda() if backend == "nccl" else t.contiguous().cpu()
 
 
-def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: int,
-                       denoise: Callable[[dict[str, Any]], torch.Tensor], latent_shape: tuple[int, int, int],
+def generate_decoupled(pipe: Any, batches: Sequence[Any], decode_ranks: int,
+                       denoise: Callable[[Any], torch.Tensor], latent_shape: tuple[int, ...],
                        on_batch: Callable[[int], None] | None = None, group_size: int = 1) -> torch.Tensor | None:
-    """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks (`pipe`: the
-    framework.inference.pipeline.Pipeline that calls this; not imported here, it imports this module). group_size:
+    """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks (`pipe`: a
+    framework.inference.pipeline.Pipeline; framework/inference/sharing.py's DecodeRanks calls this). group_size:
     the denoising ranks' sequence-parallel groups (split_denoisers); each group's first rank sends its latents.
 
-    Every rank calls this with the same `batches` (each a dict with at least "size"). Rank 0 gets the
-    images of all batches in order; the other ranks get None.
+    Every rank calls this with the same `batches` (each a sized batch, framework/inference/sampling.py's Draws).
+    Rank 0 gets the images of all batches in order; the other ranks get None.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     denoisers, decoders = roles(world, decode_ranks)
@@ -128,21 +128,20 @@ def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: i
     groups = len(denoisers) // P
     denoiser_of = lambda b: (b % groups) * P  # the group's first rank sends its latents
     decoder_of = lambda b: decoders[b % len(decoders)]
-    C, H, W = latent_shape  # of one image's latents: what `denoise` returns per image
     images_group = _image_group()
     sends = []
     if rank in denoisers:
         for b, batch in enumerate(batches):
             if b % groups == rank // P:
-                z = denoise(batch)  # (n, C, H, W)
+                z = denoise(batch)  # (n, *latent_shape)
                 if rank == denoiser_of(b):
                     sends.append((dist.isend(_wire(z), dst=decoder_of(b), tag=b), z))  # decoded while we go on
                 if on_batch:
-                    on_batch(batch["size"])
+                    on_batch(len(batch))
     else:
         for b, batch in enumerate(batches):
             if decoder_of(b) == rank:
-                z = _wire(torch.empty(batch["size"], C, H, W))
+                z = _wire(torch.empty(len(batch), *latent_shape))
                 dist.recv(z, src=denoiser_of(b), tag=b)
                 images = _wire(pipe.decode(z.to(pipe.device)))  # (n, c, h, w)
                 shape = _wire(torch.tensor(images.shape, dtype=torch.long))
@@ -152,7 +151,7 @@ def generate_decoupled(pipe: Any, batches: list[dict[str, Any]], decode_ranks: i
     if rank == 0:
         out = []
         for b in range(len(batches)):
-            shape = _wire(torch.empty(4, dtype=torch.long))
+            shape = _wire(torch.empty(1 + len(latent_shape), dtype=torch.long))  # images: (n, c, *spatial) like latents
             dist.recv(shape, src=decoder_of(b), tag=b, group=images_group)
             images = _wire(torch.empty(*shape.tolist()))
             dist.recv(images, src=decoder_of(b), tag=b, group=images_group)

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
-from framework.inference.caching import BranchRunner, CacheSchedule, ScheduledSampling, resolve_schedule
+from framework.inference.caching import CacheSchedule, resolve_schedule
+from framework.inference.sampling import Draws, Sampler, SamplingPlan
+from framework.inference.sharing import OneProcess, Sharing
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser
-from framework.models.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig, sample_latents
-from framework.distributed.sequence import group_of
+from framework.models.objectives import DEFAULT_SAMPLER, Objective, ObjectiveConfig
 
 # --------------------------------------------------------------------------------------------
 # Encoders for generation
@@ -69,8 +69,8 @@ class Pipeline:
         self.empty_text = empty_text.float()
         self._codec = None  # the image codec (a VAE), loaded by the first decode: a rank that never decodes never loads it
         self._build: Any = None  # from_checkpoint(lazy=True): builds the denoiser on its first use (ensure_model)
-        self._sequence: Any = None  # the SequenceParallel to split it over when built (split_when_built)
-        self._group_size = 1  # decode_ranks: the denoising ranks' sequence-parallel group size
+        self.sequence: Any = None  # the SequenceParallel to split it over when built (split_when_built)
+        self.group_size = 1  # DecodeRanks: the denoising ranks' sequence-parallel group size
         self._text_encoder = None
         # The dataset's precomputed grid prompts: generating them loads no text encoder.
         self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
@@ -158,10 +158,10 @@ class Pipeline:
         group if split_when_built asked for it)."""
         if self._build is not None:
             self.model, self._build = self._build(), None
-            if self._sequence is not None:
+            if self.sequence is not None:
                 from framework.distributed.sequence import install
 
-                install(self.model, self._sequence)
+                install(self.model, self.sequence)
         return self.model
 
     def split_when_built(self, sp: Any, group_size: int) -> None:
@@ -169,7 +169,7 @@ class Pipeline:
         built; `group_size`: the denoising groups' size, which every rank of decode_ranks needs to know."""
         if self._build is None:
             raise RuntimeError("split_when_built: the denoiser is already built; split it with sequence.install")
-        self._sequence, self._group_size = sp, group_size
+        self.sequence, self.group_size = sp, group_size
 
     @property
     def codec(self) -> Any:
@@ -200,102 +200,22 @@ class Pipeline:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def generate(
-        self,
-        prompts: Sequence[str],
-        steps: int = 20,
-        guidance: float = 4.0,
-        sampler: str | None = None,
-        seed: int = 0,
-        labels: Sequence[int | None] | None = None,
-        batch_size: int = 64,
-        split_ranks: bool = False,
-        candidates: int = 1,
-        progress: bool = False,
-        cache_schedule: str | CacheSchedule | None = None,
-        decode_ranks: int | str = 0,
-        decode_on_rank0: bool = False,
-        size: tuple[int, int] | None = None,
-    ) -> torch.Tensor | None:
-        """Images (N * candidates, C, H, W) in [-1, 1], each prompt's candidates together.
+    def generate(self, prompts: Sequence[str], plan: SamplingPlan | None = None,
+                 labels: Sequence[int | None] | None = None, *, ranks: Sharing | None = None,
+                 batch_size: int = 64, progress: bool = False) -> torch.Tensor | None:
+        """Images (N * plan.candidates, C, H, W) in [-1, 1] of the prompts, each prompt's candidates together.
 
-        Candidate j of prompt i depends only on (prompt i, seed, i, j), so the first candidates are the
-        same whatever `candidates` is, and candidate 0 is what plain sampling (candidates=1) draws.
-        All N * candidates images are drawn in batches of `batch_size`: the cost grows linearly.
-        split_ranks: inside a multi-process job, every rank must call this (a sharded model needs all
-        ranks in each forward); each rank then generates its own contiguous share of the prompts and
-        every rank gets all images back, the same ones one process would draw. With decode_on_rank0 the
-        ranks send their shares' latents to rank 0, which alone decodes them (and alone loads the VAE, a
-        training job's grids); the other ranks get None. A sequence-parallel model
-        (framework/distributed/sequence.py) is called by every rank of the job too; its groups share the prompts.
-        progress: a bar over the batches (on rank 0).
-        cache_schedule: a CacheSchedule, or a `cache_schedule=` value (a file, uniform:K): sampling reuses the
-        branches it skips from the previous step (framework/inference/caching.py); refused when made for another
-        sampler, step count or model.
-        decode_ranks: inside a multi-process job, every rank calls this; the last `decode_ranks` ranks decode
-        while the others denoise (framework/inference/decoupled.py); "auto": K from the first batch's measured
-        denoising and decoding times. Rank 0 gets all images, the same ones plain sampling draws; the other ranks
-        get None.
-        size: the latent (h, w) to generate at (`latent_size()`: one the model was trained at); None: the model's.
+        plan: what to draw (framework/inference/sampling.py); None: SamplingPlan()'s defaults. labels: a class label
+        per prompt (a class-conditional model needs them). ranks: how the ranks of a multi-process job share the work
+        (framework/inference/sharing.py: SplitRanks, DecodeRanks; every rank then calls this); None: OneProcess, this
+        process draws every image. All images are drawn in batches of `batch_size`, each image the same whatever
+        batch it lands in; progress: a bar over the images (on rank 0).
         """
-        if size is not None and tuple(size) not in self.sizes():
-            raise ValueError(f"size={tuple(size)}: the model was trained at latent sizes {self.sizes()}")
-        hw = tuple(size) if size is not None else tuple(self.model.cfg.latent_hw)
-        if candidates < 1:
-            raise ValueError(f"candidates={candidates} must be >= 1")
+        plan = plan or SamplingPlan()
         if self.model.cfg.num_classes is not None and (labels is None or any(lbl is None for lbl in labels)):
             raise ValueError("this model is class-conditional: give a class label for every prompt")
-        labels = list(labels) if labels is not None else [None] * len(prompts)
-        per_candidate = [noise_seeds(seed, len(prompts), j) for j in range(candidates)]
-        noise = [per_candidate[j][i] for i in range(len(prompts)) for j in range(candidates)]
-        prompts = [p for p in prompts for _ in range(candidates)]
-        labels = [lbl for lbl in labels for _ in range(candidates)]
-        n = len(prompts)
-        schedule = self.schedule(cache_schedule, sampler, steps)
-        sp = group_of(self.model)
-        if decode_ranks:
-            if sp is not None and sp is not self._sequence:  # (split_denoisers' groups are the supported way)
-                raise ValueError("decode_ranks with a model split for sequence_parallel over every rank: split only the "
-                                 "denoising ranks (framework.cli.share_ranks with both set)")
-            if split_ranks:
-                raise ValueError("decode_ranks and split_ranks: choose one way to share generation between ranks")
-            return self._generate_decoupled(prompts, labels, noise, steps, guidance, sampler, batch_size, progress,
-                                            schedule, decode_ranks, hw)
-        self.ensure_model()  # (decode_ranks: only the denoising ranks build it)
-        world = _world_size() if split_ranks or sp is not None else 1
-        if world == 1:
-            return self._generate(prompts, labels, noise, steps, guidance, sampler, batch_size, hw, progress, schedule)
-        import torch.distributed as dist
-
-        # Equal shares (the last ones padded with a repeat of image 0) so that every rank runs the
-        # same number of forwards, which FSDP's collectives need. A sequence-parallel group (P consecutive
-        # ranks, framework/distributed/sequence.py) draws one share together; its P copies are identical.
-        if not split_ranks:  # a sequence-parallel model: every group draws every image
-            shares, share = 1, 0
-        else:
-            shares, share = (sp.dp_size, sp.dp_rank) if sp is not None else (world, dist.get_rank())
-        per = math.ceil(n / shares)
-        idx = [i for i in range(share * per, (share + 1) * per) if i < n]
-        idx += [0] * (per - len(idx))
-        decode_here = not (decode_on_rank0 and shares > 1)
-        leader = sp is None or sp.rank == 0  # a sequence-parallel group's copies are identical: one rank decodes
-        mine = self._generate([prompts[i] for i in idx], [labels[i] for i in idx], [noise[i] for i in idx],
-                              steps, guidance, sampler, batch_size, hw, progress and dist.get_rank() == 0,
-                              schedule, decode=decode_here and leader).to(self.device)
-        if decode_here and sp is not None and sp.size > 1:
-            mine = _from_group_leader(mine, sp, leader)
-        if shares == 1:
-            return mine.cpu()
-        if not decode_here:  # the latents to rank 0, decoded there alone
-            gathered = [torch.empty_like(mine) for _ in range(world)] if dist.get_rank() == 0 else None
-            dist.gather(mine, gathered, dst=0)
-            if dist.get_rank() != 0:
-                return None
-            z = torch.cat(gathered[:: world // shares])[:n].to(self.device)
-            return torch.cat([self.decode(z[i : i + batch_size]) for i in range(0, n, batch_size)])
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        return torch.cat(gathered[:: world // shares])[:n].cpu()
+        sampler = Sampler(self, plan, batch_size, progress)
+        return (ranks or OneProcess()).run(sampler, Draws.of(prompts, labels, plan.seed, plan.candidates))
 
     def schedule(self, spec: str | CacheSchedule | None, sampler: str | None, steps: int) -> CacheSchedule | None:
         """The cache schedule `spec` names, checked against this model, the sampler and the step count."""
@@ -305,121 +225,10 @@ class Pipeline:
             return spec
         return resolve_schedule(spec, self.model, self.objective.cfg.name, name, steps)
 
-    def _generate(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
-                  guidance: float, sampler: str | None, batch_size: int, hw: tuple[int, int], progress: bool = False,
-                  schedule: CacheSchedule | None = None, decode: bool = True) -> torch.Tensor:
-        """Images of the prompts in batches, from latents of size `hw`; decode=False: their scaled latents."""
-        from tqdm import tqdm
-
-        n, out = len(prompts), []
-        bar = tqdm(total=n, desc="generate", unit="img", disable=not progress, leave=False)
-        with self._branch_runner(schedule) as runner:
-            for i in range(0, n, batch_size):
-                z = self._denoise_batch(prompts[i : i + batch_size], labels[i : i + batch_size],
-                                        seeds[i : i + batch_size], steps, guidance, sampler, runner, schedule, hw)
-                out.append(self.decode(z) if decode else z)
-                bar.update(len(out[-1]))
-        bar.close()
-        return torch.cat(out)
-
-    def _generate_decoupled(self, prompts: list[str], labels: list[int | None], seeds: list[int], steps: int,
-                            guidance: float, sampler: str | None, batch_size: int, progress: bool,
-                            schedule: CacheSchedule | None, decode_ranks: int, hw: tuple[int, int]) -> torch.Tensor | None:
-        """The batches of _generate, denoised and decoded on separate ranks (framework/inference/decoupled.py)."""
-        import torch.distributed as dist
-        from tqdm import tqdm
-
-        from framework.inference.decoupled import choose_decode_ranks, generate_decoupled
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"decode_ranks={decode_ranks} needs a multi-process job: launch with "
-                             f"torchrun --nproc_per_node={decode_ranks + 1} (or more)")
-        n = len(prompts)
-        batches = [{"size": min(batch_size, n - i), "slice": slice(i, i + batch_size)} for i in range(0, n, batch_size)]
-        bar = tqdm(total=n, desc="denoise", unit="img", disable=not (progress and dist.get_rank() == 0), leave=False)
-        active: dict[str, BranchRunner | None] = {"runner": None}  # the cache runner, once installed
-
-        def denoise(batch: dict) -> torch.Tensor:
-            s = batch["slice"]
-            return self._denoise_batch(prompts[s], labels[s], seeds[s], steps, guidance, sampler, active["runner"],
-                                       schedule, hw)
-
-        shape = (self.model.cfg.in_channels, *hw)
-        if decode_ranks == "auto":
-            if self._group_size > 1:
-                raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks")
-            decode_ranks = choose_decode_ranks(self, batches[0], denoise, shape)
-        denoising = dist.get_rank() < dist.get_world_size() - decode_ranks
-        if denoising:  # a decoding rank never builds the denoiser
-            self.ensure_model()
-        with self._branch_runner(schedule if denoising else None) as active["runner"]:
-            images = generate_decoupled(self, batches, decode_ranks, denoise, shape, bar.update, self._group_size)
-        bar.close()
-        return images
-
-    @contextmanager
-    def _branch_runner(self, schedule: CacheSchedule | None) -> Iterator[BranchRunner | None]:
-        """The model's branches wrapped for cached sampling while inside (None and nothing done without a schedule)."""
-        if schedule is None:
-            yield None
-            return
-        runner = BranchRunner(self.model)
-        with runner.installed():
-            yield runner
-
-    def _denoise_batch(self, chunk: list[str], labels: list[int | None], seeds: list[int], steps: int,
-                       guidance: float, sampler: str | None, runner: BranchRunner | None,
-                       schedule: CacheSchedule | None, hw: tuple[int, int]) -> torch.Tensor:
-        """Scaled latents (b, C, H, W) of one batch, (H, W) = hw; both CFG halves in one forward, so they share one
-        branch cache."""
-        from framework.models.conditioning import guidance_batch, guide, pad_and_stack
-
-        C, (H, W) = self.model.cfg.in_channels, hw
-        text, mask = pad_and_stack([e.to(self.device) for e in self.encode(chunk)])  # (b, L, D)
-        lab = torch.tensor(labels, device=self.device) if self.model.cfg.num_classes is not None else None
-        text2, mask2, lab = guidance_batch(self.model, text, mask, lab, self.empty_text)
-        steps_run = ScheduledSampling(runner, schedule) if runner is not None else None
-        if runner is not None:
-            runner.reset()
-
-        def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            if steps_run is not None:
-                steps_run.next_step()
-            return guide(self.model(x.repeat(2, 1, 1, 1), t.repeat(2), text2, mask2, lab), guidance)  # (b, C, H, W)
-
-        # One generator per image keeps image i independent of the batch it lands in.
-        x = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        return sample_latents(denoise, self.objective.sampler(sampler), x, steps, self.device)
-
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling)."""
         raw = z / self.info["scaling_factor"] + self.info["shift_factor"]
         return self.codec.decode(raw).float().clamp(-1, 1).cpu()
-
-
-def noise_seeds(seed: int, n: int, candidate: int = 0) -> list[int]:
-    """The initial-noise seed of each of n prompts for one candidate stream (0: plain sampling)."""
-    stream = seed if candidate == 0 else (seed * 0x9E3779B97F4A7C15 + candidate) % 2**63
-    return torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(stream)).tolist()
-
-
-def _from_group_leader(images: torch.Tensor, sp: Any, leader: bool) -> torch.Tensor:
-    """The images the sequence-parallel group's first rank decoded, on every rank of the group (the others hold
-    their latents until then): the shape, then the images, broadcast inside the group."""
-    import torch.distributed as dist
-
-    src = dist.get_global_rank(sp.group, 0)
-    shape = torch.tensor(list(images.shape) if leader else [0] * images.dim(), dtype=torch.long, device=images.device)
-    dist.broadcast(shape, src=src, group=sp.group)
-    out = images if leader else torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=images.device)
-    dist.broadcast(out, src=src, group=sp.group)
-    return out
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # --------------------------------------------------------------------------------------------

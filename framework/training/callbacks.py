@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from framework.inference.pipeline import Pipeline, save_grid, with_encoders
+from framework.inference.sampling import SamplingPlan
+from framework.inference.sharing import SplitRanks
 from framework.evaluation.prompts import grid_prompts, prompt_labels
 from framework.training.registry import averaged_weights, logging_step
 from framework.distributed.fsdp import reshard
@@ -73,8 +75,8 @@ class SampleGrid(pl.Callback):
         try:
             with inference_view(trainer, pl_module):
                 # Every rank denoises its share; rank 0 alone decodes (no VAE on the other ranks) and writes.
-                images = self._pipeline(pl_module).generate(prompts, c.steps, c.guidance, c.sampler, c.seed, labels,
-                                                            split_ranks=trainer.world_size > 1, decode_on_rank0=True)
+                ranks = SplitRanks(decode_on_rank0=True) if trainer.world_size > 1 else None
+                images = self._pipeline(pl_module).generate(prompts, SamplingPlan.of(c), labels, ranks=ranks)
         finally:
             self._pipeline(pl_module).free_text_encoder()  # not held between grids
         if trainer.global_rank != 0:

@@ -1,14 +1,15 @@
 """Optimizers and the learning-rate schedule.
 
-The optimizer group is one dataclass for every optimizer; fields an optimizer does not use are
-ignored by it. New optimizers register a builder in OPTIMIZERS.
+The optimizer group is one dataclass of the fields every optimizer reads (lr, weight decay, betas, the
+schedule); an optimizer's own fields are its `settings`, typed by the dataclass it registers in
+OPTIMIZER_SETTINGS. New optimizers register a builder in OPTIMIZERS.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -27,15 +28,9 @@ class OptimizerConfig:
     """Moment decay rates: 2 for adamw; 3 for came/came8bit (update, squared gradient, instability)."""
     eps: float = 1e-8
     """Denominator epsilon (adamw)."""
-    came_eps: list[float] = field(default_factory=lambda: [1e-30, 1e-16])
-    """came/came8bit: constants added to the squared gradient and to the instability."""
-    clip_threshold: float = 1.0
-    """came/came8bit: the normalised update is scaled down until its RMS is at most this."""
-    block_size: int = 2048
-    """came8bit: at most this many elements per quantization block of the 8-bit first moment (one fp32 min and
-    scale each); each matrix row is cut into equal blocks, so the layout is the same on any number of ranks."""
-    min_8bit_size: int = 16384
-    """came8bit: matrices with more elements than this keep their first moment in 8 bits; smaller stay fp32."""
+    settings: Any = field(default_factory=dict)
+    """The optimizer's own fields (optimizer.settings.KEY), typed and checked by the dataclass its registrant gives
+    (OPTIMIZER_SETTINGS; came / came8bit: plugins/came.py's CameSettings); adamw has none."""
     warmup_steps: int = 0
     """Linear warm-up from 0 to lr over this many optimizer steps."""
     schedule: str = "constant"
@@ -61,9 +56,29 @@ class OptimizerConfig:
         if self.schedule_start < 0 or (self.schedule_steps is not None and self.schedule_steps < 1):
             raise ValueError(f"optimizer.schedule_start={self.schedule_start} must be >= 0 and optimizer.schedule_steps="
                              f"{self.schedule_steps} >= 1 (or null)")
-        # Checks that only make sense for one optimizer live next to it (a plugin registers its own).
+        # The fields and checks that only make sense for one optimizer live next to it (a plugin registers its own).
+        self.settings = optimizer_settings(self.name, self.settings)
         if self.name in OPTIMIZER_CHECKS:
             OPTIMIZER_CHECKS[self.name](self)
+
+
+def optimizer_settings(name: str, given: Any) -> Any:
+    """`optimizer.settings` as optimizer `name`'s typed settings (its dataclass in OPTIMIZER_SETTINGS, defaults filled
+    in); a misspelled field, a wrong type or a failed check raises, naming the key. An optimizer without settings of
+    its own refuses any."""
+    from omegaconf import OmegaConf
+
+    kind = OPTIMIZER_SETTINGS.get(name)
+    if kind is None:
+        if given:
+            raise ValueError(f"optimizer.settings={dict(given)}: optimizer.name={name} has no settings of its own")
+        return {}
+    if isinstance(given, kind):
+        return given
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(kind), given or {}))
+    except Exception as e:  # a misspelled field or a failed __post_init__ check
+        raise ValueError(f"optimizer.settings ({name}): {e.__cause__ or e}") from None
 
 
 def fused_adamw(params: list, grad_scaler: bool) -> bool:
@@ -93,7 +108,11 @@ OPTIMIZERS: dict[str, Callable[[Iterable, OptimizerConfig], torch.optim.Optimize
 """Optimizer builders by optimizer.name. Plugins add theirs when `plugins` is imported."""
 
 OPTIMIZER_CHECKS: dict[str, Callable[[OptimizerConfig], None]] = {}
-"""Optional per-optimizer config checks run by OptimizerConfig.__post_init__ (raise ValueError)."""
+"""Optional per-optimizer checks of the shared fields (e.g. the number of betas), run by OptimizerConfig.__post_init__
+(raise ValueError)."""
+
+OPTIMIZER_SETTINGS: dict[str, type] = {}
+"""The dataclass of each optimizer's own fields (optimizer.settings), by optimizer.name."""
 
 
 def build_optimizer(params: Iterable, cfg: OptimizerConfig, grad_scaler: bool = False) -> torch.optim.Optimizer:
