@@ -27,6 +27,15 @@ if _RUN_ID:
 else:
     os.environ["LATENTFORGE_CACHE"] = tempfile.mkdtemp(prefix="latentforge-cache-")
 
+# xdist workers share the cores: each computes with its share of them (and so do the processes it starts), or
+# their OpenMP threads oversubscribe the machine and wait on each other (a 45 s test took 570 s with two workers
+# of two threads each on 2 cores). An OMP_NUM_THREADS set by the user wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // _WORKERS))
+    torch.set_num_threads(max(1, _cores // _WORKERS))
+
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

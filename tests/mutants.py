@@ -11,14 +11,17 @@ copy of the checkout in a temporary folder, never to the checkout itself, and on
 run there (`python -m pytest -x` on those node ids, with their own TMPDIR). First the same tests run on the
 unmutated copy: a mutant only counts as caught when its tests pass without it.
 
-Verdicts: caught (the tests failed), MISSED (they passed), error (pytest could not run them: a test id that
-does not exist, a collection error), stale (the mutant's text is no longer in the code).
+Verdicts: caught (a test failed on an assertion: `assert`, pytest.raises / pytest.fail, assert_close),
+MISSED (they passed), crash (a test failed on another exception: the bug broke the code rather than being
+observed), timeout, error (pytest could not run them: a test id that does not exist, a collection error),
+stale (the mutant's text is no longer in the code). Only caught counts as caught.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -235,6 +238,9 @@ MUTANTS = [
     Mutant("plugins_unchecked_at_compose", "config.to_object leaves the plugins' own fields unchecked",
            (("framework/config.py", "    check_plugins(cfg.plugins)\n", ""),),
            ("tests/test_train.py::test_a_misspelled_plugin_field_is_refused_before_any_data_is_built",)),
+    Mutant("came_settings_ignored", "CAME is built with its default clip threshold whatever optimizer.settings says",
+           (("plugins/came.py", "eps=tuple(s.eps), clip_threshold=s.clip_threshold,", "eps=tuple(s.eps), clip_threshold=1.0,"),),
+           ("tests/test_came.py::test_hydra_composes_came8bit",)),
     Mutant("plan_guidance_ignored", "the sampler ignores the plan's guidance scale (the conditional prediction alone)",
            (("framework/inference/sampling.py", "text2, mask2, lab), plan.guidance)", "text2, mask2, lab), 1.0)"),),
            ("tests/test_own_data.py::test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample",)),
@@ -293,10 +299,22 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
         code, out = 124, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return code, time.monotonic() - start, out[-3000:]
+    return code, time.monotonic() - start, out
 
 
-VERDICTS = {0: "MISSED", 1: "caught", 124: "caught (timeout)"}
+# What pytest prints (its "E" lines) when a test fails on an assertion rather than on an error it did not expect.
+ASSERTION = re.compile(r"^E\s+(AssertionError\b|assert\b|Failed: DID NOT RAISE|Failed:)", re.MULTILINE)
+
+
+def verdict_of(code: int, out: str) -> str:
+    """A mutant's verdict from pytest's exit status and output (see the module's doc)."""
+    if code == 0:
+        return "MISSED"
+    if code == 124:
+        return "timeout"
+    if code == 1:
+        return "caught" if ASSERTION.search(out) else "crash"
+    return f"error ({code})"
 
 
 def main() -> int:
@@ -324,7 +342,7 @@ def main() -> int:
             tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
             code, secs, out = run_tests(tree, tests, args.timeout * 2)
             if code != 0:
-                print(f"the tests fail without any mutant (exit {code}, {secs:.0f} s); fix them first:\n{out}")
+                print(f"the tests fail without any mutant (exit {code}, {secs:.0f} s); fix them first:\n{out[-3000:]}")
                 return 2
             print(f"baseline: {len(tests)} test ids pass unmutated ({secs:.0f} s)", flush=True)
         for m in chosen:
@@ -333,16 +351,16 @@ def main() -> int:
                 verdict, secs, out = "stale", 0.0, stale
             else:
                 code, secs, out = run_tests(tree, m.tests, args.timeout)
-                verdict = VERDICTS.get(code, f"error ({code})")
+                verdict = verdict_of(code, out)
                 revert(m, tree)
             rows.append((m, verdict, secs))
             print(f"{m.name:<34} {verdict:<16} {secs:5.0f} s", flush=True)
-            if verdict not in ("caught", "caught (timeout)", "MISSED"):
-                print("    " + out.strip().replace("\n", "\n    ")[-1500:])
+            if verdict not in ("caught", "MISSED"):
+                print("    " + out[-3000:].strip().replace("\n", "\n    ")[-1500:])
     finally:
         shutil.rmtree(tree, ignore_errors=True)
 
-    caught = sum(v.startswith("caught") for _, v, _ in rows)
+    caught = sum(v == "caught" for _, v, _ in rows)
     print(f"\n{caught} of {len(rows)} mutants caught")
     if args.markdown:
         print("\n| mutant | planted bug | tests run | verdict |\n|---|---|---|---|")
