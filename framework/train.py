@@ -18,13 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
-from framework.training.callbacks import LoggedStepThroughput, SampleGrid, module_pipeline
+from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, SampleGrid, evaluate_module, module_pipeline
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu
 from framework.config import TrainConfig
 from framework.data.datamodule import LatentDataModule
 from framework.training.loggers import RunCSVLogger, wandb_logger
 from framework.training.module import DiffusionModule
-from framework.inference.pipeline import Pipeline, with_encoders
+from framework.preflight import check_buckets, check_encoders, fit_model_to_data
 from framework.training.registry import build_plugin_callbacks
 
 config_lib.register()
@@ -143,153 +143,6 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     return path
 
 
-def chosen_model_keys(dcfg: DictConfig) -> set[str]:
-    """model.* keys set by the user (command line or experiment file) rather than by the preset in conf/model/."""
-    from framework.models.backbones import PRESET_DIR
-
-    preset = PRESET_DIR / f"{dcfg.model.name}.yaml"
-    values = OmegaConf.load(preset) if preset.is_file() else {}
-    chosen = {k for k in dcfg.model if k in values and dcfg.model[k] != values[k]}
-    if HydraConfig.initialized():  # a command-line value equal to the preset's is a choice too (Hydra's own parser)
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))]
-        chosen |= {k.removeprefix("model.") for k in keys if k.startswith("model.")}
-    return chosen
-
-
-def fit_model_to_data(dcfg: DictConfig) -> Any:
-    """Set the model keys the dataset decides (channels, latent size, text width) from its dataset.json, and
-    return the dataset's info (None when the data config itself is invalid: to_object reports that).
-
-    A model preset names an architecture; the data it trains on fixes its input and caption widths, so the
-    user chooses `model=` and `data.path=` and nothing has to be undone (the quickstart's digits included).
-    A value the user set (not the preset's) that contradicts the dataset is refused, naming the key.
-    """
-    from framework.data.datamodule import DataConfig, build_missing, data_model_fields, read_dataset_info
-
-    try:
-        data: DataConfig = OmegaConf.to_object(dcfg.data)  # type: ignore[assignment]
-    except Exception:
-        return None  # config_lib.to_object reports what is wrong with the data config
-    rank = launch_rank()
-    build_missing(data, rank)
-    info = read_dataset_info(data.path, data.local)
-    chosen, changed = chosen_model_keys(dcfg), []
-    for key, value in data_model_fields(info, dcfg.model.family).items():
-        current = dcfg.model.get(key)
-        if current == value:
-            continue
-        if key in chosen:
-            raise ValueError(f"model.{key}={current} does not fit the dataset at data.path={data.path}: {info.path} "
-                             f"has {key}={value}. Drop model.{key} (the dataset sets it) or point data.path at a "
-                             "dataset built for that model")
-        changed.append(f"model.{key}: {current} -> {value}")
-        dcfg.model[key] = value
-    if changed and rank == 0:
-        print(f"model={dcfg.model.name} fitted to {info.path}: " + ", ".join(changed))
-    return info
-
-
-def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:
-    """A dataset of aspect-ratio buckets needs a model that takes any latent height and width, and a sequence-parallel
-    split that divides every bucket's tokens: refuse one that does not, naming the bucket."""
-    import dataclasses
-
-    if cfg.model.family == "dit":
-        raise ValueError(f"data.path={cfg.data.path} holds aspect-ratio buckets, but model.family=dit (diffusers' "
-                         "DiTTransformer2DModel) only unpatchifies square latents: use a PixArt, SANA or UNet model, or "
-                         "a dataset precomputed without buckets")
-    if cfg.strategy.sequence_parallel > 1:
-        from framework.distributed.sequence import check
-
-        for b in buckets:
-            h, w = b["latent_size"]
-            try:
-                check(dataclasses.replace(cfg.model, sample_size=h, sample_width=w), cfg.strategy.sequence_parallel,
-                      cfg.strategy.sequence_parallel_head_groups)
-            except ValueError as err:
-                raise ValueError(f"aspect-ratio bucket {b['size'][0]}x{b['size'][1]} (latents {h}x{w}): {err}") from None
-
-
-def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
-    """Grids decode with the VAE, and prompts the dataset did not encode need the text encoder (so do the
-    built-in evaluations): check now, naming sample.vae / sample.text_encoder, rather than at the first grid."""
-    from framework.evaluation.prompts import dataset_kind, grid_prompts
-
-    prompts = cfg.sample.prompts or grid_prompts(info)
-    evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and (dataset_kind(info) or cfg.eval.real))
-    if evaluates and cfg.eval.real:  # one's own data: the real images and the metric networks, checked now
-        from framework.evaluation.realdata import check_real_eval
-
-        check_real_eval(cfg.eval)
-    text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
-    with_encoders(info, cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"), text)
-
-
-# --------------------------------------------------------------------------------------------
-# Evaluation during and after training
-# --------------------------------------------------------------------------------------------
-
-
-def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, pipe: Pipeline,
-                    out_dir: Path) -> dict[str, Any]:
-    """framework.eval's metrics for the module's current weights (averaged ones when a plugin keeps them),
-    generated through `pipe` (framework.training.callbacks.module_pipeline of the module).
-
-    Every rank takes part (a sharded model needs all of them in each forward, and they share the
-    images); rank 0 writes out_dir/metrics.json and the judged grid and logs `eval/*` at this step.
-    Returns {} when the dataset has no built-in metrics.
-    """
-    from framework.eval import evaluate
-    from framework.evaluation.prompts import dataset_kind
-    from framework.inference.sharing import SplitRanks
-    from framework.training.callbacks import inference_view
-
-    if dataset_kind(pl_module.dataset_info) is None and not settings.real:
-        return {}
-    rank0 = trainer.global_rank == 0
-    if rank0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    with inference_view(trainer, pl_module):
-        ranks = SplitRanks() if trainer.world_size > 1 else None
-        metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None, ranks)
-    if rank0:
-        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        flat = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-        for logger in trainer.loggers:
-            logger.log_metrics(flat, step=trainer.global_step)
-            logger.save()
-    return metrics
-
-
-class PeriodicEval(pl.Callback):
-    """`eval.every_n_steps=N`: the evaluation at step 0 (or the resumed step) and every N steps, written to
-    run.dir/eval/stepNNNNNNN/ and logged as `eval/*` (metrics.csv, W&B): quality curves against steps."""
-
-    def __init__(self, settings: Any, run_dir: str | Path, vae: str | None = None, text_encoder: str | None = None) -> None:
-        self.settings, self.out_dir = settings, Path(run_dir) / "eval"
-        self.encoders = (vae, text_encoder)  # sample.vae / sample.text_encoder
-        self._last_step = -1
-        self._pipe: Pipeline | None = None  # one for the whole run: the text encoder loads once
-
-    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step = trainer.global_step
-        if step == self._last_step:  # several micro-batches per step, or already done at this step
-            return
-        self._last_step = step
-        if self._pipe is None:
-            self._pipe = module_pipeline(pl_module, *self.encoders)
-        evaluate_module(self.settings, trainer, pl_module, self._pipe, self.out_dir / f"step{step:07d}")
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.run(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step % self.settings.every_n_steps == 0:
-            self.run(trainer, pl_module)
-
-
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
@@ -392,7 +245,7 @@ def main(dcfg: DictConfig) -> None:
             print(f"  {k:<10} {p}")
     if metrics:
         print(f"  {'eval':<10} {Path(written['run_dir']) / 'eval'}")
-        from framework.eval import eval_summary
+        from framework.evaluation.evaluate import eval_summary
 
         print("\n" + eval_summary(metrics))
         print(json.dumps(metrics))

@@ -65,8 +65,8 @@ MUTANTS = [
              "            with __import__('contextlib').nullcontext():"),),
            ("tests/test_ema.py::test_grids_and_the_final_evaluation_use_the_averaged_weights",)),
     Mutant("ema_not_used_for_final_eval", "the end-of-training evaluation scores the training weights",
-           (("framework/train.py", "with inference_view(trainer, pl_module):",
-             "with __import__('contextlib').nullcontext():"),),
+           (("framework/training/callbacks.py", "    with inference_view(trainer, pl_module):\n        ranks = SplitRanks()",
+             "    with __import__('contextlib').nullcontext():\n        ranks = SplitRanks()"),),
            ("tests/test_ema.py::test_grids_and_the_final_evaluation_use_the_averaged_weights",)),
     Mutant("activation_checkpointing_off", "strategy.activation_checkpointing=true silently does nothing",
            (("framework/distributed/fsdp.py", "        denoiser.net.enable_gradient_checkpointing()", "        pass"),),
@@ -227,7 +227,7 @@ MUTANTS = [
            ("tests/test_data_prep.py::test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read",)),
     Mutant("command_line_model_keys_ignored", "a model key given on the command line with the preset's own value is "
            "fitted to the dataset instead of refused",
-           (("framework/train.py", "        chosen |= {k.removeprefix(\"model.\") for k in keys if k.startswith(\"model.\")}\n",
+           (("framework/preflight.py", "        chosen |= {k.removeprefix(\"model.\") for k in keys if k.startswith(\"model.\")}\n",
              ""),),
            ("tests/test_train.py::test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice",)),
     Mutant("plugins_checked_after_the_data", "framework.train checks the plugins' fields only after fitting the model "

@@ -188,7 +188,7 @@ def test_an_ema_that_has_not_caught_up_is_not_used_silently(tmp_path, digits_sha
 def test_grids_and_the_final_evaluation_use_the_averaged_weights(tmp_path, digits_shards, recorder, monkeypatch):
     """What the sampler sees when the final grid and the end-of-training evaluation run: the EMA weights
     (the checkpoint's ema_state), not the training weights, which are back in the model afterwards."""
-    from framework import eval as eval_lib
+    from framework.evaluation import evaluate as eval_lib
     from framework.inference.pipeline import Pipeline
 
     seen: list[tuple[str, dict[str, torch.Tensor]]] = []

@@ -100,7 +100,7 @@ def test_real_size_experiments_build_their_published_model(experiment):
 def test_a_preset_takes_its_input_and_caption_widths_from_the_dataset(digits_shards):
     """model=PRESET data.path=DIR under the default (quickstart) experiment: the architecture is the preset's,
     the channels / latent size / text width are the dataset's."""
-    from framework.train import fit_model_to_data
+    from framework.preflight import fit_model_to_data
 
     cfg = compose_cfg(["model=pixart_xl_2_256", f"data.path={digits_shards}", "data.prepare=null"])
     assert (cfg.model.in_channels, cfg.model.sample_size, cfg.model.text_dim) == (4, 32, 4096)  # the preset's
@@ -115,7 +115,7 @@ def test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice(
     1-channel latents is refused, naming the key, rather than silently fitted (Hydra's record of the overrides)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from framework.train import fit_model_to_data
+    from framework.preflight import fit_model_to_data
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         overrides = ["model=pixart_xl_2_256", "model.in_channels=4", f"data.path={digits_shards}", "data.prepare=null"]

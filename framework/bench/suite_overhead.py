@@ -156,7 +156,7 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
 
     from framework import config as config_lib
     from framework.models.backbones import build_denoiser
-    from framework.train import fit_model_to_data
+    from framework.preflight import fit_model_to_data
 
     warmup, steps = a["warmup"], a["steps"]
     dcfg = _compose(a["experiment"], a["overrides"], warmup + steps, Path(a["run_dir"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,7 +25,7 @@ def module_pipeline(pl_module: pl.LightningModule, vae: str | None = None, text_
 
     Build it once per callback and keep it: it loads the image codec now and the text encoder on first use.
     """
-    # The text encoder is checked at start-up, only where a prompt needs it (framework.train.check_encoders).
+    # The text encoder is checked at start-up, only where a prompt needs it (framework.preflight.check_encoders).
     info = with_encoders(pl_module.dataset_info, vae, text_encoder, ("sample.vae", "sample.text_encoder"), text=False)
     return Pipeline(pl_module.model, pl_module.objective, pl_module.empty_text, info, pl_module.device)
 
@@ -103,6 +104,62 @@ class SampleGrid(pl.Callback):
         except Exception as err:  # noqa: BLE001 - any failure of the optional last picture
             self.failed = f"{type(err).__name__}: {err}"
             rank_zero_warn(f"the final sample grid failed, the run is saved: {self.failed}")
+
+
+def evaluate_module(settings: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, pipe: Pipeline,
+                    out_dir: Path) -> dict[str, Any]:
+    """framework.eval's metrics for the module's current weights (averaged ones when a plugin keeps them),
+    generated through `pipe` (framework.training.callbacks.module_pipeline of the module).
+
+    Every rank takes part (a sharded model needs all of them in each forward, and they share the
+    images); rank 0 writes out_dir/metrics.json and the judged grid and logs `eval/*` at this step.
+    Returns {} when the dataset has no built-in metrics.
+    """
+    from framework.evaluation.evaluate import evaluate
+    from framework.evaluation.prompts import dataset_kind
+
+    if dataset_kind(pl_module.dataset_info) is None and not settings.real:
+        return {}
+    rank0 = trainer.global_rank == 0
+    if rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    with inference_view(trainer, pl_module):
+        ranks = SplitRanks() if trainer.world_size > 1 else None
+        metrics = evaluate(pipe, settings, out_dir / "judged.png" if rank0 else None, ranks)
+    if rank0:
+        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        flat = {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        for logger in trainer.loggers:
+            logger.log_metrics(flat, step=trainer.global_step)
+            logger.save()
+    return metrics
+
+
+class PeriodicEval(pl.Callback):
+    """`eval.every_n_steps=N`: the evaluation at step 0 (or the resumed step) and every N steps, written to
+    run.dir/eval/stepNNNNNNN/ and logged as `eval/*` (metrics.csv, W&B): quality curves against steps."""
+
+    def __init__(self, settings: Any, run_dir: str | Path, vae: str | None = None, text_encoder: str | None = None) -> None:
+        self.settings, self.out_dir = settings, Path(run_dir) / "eval"
+        self.encoders = (vae, text_encoder)  # sample.vae / sample.text_encoder
+        self._last_step = -1
+        self._pipe: Pipeline | None = None  # one for the whole run: the text encoder loads once
+
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # several micro-batches per step, or already done at this step
+            return
+        self._last_step = step
+        if self._pipe is None:
+            self._pipe = module_pipeline(pl_module, *self.encoders)
+        evaluate_module(self.settings, trainer, pl_module, self._pipe, self.out_dir / f"step{step:07d}")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.run(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.settings.every_n_steps == 0:
+            self.run(trainer, pl_module)
 
 
 class LoggedStepThroughput(ThroughputMonitor):

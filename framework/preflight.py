@@ -1,0 +1,101 @@
+"""Before a training run builds anything: the model config fitted to its dataset, and the checks that need both.
+
+framework.train runs these between composing the config and building the data module and the model:
+`fit_model_to_data` sets the model keys the dataset decides (refusing a user's value that contradicts it),
+`check_buckets` and `check_encoders` refuse what would fail later, naming the key to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from framework.cli import launch_rank
+from framework.config import TrainConfig
+from framework.inference.pipeline import with_encoders
+
+
+def chosen_model_keys(dcfg: DictConfig) -> set[str]:
+    """model.* keys set by the user (command line or experiment file) rather than by the preset in conf/model/."""
+    from framework.models.backbones import PRESET_DIR
+
+    preset = PRESET_DIR / f"{dcfg.model.name}.yaml"
+    values = OmegaConf.load(preset) if preset.is_file() else {}
+    chosen = {k for k in dcfg.model if k in values and dcfg.model[k] != values[k]}
+    if HydraConfig.initialized():  # a command-line value equal to the preset's is a choice too (Hydra's own parser)
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))]
+        chosen |= {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    return chosen
+
+
+def fit_model_to_data(dcfg: DictConfig) -> Any:
+    """Set the model keys the dataset decides (channels, latent size, text width) from its dataset.json, and
+    return the dataset's info (None when the data config itself is invalid: to_object reports that).
+
+    A model preset names an architecture; the data it trains on fixes its input and caption widths, so the
+    user chooses `model=` and `data.path=` and nothing has to be undone (the quickstart's digits included).
+    A value the user set (not the preset's) that contradicts the dataset is refused, naming the key.
+    """
+    from framework.data.datamodule import DataConfig, build_missing, data_model_fields, read_dataset_info
+
+    try:
+        data: DataConfig = OmegaConf.to_object(dcfg.data)  # type: ignore[assignment]
+    except Exception:
+        return None  # config_lib.to_object reports what is wrong with the data config
+    rank = launch_rank()
+    build_missing(data, rank)
+    info = read_dataset_info(data.path, data.local)
+    chosen, changed = chosen_model_keys(dcfg), []
+    for key, value in data_model_fields(info, dcfg.model.family).items():
+        current = dcfg.model.get(key)
+        if current == value:
+            continue
+        if key in chosen:
+            raise ValueError(f"model.{key}={current} does not fit the dataset at data.path={data.path}: {info.path} "
+                             f"has {key}={value}. Drop model.{key} (the dataset sets it) or point data.path at a "
+                             "dataset built for that model")
+        changed.append(f"model.{key}: {current} -> {value}")
+        dcfg.model[key] = value
+    if changed and rank == 0:
+        print(f"model={dcfg.model.name} fitted to {info.path}: " + ", ".join(changed))
+    return info
+
+
+def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:
+    """A dataset of aspect-ratio buckets needs a model that takes any latent height and width, and a sequence-parallel
+    split that divides every bucket's tokens: refuse one that does not, naming the bucket."""
+    import dataclasses
+
+    if cfg.model.family == "dit":
+        raise ValueError(f"data.path={cfg.data.path} holds aspect-ratio buckets, but model.family=dit (diffusers' "
+                         "DiTTransformer2DModel) only unpatchifies square latents: use a PixArt, SANA or UNet model, or "
+                         "a dataset precomputed without buckets")
+    if cfg.strategy.sequence_parallel > 1:
+        from framework.distributed.sequence import check
+
+        for b in buckets:
+            h, w = b["latent_size"]
+            try:
+                check(dataclasses.replace(cfg.model, sample_size=h, sample_width=w), cfg.strategy.sequence_parallel,
+                      cfg.strategy.sequence_parallel_head_groups)
+            except ValueError as err:
+                raise ValueError(f"aspect-ratio bucket {b['size'][0]}x{b['size'][1]} (latents {h}x{w}): {err}") from None
+
+
+def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
+    """Grids decode with the VAE, and prompts the dataset did not encode need the text encoder (so do the
+    built-in evaluations): check now, naming sample.vae / sample.text_encoder, rather than at the first grid."""
+    from framework.evaluation.prompts import dataset_kind, grid_prompts
+
+    prompts = cfg.sample.prompts or grid_prompts(info)
+    evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and (dataset_kind(info) or cfg.eval.real))
+    if evaluates and cfg.eval.real:  # one's own data: the real images and the metric networks, checked now
+        from framework.evaluation.realdata import check_real_eval
+
+        check_real_eval(cfg.eval)
+    text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
+    with_encoders(info, cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"), text)
