@@ -98,6 +98,11 @@ def run(cfg: OverheadBench) -> list[dict[str, Any]]:
 def _compose(experiment: str, overrides: list[str], max_steps: int, run_dir: Path):
     from hydra import compose, initialize_config_dir
 
+    from framework import config as config_lib
+
+    config_lib.register()  # the schema conf/config.yaml names (framework.train registers it when imported; the loop
+    # side does not import it)
+
     conf = Path(__file__).resolve().parents[2] / "conf"
     window = [f"experiment={experiment}", *overrides, f"trainer.max_steps={max_steps}", f"run.dir={run_dir}",
               # Outside the timed window: no grid or evaluation, one checkpoint at the very end.
