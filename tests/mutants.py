@@ -244,6 +244,10 @@ MUTANTS = [
     Mutant("plan_guidance_ignored", "the sampler ignores the plan's guidance scale (the conditional prediction alone)",
            (("framework/inference/sampling.py", "text2, mask2, lab), plan.guidance)", "text2, mask2, lab), 1.0)"),),
            ("tests/test_own_data.py::test_diffusers_export_is_a_pipeline_that_samples_like_framework_sample",)),
+    Mutant("prefix_lock_skipped", "datasets are opened without the node's lock on Streaming's shared-memory prefixes",
+           (("framework/data/datamodule.py", "            with prefix_lock():", "            with contextlib.nullcontext():"),
+            ("framework/data/datamodule.py", "import logging\n", "import contextlib\nimport logging\n")),
+           ("tests/test_datamodule.py::test_two_jobs_opening_their_datasets_together_take_their_prefixes_in_turn",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),

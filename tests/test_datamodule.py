@@ -518,6 +518,54 @@ def test_a_shared_memory_prefix_taken_by_another_job_at_the_same_moment_is_retri
     assert len(calls) == 1
 
 
+def test_two_jobs_opening_their_datasets_together_take_their_prefixes_in_turn(digits_shards, monkeypatch):
+    """Streaming chooses its shared-memory prefix on every rank, then creates `NNNNNN_locals` two barriers later:
+    two jobs in between both choose the first free one (CI: two 2-rank jobs under pytest-xdist, FileExistsError on
+    `_locals`). Here each job stops after its search until the other has searched too, for at most 3 s: under the
+    node's prefix lock the second job cannot search before the first has registered, so they never meet, and they
+    end on different prefixes without the retry."""
+    import threading
+
+    import streaming.base.shared.prefix as prefix_lib
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    real, first_search, met = prefix_lib._check_and_find_retrying, {}, []
+    both = threading.Barrier(2, timeout=3)
+
+    def search(*args, **kwargs):
+        found = real(*args, **kwargs)
+        me = threading.current_thread().name
+        if me not in first_search:
+            first_search[me] = found
+            try:
+                both.wait()
+                met.append(found)
+            except threading.BrokenBarrierError:
+                pass
+        return found
+
+    monkeypatch.setattr(prefix_lib, "_check_and_find_retrying", search)
+    modules = [LatentDataModule(DataConfig(path=str(digits_shards), batch_size=8), seed=0) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def open_one(dm):
+        try:
+            dm.setup("fit")
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    jobs = [threading.Thread(target=open_one, args=(dm,), name=f"job{i}") for i, dm in enumerate(modules)]
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join(60)
+    assert not errors, errors
+    assert met == [], f"both jobs searched before either registered, and both found prefix {met}"
+    prefixes = [dm.dataset._shm_prefix_int for dm in modules]
+    assert prefixes[0] != prefixes[1] and sorted(first_search.values()) == sorted(prefixes)
+
+
 def test_a_temp_folder_too_deep_for_the_workers_socket_is_refused(tmp_path, digits_shards, monkeypatch):
     """Workers hand batches over a Unix socket at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (at most 107 characters):
     a 75-character TMPDIR is the deepest that works, and real workers deliver a batch from it; at 76 characters the

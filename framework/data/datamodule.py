@@ -24,7 +24,7 @@ import torch
 
 from data_prep.record import DATASET_FILE, DatasetRecord
 from framework.models.conditioning import pad_and_stack
-from framework.data.shards import VALIDATE_MODES, check_shards, remove_orphan_shared_memory
+from framework.data.shards import VALIDATE_MODES, check_shards, prefix_lock, remove_orphan_shared_memory
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # streaming.base.shuffle's algorithms
 
@@ -331,8 +331,10 @@ def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
     """`make()` a StreamingDataset, again after a short random pause when another job on this node registered the
     same shared-memory prefix between Streaming's choice of it and its creation (FileExistsError on `NNNNNN_locals`:
     Streaming takes the first free prefix without a lock across processes, so two jobs starting together can pick
-    the same one). The retry picks the next free prefix. Only for a process that is its node's only rank: within a
-    job the local ranks agree on the prefix together, and one rank retrying alone would leave the others waiting."""
+    the same one). Jobs of this framework take `prefix_lock` and do not race each other; this is for another
+    program's Streaming job on the node. The retry picks the next free prefix. Only for a process that is its node's
+    only rank: within a job the local ranks agree on the prefix together, and one rank retrying alone would leave
+    the others waiting."""
     import random
     import time
 
@@ -437,10 +439,6 @@ class LatentDataModule(L.LightningDataModule):
         for sub in subdirs:
             check_shards(None if dataset is None else Path(join(dataset, sub)),
                          None if cache is None else Path(join(cache, sub)), cfg.path, cfg.validate)
-        removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
-        if removed:
-            logging.getLogger(__name__).warning("removed %d shared-memory segments left by a dead Streaming dataset: %s",
-                                                len(removed), ", ".join(removed[:6]))
         try:
             where: dict[str, Any] = {"remote": remote, "local": str(Path(local).expanduser()) if local else local}
             if self.buckets:
@@ -458,7 +456,13 @@ class LatentDataModule(L.LightningDataModule):
                 download_timeout=cfg.download_timeout,
                 replication=self.replication if self.replication > 1 else None,
             )
-            return open_racing_other_jobs(make)
+            with prefix_lock():  # no other job on this node chooses a prefix meanwhile
+                removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
+                if removed:
+                    logging.getLogger(__name__).warning(
+                        "removed %d shared-memory segments left by a dead Streaming dataset: %s",
+                        len(removed), ", ".join(removed[:6]))
+                return open_racing_other_jobs(make)
         except Exception as err:
             raise RuntimeError(f"could not open the shards of {cfg.path} (local cache {local}): "
                                f"{type(err).__name__}: {err}") from err

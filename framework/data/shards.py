@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -221,6 +224,60 @@ def remove_orphan_shared_memory(shm_dir: Path = SHM_DIR) -> list[str]:
             except (FileNotFoundError, PermissionError):  # another rank was first, or not ours to remove
                 pass
     return removed
+
+
+LOCK_FILE = "latentforge_streaming_prefix.lock"  # beside the segments: one lock per node, whatever TMPDIR says
+
+
+@contextmanager
+def prefix_lock(shm_dir: Path = SHM_DIR, timeout: float = 300.0) -> Iterator[None]:
+    """Hold this node's lock on Streaming's shared-memory prefixes while the StreamingDataset is built.
+
+    Streaming picks its prefix as the first one free, on every local rank, then has the local leader create
+    `NNNNNN_locals` two barriers later, with no lock across processes: two jobs starting together on a node pick
+    the same prefix and the later one fails with FileExistsError on `NNNNNN_locals` (two-rank jobs side by side
+    under pytest-xdist did). Here the local leader takes an exclusive flock on a file beside the segments, a
+    barrier holds the job's other ranks until it has, the dataset is built (orphan segments removed, prefix
+    chosen and registered), a second barrier waits for every rank, and the lock is let go; by then the prefix's
+    `_locals` exists, so the next job's search skips it. Only the leader locks, so a job never waits on itself;
+    after `timeout` seconds (a multi-node job whose nodes another such job holds in the other order) the leader
+    goes on without the lock and says so, rather than wait forever.
+    """
+    import fcntl
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    synced = dist.is_available() and dist.is_initialized()
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    fd = None
+    if leader:
+        folder = shm_dir if shm_dir.is_dir() else Path(tempfile.gettempdir())
+        fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o666)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    logging.getLogger(__name__).warning(
+                        "waited %.0f s for %s (another job on this node is opening its dataset); going on without it",
+                        timeout, folder / LOCK_FILE)
+                    os.close(fd)
+                    fd = None
+                    break
+                time.sleep(0.05)
+    try:
+        if synced:
+            dist.barrier()  # the job's other ranks start their prefix search once their leader holds the lock
+        yield
+        if synced:
+            dist.barrier()  # every rank has its prefix
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
 
 
 # ---------------------------------------------------------------------------------------------
