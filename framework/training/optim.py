@@ -66,7 +66,7 @@ def optimizer_settings(name: str, given: Any) -> Any:
     """`optimizer.settings` as optimizer `name`'s typed settings (its dataclass in OPTIMIZER_SETTINGS, defaults filled
     in); a misspelled field, a wrong type or a failed check raises, naming the key. An optimizer without settings of
     its own refuses any."""
-    from omegaconf import OmegaConf
+    from framework.training.registry import typed_fields
 
     kind = OPTIMIZER_SETTINGS.get(name)
     if kind is None:
@@ -75,10 +75,7 @@ def optimizer_settings(name: str, given: Any) -> Any:
         return {}
     if isinstance(given, kind):
         return given
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(kind), given or {}))
-    except Exception as e:  # a misspelled field or a failed __post_init__ check
-        raise ValueError(f"optimizer.settings ({name}): {e.__cause__ or e}") from None
+    return typed_fields(kind, given, f"optimizer.settings ({name})")
 
 
 def fused_adamw(params: list, grad_scaler: bool) -> bool:

@@ -44,15 +44,22 @@ def register_plugin(name: str, config: type, build: Callable[[Any, Any], pl.Call
     PLUGINS[name] = Plugin(name, config, build)
 
 
+def typed_fields(kind: type, given: Any, where: str) -> Any:
+    """The user's fields `given` (a Hydra node, a dict or None) over dataclass `kind`'s defaults, as a `kind`: a
+    misspelled field, a wrong type or a failed __post_init__ check raises ValueError naming `where` (the config key
+    the fields came from). Plugins' and optimizers' own settings are read through it."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(kind), given or {}))
+    except Exception as e:  # OmegaConf wraps the error; show the user only its message
+        raise ValueError(f"{where}: {e.__cause__ or e}") from None
+
+
 def plugin_config(name: str, fields: Any) -> Any:
     """Plugin `name`'s typed config from its `plugins.<name>` fields: a misspelled field, a wrong type or a failed
     __post_init__ check raises, naming the plugin."""
     if name not in PLUGINS:
         raise ValueError(f"plugins=[{name}] is unknown; available plugins: {sorted(PLUGINS)}")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PLUGINS[name].config), fields or {}))
-    except Exception as e:  # a misspelled field or a failed __post_init__ check
-        raise ValueError(f"plugins.{name}: {e.__cause__ or e}") from None
+    return typed_fields(PLUGINS[name].config, fields, f"plugins.{name}")
 
 
 def build_plugin_callbacks(plugins: dict[str, Any], run_cfg: Any) -> list[pl.Callback]:
