@@ -1,12 +1,15 @@
-"""Shared set-up of the small Hydra commands (sample, eval, export, bench)."""
+"""Shared set-up of the small Hydra commands (sample, eval, export, bench, studies): quiet Hydra, devices, ranks,
+child training runs, the table and JSON rows a measurement prints and writes, and `named_command`, the
+`python -m PACKAGE NAME key=value ...` dispatcher of framework.bench and framework.studies."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -133,3 +136,57 @@ def train_child(args: list[str], label: str, run: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "framework.train", *args])
     if proc.returncode != 0:
         raise RuntimeError(f"{label} failed (exit {proc.returncode}); its folder: {run}")
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements: a table on screen, JSON rows on disk, one command per suite or study
+# --------------------------------------------------------------------------------------------
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    """`cols` of `rows` as left-aligned columns; floats to 4 significant digits, None as '-'."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def write_json(rows: list[dict[str, Any]], out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")
+
+
+def named_command(package: str, table: dict[str, tuple[type, Callable[[Any], Any]]], noun: str = "NAME",
+                  elsewhere: dict[str, str] | None = None) -> None:
+    """`python -m PACKAGE NAME key=value ...`: NAME's config dataclass (`table[NAME][0]`) read by Hydra from the
+    arguments, then `table[NAME][1](config)`; rows it returns are written to the config's `out` as JSON (under
+    torchrun only rank 0 returns rows). `elsewhere` maps a name that moved to the command that has it now."""
+    import hydra
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    name = sys.argv[1] if len(sys.argv) > 1 else None
+    if name in (elsewhere or {}):
+        raise SystemExit(f"{name} moved: python -m {elsewhere[name]} {name} [key=value ...]")
+    if name not in table:
+        raise SystemExit(f"usage: python -m {package} {noun} [key=value ...]; {noun} is one of {sorted(table)}")
+    sys.argv.pop(1)
+    config, run = table[name]
+    ConfigStore.instance().store(name=f"{package}_{name}", node=config)
+    quiet_hydra()
+
+    @hydra.main(version_base="1.3", config_path=None, config_name=f"{package}_{name}")
+    def _run(cfg: Any) -> None:
+        obj = OmegaConf.to_object(cfg)
+        rows = run(obj)
+        if rows:
+            write_json(rows, obj.out)
+
+    _run()

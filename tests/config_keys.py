@@ -10,8 +10,8 @@ plugin's own fields `plugins.<name>.<field>` and the registered optimizer settin
           (`ModelConfig(num_layers=...)`, `load_preset(name, num_layers=...)`), a plugin helper's keyword
           (`ema_plugin(decay=...)`), or an error message the test expects to name the key. What the test's own file
           builds for it counts too (module constants it names, its fixtures, tests/test_distributed.py's Runs, a helper
-          only it calls); the fixed defaults of shared helpers (tests/test_train.py cheap(), tests/test_distributed.py
-          _train_args()) do not, their key-valued parameters (cheap(steps=...)) do. A test that only relies on a
+          only it calls); the fixed defaults of shared helpers (tests/helpers.py cheap() and
+          train_args()) do not, their key-valued parameters (cheap(steps=...)) do. A test that only relies on a
           default is listed only where it asserts that key's effect (the entry says so).
   mutant: the name of a planted bug in tests/mutants.py that ignores or corrupts the key's value, so that one of its
           tests failing proves the value is used; None where no mutant does.

@@ -12,8 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import lightning.pytorch as pl
 import numpy as np
+from PIL import Image
 import pytest
 import torch
 
@@ -36,112 +36,9 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // _WORKERS))
     torch.set_num_threads(max(1, _cores // _WORKERS))
 
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-# ---------------------------------------------------------------------------------------------
-# Builders (plain functions: other test files import them)
-# ---------------------------------------------------------------------------------------------
-
-
-class CompiledBlocks(pl.Callback):
-    """Which of the model's blocks ran inside a torch.compile trace: a forward hook on each block's first linear
-    layer records torch.compiler.is_compiling() (public API: Dynamo's counters are internals another torch version
-    keeps elsewhere). After the run, `compiled` holds one bool per block."""
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from framework.distributed.fsdp import shard_units
-
-        self.model = pl_module.model
-        units = shard_units(pl_module.model)
-        self.seen: list[set[bool]] = [set() for _ in units]
-        for seen, unit in zip(self.seen, units):
-            layer = next(m for m in unit.modules() if isinstance(m, torch.nn.Linear))
-            layer.register_forward_hook(lambda *_, seen=seen: seen.add(torch.compiler.is_compiling()))
-
-    @property
-    def compiled(self) -> list[bool]:
-        return [True in seen for seen in self.seen]
-
-
-def make_tiny_vae(root: Path, scaling_factor: float = 0.5, shift_factor: float = 0.1, seed: int = 0) -> Path:
-    """A random 2-level AutoencoderKL (downsample 2, 4 latent channels) saved as a diffusers folder."""
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(seed)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        norm_num_groups=4, sample_size=16, scaling_factor=scaling_factor, shift_factor=shift_factor,
-    )
-    vae.save_pretrained(root)
-    return Path(root)
-
-
-def make_tiny_dc_ae(root: Path, scaling_factor: float = 0.5, seed: int = 0) -> Path:
-    """A random 2-level AutoencoderDC (SANA's deterministic autoencoder; downsample 2, 4 latent channels) saved as a
-    diffusers folder."""
-    from diffusers import AutoencoderDC
-
-    torch.manual_seed(seed)
-    ae = AutoencoderDC(
-        in_channels=3, latent_channels=4, attention_head_dim=8, encoder_block_types=("ResBlock",) * 2,
-        decoder_block_types=("ResBlock",) * 2, encoder_block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
-        encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), encoder_qkv_multiscales=((), ()),
-        decoder_qkv_multiscales=((), ()), upsample_block_type="interpolate", downsample_block_type="Conv",
-        scaling_factor=scaling_factor,
-    )
-    ae.save_pretrained(root)
-    return Path(root)
-
-
-def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0, vocab: list[str] | None = None) -> Path:
-    """A random 2-layer BertModel with MiniLM's tokenizer files copied in (no download needed); with `vocab`, a
-    WordPiece tokenizer of those words written here instead (no MiniLM package needed either)."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    torch.manual_seed(seed)
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    if vocab is None:
-        from data_prep.encoders import minilm_path
-
-        src = minilm_path()
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy(src / name, root / name)
-    else:
-        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(vocab)]
-        (root / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
-        BertTokenizerFast(vocab_file=str(root / "vocab.txt"), model_max_length=128).save_pretrained(root)
-    size = sum(1 for _ in open(root / "vocab.txt", encoding="utf-8"))
-    cfg = BertConfig(vocab_size=size, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=2 * hidden_size, max_position_embeddings=128)
-    BertModel(cfg).save_pretrained(root)
-    return root
-
-
-def make_image_folder(root: Path, n: int = 6, size: int = 20, seed: int = 0) -> Path:
-    """n random RGB PNGs with same-named .txt captions, half of them in a sub-folder."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    root = Path(root)
-    for i in range(n):
-        folder = root / ("sub" if i % 2 else "")
-        folder.mkdir(parents=True, exist_ok=True)
-        arr = rng.integers(0, 256, (size, size + 4, 3), dtype=np.uint8)
-        Image.fromarray(arr).save(folder / f"img{i:03d}.png")
-        (folder / f"img{i:03d}.txt").write_text(f"a random picture number {i}" + " with stripes" * (i % 3))
-    return root
-
-
-def digits_config(out: Path, text_encoder: str = "minilm", **overrides) -> dict:
-    """A precompute config (plain dict) for the digits source at resolution 8 with the pixel codec."""
-    cfg = {"source": {"name": "digits"}, "vae": "pixel", "text_encoder": text_encoder, "resolution": 8,
-           "out": str(out), "progress": False}
-    cfg.update(overrides)
-    return cfg
+from tests.helpers import (  # noqa: E402  (after the environment above, which they read)
+    S3_BUCKET, TinyFeatures, digits_config, make_image_folder, make_tiny_clip, make_tiny_text_encoder, make_tiny_vae,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +94,6 @@ def _isolated_streaming_env():
     gc.collect()
 
 
-S3_BUCKET = "latents"
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -255,3 +151,37 @@ def pytest_runtest_makereport(item, call):
     if rep.skipped and item.get_closest_marker("gpu") and isinstance(rep.longrepr, tuple):
         path, _, reason = rep.longrepr
         rep.longrepr = (path, None, reason)
+
+
+# Fixtures of the own-data tests, shared with the combinations test
+
+
+@pytest.fixture(scope="module")
+def own_data(tmp_path_factory) -> dict[str, Path]:
+    """RGB 20x24 images with captions, one unreadable file and one uncaptioned image, encoded at 16 px; then
+    the encoder folders move away (another machine), copies stay elsewhere."""
+    from data_prep.precompute import precompute
+
+    tmp = tmp_path_factory.mktemp("own")
+    src = make_image_folder(tmp / "images", n=12, size=20)
+    (src / "broken.png").write_bytes(b"not an image")
+    (src / "broken.txt").write_text("a picture that cannot be read")
+    Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(src / "uncaptioned.png")
+    # shift_factor 0: stock diffusers pipelines decode without a shift (the export test compares with them)
+    vae, text = make_tiny_vae(tmp / "vae", shift_factor=0.0), make_tiny_text_encoder(tmp / "text")
+    data = precompute({"source": {"name": "folder", "path": str(src)}, "vae": str(vae), "text_encoder": str(text),
+                       "resolution": 16, "out": str(tmp / "latents"), "max_bad_fraction": 0.2, "progress": False})
+    moved = {"vae": tmp / "elsewhere" / "vae", "text": tmp / "elsewhere" / "text"}
+    for key, folder in (("vae", vae), ("text", text)):
+        shutil.move(str(folder), moved[key])
+    return {"data": data, "tmp": tmp, **moved}
+
+
+@pytest.fixture(scope="module")
+def metric_nets(tmp_path_factory) -> dict[str, Path]:
+
+    tmp = tmp_path_factory.mktemp("metric_nets")
+    torch.manual_seed(0)
+    torch.jit.script(TinyFeatures()).save(str(tmp / "features.pt"))
+    return {"inception": tmp / "features.pt", "clip": make_tiny_clip(tmp / "clip"),
+            "real": make_image_folder(tmp / "heldout", n=10, size=20, seed=1)}

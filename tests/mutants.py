@@ -248,6 +248,10 @@ MUTANTS = [
            (("framework/data/datamodule.py", "            with prefix_lock():", "            with contextlib.nullcontext():"),
             ("framework/data/datamodule.py", "import logging\n", "import contextlib\nimport logging\n")),
            ("tests/test_datamodule.py::test_two_jobs_opening_their_datasets_together_take_their_prefixes_in_turn",)),
+    Mutant("throughput_read_mid_accumulation", "the throughput clock is read after every micro-batch of a logged step",
+           (("framework/training/callbacks.py", "        if not stepped or not logging_step(trainer):",
+             "        if not logging_step(trainer):"),),
+           ("tests/test_train.py::test_throughput_counts_every_batch_and_reads_the_clock_on_logging_steps_only",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),

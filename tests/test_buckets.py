@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_data_prep import folder_config, make_mixed_folder
-from tests.test_distributed import probe, run_train, same_updates
-from tests.test_train import losses
+from tests.helpers import folder_config, losses, make_mixed_folder, probe, run_train, same_updates
 
 BUCKETS = [[4, 32], [8, 16], [12, 12], [16, 8]]
 # (h, w): 20 landscape (-> 8x16), 20 square (-> 12x12), 12 portrait (-> 16x8), 3 very wide (-> 4x32: fewer than a
@@ -113,7 +111,7 @@ def test_sample_draws_a_trained_bucket_by_size_or_aspect_and_refuses_others(buck
     from framework.sample import SampleCommand
     from framework.sample import run as sample
     from framework.train import train
-    from tests.test_train import cheap, compose_cfg
+    from tests.helpers import cheap, compose_cfg
 
     ckpt = train(compose_cfg(cheap(tmp_path, bucketed, *MODEL, "data.batch_size=8", "model=pixart_debug",
                                    "sample.every_n_steps=0", steps=2, run="bucketed")))["checkpoint"]
@@ -144,7 +142,7 @@ def test_pixart_size_conditioning_feeds_each_batch_its_own_shape(bucketed, tmp_p
     from framework.sample import SampleCommand
     from framework.sample import run as sample
     from framework.train import train
-    from tests.test_train import cheap, compose_cfg
+    from tests.helpers import cheap, compose_cfg
 
     torch.manual_seed(0)
     model = build_denoiser(load_preset("pixart_debug", in_channels=3, sample_size=12, text_dim=32, head_dim=24, width=96,
@@ -213,8 +211,8 @@ def test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop(buc
     from framework.models.backbones import build_denoiser, default_size_ids, load_preset
     from framework.sample import SampleCommand
     from framework.sample import run as sample
-    from tests.test_data_prep import read_rows
-    from tests.test_train import _with_callback, cheap, compose_cfg
+    from tests.helpers import read_rows
+    from tests.helpers import with_callback, cheap, compose_cfg
 
     torch.manual_seed(0)
     model = build_denoiser(load_preset("sd2_unet_debug", in_channels=3, sample_size=12, text_dim=32,
@@ -240,7 +238,7 @@ def test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop(buc
     assert batch["size_ids"].tolist() == [[30.0, 62.5, 0.0, 1.5, 10.0, 20.0]] * 2
 
     probe = SizeIdsProbe()
-    _with_callback(monkeypatch, probe.callback)
+    with_callback(monkeypatch, probe.callback)
     out = train_lib.train(compose_cfg(cheap(tmp_path, bucketed, "model=sd2_unet_debug", *MODEL, "data.batch_size=8",
                                             "model.size_conditioning=true", "sample.every_n_steps=0", steps=2,
                                             run="unet_sized")))
@@ -259,7 +257,7 @@ def test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop(buc
 
 
 # --------------------------------------------------------------------------------------------
-# The demonstration's scenes and detector (python -m framework.bench buckets)
+# The demonstration's scenes and detector (python -m framework.studies buckets)
 # --------------------------------------------------------------------------------------------
 
 
@@ -285,9 +283,9 @@ def test_the_shapes_detector_finds_the_named_blocks_and_a_square_crop_loses_them
 
 @pytest.mark.slow
 def test_the_bucket_demonstration_runs_end_to_end(tmp_path):
-    from framework.bench.suite_buckets import BucketsBench, run
+    from framework.studies.buckets import BucketsStudy, run
 
-    rows = run(BucketsBench(scenes=48, steps=1, batch_size=8, eval_scenes=3, sample_steps=2, bootstrap=10,
+    rows = run(BucketsStudy(scenes=48, steps=1, batch_size=8, eval_scenes=3, sample_steps=2, bootstrap=10,
                             out=str(tmp_path / "demo" / "buckets.json")))
     sizes = {(r["model"], r["layout"]): r["image_size"] for r in rows}
     assert sizes[("buckets", "wide")] == "16x32" and sizes[("buckets", "tall")] == "32x16"

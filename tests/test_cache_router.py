@@ -17,8 +17,7 @@ import torch
 from framework.inference.sampling import SamplingPlan
 from framework.models.blocks import block_views
 from framework.inference.caching import CacheSchedule, model_signature, resolve_schedule, uniform_schedule
-from tests.test_growth import FAMILIES, crash_and_resume
-from tests.test_train import cheap, compose_cfg
+from tests.helpers import FAMILIES, cheap, compose_cfg, crash_and_resume
 
 PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0"]
 
@@ -412,7 +411,7 @@ def test_straight_through_trains_on_the_forward_that_sampling_runs(digits_shards
 
 
 # --------------------------------------------------------------------------------------------
-# The quality-vs-speed curve (python -m framework.bench cache_curve)
+# The quality-vs-speed curve (python -m framework.studies cache_curve)
 # --------------------------------------------------------------------------------------------
 
 
@@ -421,12 +420,12 @@ def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps
     """A router trained by the command itself (a child framework.train), read at two thresholds; uniform:K at each
     learned schedule's count of computed branches; fewer steps. The full sampler is the paired error's reference
     (0 for itself), every interval holds its estimate, and a re-thresholded schedule computes what its betas say."""
-    from framework.bench.suite_cache_curve import CacheCurveBench, at_threshold, run
+    from framework.studies.cache_curve import CacheCurveStudy, at_threshold, run
 
     source = sources["pixart_debug"]
     train_args = [a for a in cheap(tmp_path, digits_shards, *family_overrides("pixart_debug"), run="unused")
                   if not a.startswith(("run.dir", "trainer.max_steps"))]
-    cfg = CacheCurveBench(ckpt=str(source), sparsities=[3e-3], thresholds=[0.5, 0.9], router_steps=2,
+    cfg = CacheCurveStudy(ckpt=str(source), sparsities=[3e-3], thresholds=[0.5, 0.9], router_steps=2,
                           router_overrides=train_args, uniform=[2.0], fewer=[2], steps=4, seeds=1, phrasings=1,
                           batch_size=32, time_images=10, repeats=1, bootstrap=20, weights="train", device="cpu",
                           out=str(tmp_path / "curve" / "cache_curve.json"))
@@ -461,7 +460,7 @@ def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps
 
 
 def test_the_cache_curve_names_a_straight_through_router_apart():
-    from framework.bench.suite_cache_curve import learned_name
+    from framework.studies.cache_curve import learned_name
 
     soft = CacheSchedule("ddim", 4, {"branches": [["attn1"]]}, [[[True]]] * 4, kind="learned",
                          source={"sparsity": 0.003, "hard": False})
@@ -475,7 +474,7 @@ def test_the_cache_curve_names_a_straight_through_router_apart():
 def test_the_cache_curve_plots_an_fd_below_its_biased_interval(tmp_path):
     """fd's bootstrap is biased upward, so an estimate can lie below its own interval (it did on the pairs model):
     the figure is still drawn, that bar starting at the point."""
-    from framework.bench.suite_cache_curve import plot
+    from framework.studies.cache_curve import plot
 
     def row(variant, kind, speedup, fd, ci):
         return {"variant": variant, "series": variant, "kind": kind, "speedup": speedup, "fd": fd, "fd_ci": ci,
@@ -486,7 +485,7 @@ def test_the_cache_curve_plots_an_fd_below_its_biased_interval(tmp_path):
 
 
 def test_the_cache_curve_calls_a_win_only_at_equal_speed_beyond_the_intervals():
-    from framework.bench.suite_cache_curve import compare
+    from framework.studies.cache_curve import compare
 
     def row(variant, kind, speed, fd):
         return {"variant": variant, "kind": kind, "images_per_s": speed, "fd": fd[0], "fd_ci": fd,
@@ -513,7 +512,7 @@ def test_the_paired_bootstrap_sees_a_difference_that_separate_fd_intervals_hide(
     """Two variants whose images differ by a little everywhere (same prompts and seeds: paired): fd's own bootstrap
     intervals overlap, but the interval of the paired difference lies wholly on one side of 0, and it is 0 at 0 for
     a variant against itself. The paired error's difference is checked by hand."""
-    from framework.bench.suite_cache_curve import compare, paired_difference
+    from framework.studies.cache_curve import compare, paired_difference
     from framework.evaluation.realdata import fid_with_interval
 
     g = torch.Generator().manual_seed(0)
@@ -547,8 +546,8 @@ def test_the_router_trained_under_sequence_parallelism_follows_one_process(tmp_p
     starts mostly cached, so the loss and the gradient are the distillation's: the same losses and gradient norms
     step by step (through the gathered prediction), the same router logits at the end, and the same branch costs
     (counted on the split model)."""
-    from tests.test_distributed import STEPS, run_train
-    from tests.test_train import losses
+    from tests.helpers import STEPS, run_train
+    from tests.helpers import losses
 
     name = "pixart_debug"
     args = [*stage_args(name, sources[name], "plugins.cache_router.sparsity=0", "plugins.cache_router.init_logit=-2",

@@ -15,7 +15,7 @@ import plugins  # noqa: F401  (registers optimizer=came / came8bit)
 from framework.training.optim import build_optimizer
 from plugins.came import CAME, CameSettings, is_8bit, state_shapes
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
-from tests.came_fsdp_worker import OPT_KW, STEPS, build_model, train_steps
+from tests.workers.came_fsdp import OPT_KW, STEPS, build_model, train_steps
 from tests.zygote import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,9 +248,9 @@ def test_per_group_settings_act_like_each_groups_own_optimizer():
 
 
 def _launch(out: Path, world: int, name: str, tasks: list[str]) -> dict:
-    """Run tests/came_fsdp_worker.py on `world` gloo processes (torchrun's ranks, tests/zygote.py); rank 0's results."""
+    """Run tests/workers/came_fsdp.py on `world` gloo processes (torchrun's ranks, tests/zygote.py); rank 0's results."""
     env = {**os.environ, "TMPDIR": str(out), "OMP_NUM_THREADS": "1"}
-    proc = torchrun(world, "tests.came_fsdp_worker", str(out), name, *tasks, env=env, timeout=120)
+    proc = torchrun(world, "tests.workers.came_fsdp", str(out), name, *tasks, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out / f"{name}_rank0.pt", weights_only=False)
 

@@ -10,8 +10,7 @@ import torch
 
 from framework.training.checkpointing import checkpoint_step
 from framework.train import train
-from tests.test_distributed import fsdp, run_train, weights
-from tests.test_train import cheap, compose_cfg
+from tests.helpers import cheap, compose_cfg, fsdp, run_train, weights
 
 
 def names(folder: Path) -> list[str]:
@@ -32,6 +31,16 @@ def test_keep_checkpoints_keeps_the_newest_numbered_files_across_a_resume(tmp_pa
     assert names(ckpts) == ["last.ckpt", "step0000004.ckpt", "step0000005.ckpt"]
     assert [checkpoint_step(ckpts / n) for n in names(ckpts)] == [5, 4, 5]
     assert not (tmp_path / "run" / "hpc_ckpt_1.ckpt.tmp").exists()
+
+
+def test_a_preemption_save_takes_the_next_free_slurm_checkpoint_name(tmp_path):
+    """hpc_ckpt_N.ckpt as Lightning names them: one more than the largest N there, a half-written one counted."""
+    from framework.training.checkpointing import next_hpc_path
+
+    assert next_hpc_path(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    for name in ("hpc_ckpt_1.ckpt", "hpc_ckpt_3.ckpt.tmp", "hpc_ckpt_x.ckpt", "last.ckpt"):
+        (tmp_path / name).write_bytes(b"")
+    assert next_hpc_path(tmp_path) == str(tmp_path / "hpc_ckpt_4.ckpt")
 
 
 def test_keep_checkpoints_zero_keeps_only_last(tmp_path, digits_shards):
@@ -83,7 +92,7 @@ def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
     """strategy.async_save=true on 2 fsdp ranks: a run saved in the background, stopped and resumed, ends with the
     weights and losses of the same run saved synchronously, bit for bit; no temporary folder is left, and the
     numbered checkpoint an older save would have removed early stays until the newer one is complete."""
-    from tests.test_train import losses
+    from tests.helpers import losses
 
     common = [*fsdp(devices=2, batch=8), "trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=1", "logger=csv"]
     runs = {}

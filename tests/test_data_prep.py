@@ -10,28 +10,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from streaming import StreamingDataset
 
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import digit_captions, load_digits
-from tests.conftest import digits_config, make_image_folder
+from tests.helpers import BUCKETS, MIXED_SIZES, digits_config, folder_config, make_image_folder, make_mixed_folder, read_rows
 from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def folder_config(src: Path, out: Path, text_encoder: Path, **kw) -> dict:
-    cfg = {"source": {"name": "folder", "path": str(src)}, "vae": "pixel", "text_encoder": str(text_encoder),
-           "resolution": 8, "out": str(out), "progress": False}
-    cfg.update(kw)
-    return cfg
-
-
-def read_rows(path: Path) -> list[dict]:
-    ds = StreamingDataset(local=str(path), shuffle=False, batch_size=1)
-    rows = [ds[i] for i in range(len(ds))]
-    del ds
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,22 +235,6 @@ def test_cli_hydra_app(tmp_path, tiny_text_encoder_dir):
 # Aspect-ratio buckets
 # ---------------------------------------------------------------------------------------------
 
-MIXED_SIZES = [(40, 90), (40, 80), (80, 40), (90, 40), (60, 60), (50, 56), (30, 61), (64, 64)]  # (h, w) per image
-BUCKETS = [[8, 16], [12, 12], [16, 8]]
-
-
-def make_mixed_folder(root: Path, sizes=MIXED_SIZES, seed: int = 0) -> Path:
-    """RGB PNGs of the given (height, width), each with a caption naming its layout."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    for i, (h, w) in enumerate(sizes):
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / f"img{i:03d}.png")
-        layout = "landscape" if w > h else "portrait" if h > w else "square"
-        (root / f"img{i:03d}.txt").write_text(f"a {layout} picture number {i}")
-    return root
-
 
 def test_buckets_put_each_image_at_its_nearest_aspect_ratio_with_its_crop_recorded(tmp_path):
     """Each image lands in the bucket of nearest aspect ratio, its latents at that shape; the stored pixels are the
@@ -274,7 +243,7 @@ def test_buckets_put_each_image_at_its_nearest_aspect_ratio_with_its_crop_record
     from PIL import Image
 
     from data_prep.precompute import as_config, fingerprint
-    from tests.conftest import digits_config
+    from tests.helpers import digits_config
 
     src = make_mixed_folder(tmp_path / "imgs")
     out = precompute(folder_config(src, tmp_path / "ds", "minilm", buckets=BUCKETS), rank=0, world_size=1)

@@ -25,7 +25,7 @@ from framework.bench.suite_data import measure_loader_throughput
 from framework.data.datamodule import DataConfig, LatentDataModule, check_compatible, read_dataset_info
 from framework.models.conditioning import drop_captions
 from framework.data.shards import check_shards
-from tests.conftest import make_image_folder
+from tests.helpers import make_image_folder
 from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,38 +7,20 @@ plain generation of the same prompts.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from framework.inference.decoupled import roles
-from tests.zygote import Result
-from tests.zygote import torchrun as forked_torchrun
+from tests.helpers import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def torchrun(nproc: int, *args: str, tmp: Path, fork: bool = False,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess | Result:
-    """`torchrun --standalone --nproc_per_node=N ARGS` (the command as users run it); fork=True: the same ranks
-    forked from the test zygote (tests/zygote.py), for workers whose launch is not what is tested."""
-    extra = env or {}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1", **extra)
-    if fork:
-        assert args[0] == "-m"
-        return forked_torchrun(nproc, args[1], *args[2:], env=env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("nproc,decode_ranks", [(2, 1), (3, 1), (3, 2)])
 def test_decoupled_generation_draws_the_plain_images(tmp_path, digits_shards, tiny_vae_dir, nproc, decode_ranks):
     out = tmp_path / "result.json"
-    proc = torchrun(nproc, "-m", "tests.decoupled_worker", str(digits_shards), str(tiny_vae_dir), str(decode_ranks),
+    proc = torchrun(nproc, "-m", "tests.workers.decoupled", str(digits_shards), str(tiny_vae_dir), str(decode_ranks),
                     str(out), tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -53,7 +35,7 @@ def test_grids_decode_on_rank_zero_only(tmp_path, digits_shards, tiny_vae_dir):
     rank 0 alone loads the VAE and decodes them all, and the images are plain sampling's (the halves are denoised
     in other batches: float round-off only)."""
     out = tmp_path / "result.json"
-    proc = torchrun(2, "-m", "tests.decoupled_worker", str(digits_shards), str(tiny_vae_dir), "0", str(out),
+    proc = torchrun(2, "-m", "tests.workers.decoupled", str(digits_shards), str(tiny_vae_dir), "0", str(out),
                     tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads(out.read_text())["rank0"]
@@ -72,7 +54,7 @@ def test_decode_ranks_needs_more_processes_than_decoders():
 @pytest.fixture(scope="module")
 def quick_ckpt(tmp_path_factory, digits_shards) -> str:
     from framework.train import train
-    from tests.test_train import cheap, compose_cfg
+    from tests.helpers import cheap, compose_cfg
 
     return train(compose_cfg(cheap(tmp_path_factory.mktemp("ckpt"), digits_shards, steps=2)))["checkpoint"]
 
@@ -108,7 +90,7 @@ def test_each_role_loads_only_its_own_model(tmp_path, quick_ckpt, decode_ranks):
     denoiser (it stays a meta-device placeholder), and the images are one process's. auto: the first batch's stage
     times choose K (the pixel codec decodes in no time: one decoder)."""
     out = tmp_path / "result.json"
-    proc = torchrun(3, "-m", "tests.decoupled_worker", "roles", quick_ckpt, decode_ranks, str(out), tmp=tmp_path,
+    proc = torchrun(3, "-m", "tests.workers.decoupled", "roles", quick_ckpt, decode_ranks, str(out), tmp=tmp_path,
                     fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads(out.read_text())
@@ -123,14 +105,14 @@ def test_sequence_parallel_denoising_groups_with_decode_ranks(tmp_path, quick_ck
     over the two of them (built on first use, then split), and rank 2 decodes; the images are one process's up to the
     split attention's float round-off. 4 ranks with decode_ranks=1 leave 3 denoisers, not whole groups: refused."""
     out = tmp_path / "result.json"
-    proc = torchrun(3, "-m", "tests.decoupled_worker", "roles", quick_ckpt, "1", str(out), tmp=tmp_path, fork=True,
+    proc = torchrun(3, "-m", "tests.workers.decoupled", "roles", quick_ckpt, "1", str(out), tmp=tmp_path, fork=True,
                     env={"SEQUENCE_PARALLEL": "2"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["max_diff"] < 1e-5 and r["again_equal"], r
     assert [(x["built"], x["codec"], x["split"]) for x in r["ranks"]] == [(True, False, [0, 2]), (True, False, [1, 2]),
                                                                          (False, True, None)]
-    proc = torchrun(4, "-m", "tests.decoupled_worker", "roles", quick_ckpt, "1", str(tmp_path / "r4.json"),
+    proc = torchrun(4, "-m", "tests.workers.decoupled", "roles", quick_ckpt, "1", str(tmp_path / "r4.json"),
                     tmp=tmp_path, fork=True, env={"SEQUENCE_PARALLEL": "2"})
     assert proc.returncode != 0 and "not whole groups of 2" in proc.stdout + proc.stderr
 
@@ -168,7 +150,7 @@ def test_a_slow_decoder_does_not_hold_up_denoising(tmp_path, digits_shards, tiny
     behind cannot block rank 0's sends, as it would under NCCL's in-order pairing on one group), and the images are
     plain sampling's."""
     out = tmp_path / "result.json"
-    env_proc = torchrun(2, "-m", "tests.decoupled_worker", str(digits_shards), str(tiny_vae_dir), "1", str(out),
+    env_proc = torchrun(2, "-m", "tests.workers.decoupled", str(digits_shards), str(tiny_vae_dir), "1", str(out),
                         tmp=tmp_path, fork=True, env={"SLOW_DECODE": "1.5"})
     assert env_proc.returncode == 0, env_proc.stdout[-2000:] + env_proc.stderr[-4000:]
     r = json.loads(out.read_text())["slow"]

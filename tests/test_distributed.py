@@ -1,6 +1,6 @@
 """fsdp/ddp against one process, exact resumption, world-size changes and Slurm preemption, on CPU.
 
-Every training here is a subprocess (`python -m tests.dist_train`, framework.train plus a probe
+Every training here is a subprocess (`python -m tests.workers.dist_train`, framework.train plus a probe
 callback), its ranks forked at once as a launcher would start them (tests/zygote.py). The runs that
 several tests read are built on first use and kept for the module (`runs`), so a selected test
 trains only what it reads:
@@ -24,14 +24,11 @@ two correct runs (compared as updates, w - w_init, relative to the reference's: 
 from __future__ import annotations
 
 import csv
-import gc
-import json
 import math
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -39,122 +36,12 @@ import pytest
 import torch
 
 from framework.inference.sampling import SamplingPlan
-from tests.test_train import losses
-from tests import zygote
-from tests.zygote import Result, free_port, lightning_ranks
+from tests.helpers import FROZEN, STEPS, TOL, fsdp, losses, probe, run_nodes, run_train, same_updates, weights
+from tests.zygote import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-FROZEN = "net.transformer_blocks.1.attn1.to_q"
-STEPS = 4
-# fsdp reduces gradients in another order than one process sums them: float32 round-off only.
-TOL = dict(rtol=1e-4, atol=1e-5)
-# Updates (w - w_init) of two correct runs differ by float round-off, which Adam amplifies into steps of up to
-# a few 1e-6 where a gradient is pure round-off (attention key biases: softmax ignores them); a lost optimizer
-# step or Adam state moves weights by ~1e-3. Per tensor: |dw_got - dw_ref| <= rtol |dw_ref| + atol sqrt(numel);
-# measured: every correct run here within 0.14 of that bound.
-UPDATE_TOL = dict(rtol=1e-2, atol=1e-5)
-# A constant lr: a run stopped early by a smaller trainer.max_steps then has the schedule of the whole run.
-LR = ["optimizer.lr=1e-3", "optimizer.warmup_steps=0", "optimizer.schedule=constant"]
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")
-
-
-def _train_args(run_dir: Path, data: Path, cache: Path, *overrides: str) -> list[str]:
-    """tests.dist_train's arguments: the digits shards, the debug model, per-step logging, no grids or eval."""
-    return [
-        f"run.dir={run_dir}", f"data.path={data}",
-        f"data.local={cache}", "model=pixart_debug", "model.in_channels=1", "model.sample_size=8",
-        "model.text_dim=384", "trainer.accelerator=cpu", "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false", "eval.at_end=false", "sample.every_n_steps=0",
-        "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]", "resume=auto", *LR,
-        # Streaming orders samples by canonical node: the same count on 1 and 2 nodes, so they see the same batches
-        "data.num_canonical_nodes=2", *overrides,
-    ]
-
-
-def _train_env(tmp: Path, env: dict | None) -> dict[str, str]:
-    gc.collect()  # finish off this process's dead StreamingDatasets first (see tests/conftest.py)
-    inherited = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "NODE_RANK")
-    full_env = {k: v for k, v in os.environ.items() if k not in inherited}
-    full_env.update({"TMPDIR": str(tmp), "PROBE_FREEZE": FROZEN, **(env or {})})
-    return full_env
-
-
-def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, env: dict | None = None,
-              wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
-    """Start `python -m tests.dist_train` on the digits shards with its own run.dir, cache and TMPDIR."""
-    tmp = run_dir.parent / f"{run_dir.name}_tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tests.dist_train", *_train_args(run_dir, data, tmp / "cache", *overrides)]
-    full_env = _train_env(tmp, env)
-    if not wait:  # one process (the caller starts the ranks, with their Slurm variables)
-        return zygote.popen(cmd, env=full_env)
-    if any(k.startswith("SLURM_") for k in full_env):  # one task of a Slurm job: its variables say which
-        proc = zygote.run(cmd, env=full_env, timeout=timeout)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc
-    # Forked from the pre-imported zygote (tests/zygote.py), every rank at once as torchrun or srun would
-    # start them (Lightning's own launcher would start rank 1 only once rank 0 is up, importing twice in turn).
-    results = lightning_ranks("tests.dist_train", cmd[3:], devices_of(overrides), full_env, tmp, timeout)
-    out = "".join(f"--- rank {r} ---\n{res.stdout}{res.stderr}" for r, res in enumerate(results))
-    assert all(res.returncode == 0 for res in results), f"{[res.returncode for res in results]}\n{out[-6000:]}"
-    return Result(0, out)
-
-
-def run_nodes(run_dir: Path, data: Path, nodes: int, devices: int, *overrides: str, timeout: int = 400) -> Result:
-    """tests.dist_train as a job of `nodes` x `devices` ranks on this machine, one launch per node with the node's
-    own local cache folder (data.local), as on hosts that share the run folder but not their disks."""
-    tmp = run_dir.parent / f"{run_dir.name}_tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    per_node = [_train_args(run_dir, data, tmp / f"node{n}_cache", f"trainer.num_nodes={nodes}",
-                            f"trainer.devices={devices}", *overrides) for n in range(nodes)]
-    results = zygote.node_launches("tests.dist_train", per_node, _train_env(tmp, None), tmp, timeout)
-    out = "".join(f"--- launch {r} ---\n{res.stdout}{res.stderr}" for r, res in enumerate(results))
-    assert all(res.returncode == 0 for res in results), f"{[res.returncode for res in results]}\n{out[-6000:]}"
-    return Result(0, out)
-
-
-def devices_of(overrides: tuple[str, ...] | list[str]) -> int:
-    """The trainer.devices an override list asks for (the last one wins, as in Hydra)."""
-    return next((int(o.split("=", 1)[1]) for o in reversed(overrides) if o.startswith("trainer.devices=")), 1)
-
-
-def fsdp(sharding: str = "SHARD_GRAD_OP", devices: int = 2, batch: int = 8) -> list[str]:
-    return ["strategy=fsdp", f"strategy.sharding={sharding}", f"trainer.devices={devices}",
-            f"data.batch_size={batch}", "data.num_workers=1", "trainer.checkpoint_every_n_steps=2"]
-
-
-def probe(run_dir: Path, rank: int = 0) -> dict:
-    return json.loads((run_dir / f"probe_rank{rank}.json").read_text())
-
-
-def weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from framework.inference.checkpoint import model_weights, read_checkpoint
-
-    return model_weights(read_checkpoint(ckpt), "train")
-
-
-def same_updates(got: Path, ref: Path, init: Path | None = None) -> None:
-    """The final weights of run `got` moved from the start as those of run `ref` did (UPDATE_TOL, norms per
-    tensor; the start: `init`'s init_weights.pt, default ref's). Frozen tensors must not move at all, and the
-    reference must have trained (a typical weight moved far more than the tolerance)."""
-    w0 = torch.load((init or ref) / "init_weights.pt", weights_only=True)
-    wr, wg = weights(ref / "checkpoints" / "last.ckpt"), weights(got / "checkpoints" / "last.ckpt")
-    assert wr.keys() == wg.keys() and set(w0) <= set(wr)
-    rtol, atol = UPDATE_TOL["rtol"], UPDATE_TOL["atol"]
-    moved, bad = [], []
-    for k, start in w0.items():
-        dr, dg = wr[k] - start, wg[k] - start
-        if k.startswith(FROZEN):
-            assert not dr.any() and not dg.any(), f"{k} is frozen but moved"
-            continue
-        moved.append(float(dr.abs().mean()))
-        err, allowed = float((dg - dr).norm()), rtol * float(dr.norm()) + atol * dr.numel() ** 0.5
-        if err > allowed:
-            bad.append(f"{k}: |dw - dw_ref| {err:.3g} > {allowed:.3g} (|dw_ref| {float(dr.norm()):.3g})")
-    moved.sort()
-    assert moved[len(moved) // 2] > 100 * atol, f"the reference barely trained: median mean |update| {moved[len(moved) // 2]:.2e}"
-    assert not bad, f"{len(bad)} of {len(moved)} tensors moved otherwise than in {ref.name}:\n" + "\n".join(bad[:10])
 
 
 class Runs:

@@ -16,7 +16,7 @@ import torch
 from framework import train as train_lib
 from framework.training.registry import WeightAverager, averaged_weights
 from plugins.ema import EMA, EMAConfig
-from tests.test_train import ROOT, cheap, compose_cfg, losses
+from tests.helpers import ROOT, cheap, compose_cfg, losses
 from tests.zygote import lightning_ranks
 
 # ema.lerp_(w, 1 - d**k) against d**k * ema + (1 - d**k) * w: a few float32 roundings apart.
@@ -234,7 +234,7 @@ def _two_ranks(tmp_path: Path, data: Path, run: str, *extra: str, steps: int) ->
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    results = lightning_ranks("tests.ema_dist_train", args, 2, env, tmp_path, timeout=300)  # tests/zygote.py
+    results = lightning_ranks("tests.workers.ema_dist_train", args, 2, env, tmp_path, timeout=300)  # tests/zygote.py
     assert all(r.returncode == 0 for r in results), "".join(r.stderr[-3000:] for r in results)
     return tmp_path / run
 

@@ -15,20 +15,11 @@ from framework.inference.sampling import SamplingPlan
 from framework.inference.bestof import knockout, pick_by_score, select
 from framework.evaluation.judge import Judge, get_judge
 from framework.evaluation.metrics import digit_scorer, frechet_distance, real_digit_images, training_half
+from tests.helpers import make_tiny_clip, reference_frechet
 
 # --------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------
-
-
-def reference_frechet(a: np.ndarray, b: np.ndarray) -> float:
-    """The textbook formula with scipy's matrix square root, on features (N, D)."""
-    from scipy import linalg
-
-    mu1, mu2 = a.mean(0), b.mean(0)
-    s1, s2 = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
-    covmean = linalg.sqrtm(s1 @ s2).real
-    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2 - 2 * covmean))
 
 
 def test_fd_separates_real_digits_from_noise_and_matches_the_formula():
@@ -227,28 +218,6 @@ def test_digit_judges_prefer_the_requested_digit():
         get_judge("clip")
     with pytest.raises(ValueError, match="judge='nope' is unknown"):
         get_judge("nope")
-
-
-def make_tiny_clip(root: Path) -> Path:
-    """A random 2-layer CLIP with a byte-level tokenizer (no merges), saved as a transformers folder."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
-    from transformers.models.clip.tokenization_clip import bytes_to_unicode
-
-    root.mkdir(parents=True, exist_ok=True)
-    chars = list(bytes_to_unicode().values())
-    vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": len(chars) + i for i, c in enumerate(chars)}
-    vocab |= {"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1}
-    (root / "vocab.json").write_text(json.dumps(vocab))
-    (root / "merges.txt").write_text("#version: 0.2\n")
-    tok = CLIPTokenizer(str(root / "vocab.json"), str(root / "merges.txt"))
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    torch.manual_seed(0)
-    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-    cfg = CLIPConfig(text_config=dict(vocab_size=len(vocab), max_position_embeddings=77, **layers),
-                     vision_config=dict(image_size=32, patch_size=8, **layers), projection_dim=16)
-    CLIPModel(cfg).save_pretrained(root)
-    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(root)
-    return root
 
 
 def test_clip_judge_scores_each_image_against_its_own_prompt(tmp_path):

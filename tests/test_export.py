@@ -10,7 +10,7 @@ import torch
 
 from framework.models.backbones import FAMILIES, ModelConfig, build_denoiser, load_weights
 from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint
-from tests.test_train import cheap, compose_cfg
+from tests.helpers import cheap, compose_cfg
 from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]

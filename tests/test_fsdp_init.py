@@ -2,7 +2,7 @@
 
 The reference everywhere is the ordinary build: `DiffusionModule` without fsdp (build_denoiser, then
 load_weights for init_from) under the same seed. In-process tests check the pieces for every family
-and uneven splits (3 ranks); one 2-rank gloo launch (tests/fsdp_init_worker.py) checks the real
+and uneven splits (3 ranks); one 2-rank gloo launch (tests/workers/fsdp_init.py) checks the real
 Lightning set-up: gathered parameters and every buffer, right after set-up, equal the reference
 bit for bit, for fresh inits and for init_from a checkpoint, a .safetensors file and a diffusers folder.
 """
@@ -115,7 +115,7 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], Path]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
     args = [str(root / "cases.json"), str(root)]
-    results = lightning_ranks("tests.fsdp_init_worker", args, 2, env, root, timeout=600)  # tests/zygote.py
+    results = lightning_ranks("tests.workers.fsdp_init", args, 2, env, root, timeout=600)  # tests/zygote.py
     assert all(r.returncode == 0 for r in results), "".join(r.stdout[-2000:] + r.stderr[-3000:] for r in results)
     return cases, root
 

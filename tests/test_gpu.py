@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from tests.conftest import make_image_folder, make_tiny_text_encoder, make_tiny_vae
+from tests.helpers import make_image_folder, make_tiny_text_encoder, make_tiny_vae
 
 NO_GPU = "no CUDA device: the GPU tier runs on a GPU machine (bash launch/gpu_check.sh)"
 
@@ -65,7 +65,7 @@ def tier_text_encoder(tmp_path_factory) -> Path:
 def tier_shards(tmp_path_factory, tier_text_encoder) -> Path:
     """The digits training set at 8x8 (pixel codec) captioned by a tiny text encoder with its own vocabulary."""
     from data_prep.precompute import precompute
-    from tests.conftest import digits_config
+    from tests.helpers import digits_config
 
     out = tmp_path_factory.mktemp("tier_digits") / "data"
     return precompute(digits_config(out, text_encoder=str(tier_text_encoder), device="cpu"), rank=0, world_size=1)
@@ -163,14 +163,14 @@ class TrainProbe(pl.Callback):
 
 def _train_with(callback: pl.Callback, monkeypatch, overrides: list[str]) -> dict:
     from framework.train import train
-    from tests.test_train import _with_callback, compose_cfg
+    from tests.helpers import with_callback, compose_cfg
 
-    _with_callback(monkeypatch, callback)
+    with_callback(monkeypatch, callback)
     return train(compose_cfg(overrides))
 
 
 def _gpu_run(tmp_path: Path, shards: Path, *extra: str, steps: int = 3, run: str = "run") -> list[str]:
-    from tests.test_train import cheap
+    from tests.helpers import cheap
 
     return cheap(tmp_path, shards, "trainer.accelerator=gpu", "trainer.devices=1", *extra, steps=steps, run=run)
 
@@ -190,12 +190,12 @@ def test_fsdp_on_one_gpu_gathers_bf16_parameters_over_nccl(cuda, tmp_path, tier_
 @pytest.mark.gpu
 def test_compiled_blocks_on_cuda_follow_the_eager_losses(cuda, tmp_path, tier_shards, monkeypatch):
     """The CPU counterpart is tests/test_train.py::test_compiled_blocks_run_compiled_and_follow_the_eager_losses."""
-    from tests.conftest import CompiledBlocks
-    from tests.test_train import _with_callback, losses
+    from tests.helpers import CompiledBlocks
+    from tests.helpers import with_callback, losses
 
     eager = _train_with(TrainProbe(), monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=bf16-mixed", run="eager"))
     model_probe, blocks = StepProbe(), CompiledBlocks()
-    _with_callback(monkeypatch, blocks)
+    with_callback(monkeypatch, blocks)
     compiled = _train_with(model_probe, monkeypatch, _gpu_run(tmp_path, tier_shards, "trainer.precision=bf16-mixed",
                                                               "strategy.compile=true", run="compiled"))
     assert all(blocks.compiled), blocks.compiled
@@ -339,7 +339,7 @@ def test_16_mixed_skips_an_overflowing_step_under_skip_nonfinite(cuda, tmp_path,
 @pytest.mark.gpu
 def test_precompute_on_the_gpu_matches_the_cpu_encode(cuda, tmp_path, tier_text_encoder):
     from data_prep.precompute import precompute
-    from tests.test_data_prep import read_rows
+    from tests.helpers import read_rows
 
     src, vae = make_image_folder(tmp_path / "images", n=8, size=32), make_tiny_vae(tmp_path / "vae")
     outs = {}
@@ -389,7 +389,7 @@ def test_sampling_and_evaluation_run_on_the_local_ranks_gpu(cuda, tmp_path, tier
 
 
 def test_sampling_and_evaluation_devices_on_the_cpu(tmp_path, tier_shards, monkeypatch):
-    from tests.test_train import cheap
+    from tests.helpers import cheap
 
     out = _train_with(TrainProbe(), monkeypatch, cheap(tmp_path, tier_shards, "trainer.accelerator=cpu", steps=2))
     assert sample_and_eval_devices(out["checkpoint"], tmp_path, monkeypatch) == ["cpu", "cpu"]

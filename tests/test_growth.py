@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -14,9 +13,7 @@ from framework.models.blocks import block_views, silence_block
 from framework.models.backbones import build_denoiser, load_preset
 from plugins.growth import GrowthConfig, grow, grow_checkpoint, layer_plan
 from plugins.prune import PruneCommand, choose_kept, prune
-from tests.test_train import cheap, compose_cfg, losses
-
-FAMILIES = ["pixart_debug", "sana_debug", "dit_debug"]
+from tests.helpers import FAMILIES, ROOT, cheap, compose_cfg, crash_and_resume, losses
 
 
 def _source(name: str, layers: int = 2):
@@ -128,17 +125,6 @@ def test_growth_refuses_the_unet_and_mismatched_sources():
 # --------------------------------------------------------------------------------------------
 
 
-class _CrashAt(pl.Callback):
-    """Raises after optimizer step `step` (a crash: the last checkpoint is what survives)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("simulated crash")
-
-
 @pytest.fixture(scope="module")
 def small_ckpt(tmp_path_factory, digits_shards) -> Path:
     """A 4-block quickstart model trained for 3 steps: the growth source."""
@@ -197,27 +183,6 @@ def test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks(tmp
     norms = [float(r["growth/out_norm_4"]) for r in rows if r.get("growth/out_norm_4")]
     assert len(norms) == 3 and norms[0] > 0  # trained away from zero from the first step
     assert all(0.0 <= float(r["growth/bi_5"]) <= 2.0 for r in rows if r.get("growth/bi_5"))
-
-
-def crash_and_resume(tmp_path, digits_shards, args: list[str], monkeypatch) -> tuple[dict, dict]:
-    """A 4-step run, and the same run crashed after step 3 and resumed (checkpoints every 2 steps): the
-    resumed run must log the same losses from the checkpoint on and end with the same weights."""
-    import framework.train as train_lib
-
-    args = [*args, "trainer.checkpoint_every_n_steps=2", "resume=auto"]
-    full = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="full")))
-    base = train_lib.build_callbacks
-    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), _CrashAt(3)])
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
-    monkeypatch.setattr(train_lib, "build_callbacks", base)
-    resumed = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=4, run="crashed")))
-    lf, lr = losses(Path(full["run_dir"])), losses(Path(resumed["run_dir"]))
-    assert [lr[s] for s in (2, 3)] == [lf[s] for s in (2, 3)]
-    wf = torch.load(full["checkpoint"], weights_only=True)["state_dict"]
-    wr = torch.load(resumed["checkpoint"], weights_only=True)["state_dict"]
-    assert wf.keys() == wr.keys() and all(torch.equal(wf[k], wr[k]) for k in wf)
-    return full, resumed
 
 
 def test_growth_run_resumes_after_a_crash_like_an_uninterrupted_run(tmp_path, digits_shards, small_ckpt, monkeypatch):
@@ -287,7 +252,7 @@ def test_eval_every_n_steps_logs_fd_and_accuracy_curves(tmp_path, digits_shards)
     out = train(compose_cfg(cheap(tmp_path, digits_shards, "eval.every_n_steps=2", "eval.seeds=1", "eval.phrasings=1",
                                   "eval.steps=2", steps=4)))
     run = Path(out["run_dir"])
-    from plugins.growth.report import read_series
+    from framework.studies.growth_report import read_series
 
     assert [s for s, _ in read_series(run, "eval/fd")] == [0, 2, 4]
     assert len(read_series(run, "eval/prompt_accuracy")) == 3
@@ -295,7 +260,7 @@ def test_eval_every_n_steps_logs_fd_and_accuracy_curves(tmp_path, digits_shards)
 
 
 def test_growth_report_by_hand(tmp_path):
-    from plugins.growth.report import compare
+    from framework.studies.growth_report import compare
 
     def write(name, rows):
         d = tmp_path / name
@@ -314,15 +279,31 @@ def test_growth_report_by_hand(tmp_path):
     assert r["steps_to_scratch_final_fd"] == {"grown_total": 40, "scratch": 40}
     assert r["loss_around_growth"] == {"small_last": pytest.approx(1.9 / 3), "grown_first": pytest.approx(0.95 / 3)}
 
+    # The same through the public command, which writes growth.json and growth.png into out
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "framework.studies", "growth_report", f"small={small}", f"grown={grown}",
+           f"scratch={scratch}", f"out={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "growth.json").read_text()) == json.loads(json.dumps(r)) and (out / "growth.png").is_file()
+    # A study asked of the benchmarks' command is pointed to where it lives
+    proc = subprocess.run([sys.executable, "-m", "framework.bench", "buckets"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "python -m framework.studies buckets" in proc.stderr
+
 
 @pytest.mark.slow
 def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digits_shards, monkeypatch):
-    """plugins.growth.study on a 4-step plan (2 + 2), 2 seeds: the arms run once (a second pass keeps them); the
+    """framework.studies growth on a 4-step plan (2 + 2), 2 seeds: the arms run once (a second pass keeps them); the
     grown and control runs start from the small model's function (their first fd is the small run's last) at the
     small run's FLOPs; the large model's step costs more; the comparison gives seed means inside their intervals."""
     import json
 
-    from plugins.growth import study
+    from framework.studies import growth as study
     from tests import zygote
 
     launched: list[list[str]] = []
@@ -332,7 +313,7 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
         return zygote.run(argv, env=env, timeout=600)
 
     monkeypatch.setattr("subprocess.run", run)  # framework.cli.train_child starts each arm through it
-    cmd = study.StudyCommand(
+    cmd = study.GrowthStudy(
         base="quickstart", seeds=[0, 1], inits=["cyclic"], small_layers=2, large_layers=3, small_steps=2,
         total_steps=4, eval_every=2, new_warmup_steps=2, out=str(tmp_path / "study"),
         overrides=[f"data.path={digits_shards}", f"data.local={tmp_path / 'cache'}", "data.batch_size=16",
@@ -370,9 +351,9 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
 def test_growth_study_gives_grown_only_overrides_to_tagged_grown_arms(tmp_path):
     """grown_overrides go to the grown arms alone, which grown_tag names (beside the untagged ones, sharing small,
     control and scratch); overrides without a tag are refused."""
-    from plugins.growth import study
+    from framework.studies import growth as study
 
-    cmd = study.StudyCommand(inits=["cyclic"], grown_overrides=["plugins.growth.new_lr_scale=4"], grown_tag="_lr4",
+    cmd = study.GrowthStudy(inits=["cyclic"], grown_overrides=["plugins.growth.new_lr_scale=4"], grown_tag="_lr4",
                              out=str(tmp_path))
     assert study.arms(cmd) == ["small", "control", "grown_cyclic_lr4", "scratch"]
     small = tmp_path / "small.ckpt"
@@ -382,6 +363,6 @@ def test_growth_study_gives_grown_only_overrides_to_tagged_grown_arms(tmp_path):
     assert "plugins.growth.init=cyclic" in study.arm_args(cmd, "grown_cyclic_lr4", small)
     assert study.run_dir(cmd, "grown_cyclic_lr4", 0) == tmp_path / "grown_cyclic_lr4" / "seed0"
     assert study.report_path(cmd) == tmp_path / "growth_lr4"  # the untagged study's growth.json is not overwritten
-    assert study.report_path(study.StudyCommand(out=str(tmp_path))) == tmp_path / "growth"
+    assert study.report_path(study.GrowthStudy(out=str(tmp_path))) == tmp_path / "growth"
     with pytest.raises(ValueError, match="need a grown_tag"):
-        study.StudyCommand(grown_overrides=["plugins.growth.new_lr_scale=4"])
+        study.GrowthStudy(grown_overrides=["plugins.growth.new_lr_scale=4"])

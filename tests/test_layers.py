@@ -13,10 +13,12 @@ layers, lowest first; a module imports its own layer and the layers below, never
     framework.training      the LightningModule, optimizer, checkpoint writing, loggers, plugin registry, grids
     framework (top)         config (the schema of every group) and cli (the commands' shared set-up)
     plugins                 one plugin per file or package
-    commands                framework.train, sample, eval, export, framework.bench, launch/
+    commands                framework.train, sample, eval, export, framework.bench, framework.studies, launch/
 
 So inference never imports training: sampling, evaluation and export run without the training stack.
-The benchmark harness (framework.bench.harness) imports the framework only, no plugin.
+The benchmark harness (framework.bench.harness) imports the framework only, no plugin. Benchmarks (timings,
+framework.bench) and studies (training runs compared with intervals, framework.studies) are both commands and
+never import each other.
 Imports by string (importlib, Hydra `_target_`) are not seen; the project keeps those to data sources.
 """
 
@@ -87,7 +89,7 @@ def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dic
 def layer(module: str) -> str:
     """The layer of a module: its subpackage of framework/, or the top-level package, or command."""
     parts = module.split(".")
-    if module in COMMANDS or parts[0] == "launch" or module.startswith("framework.bench"):
+    if module in COMMANDS or parts[0] == "launch" or parts[:2] in (["framework", "bench"], ["framework", "studies"]):
         return "command"
     if parts[0] == "framework" and len(parts) > 2:  # framework.<package>.<module>
         return ".".join(parts[:2])
@@ -234,3 +236,34 @@ def test_parallel_code_reads_plans_and_never_names_a_family():
         assert not found, f"{rel} names the families {sorted(set(found))}: read them from the family's plan instead"
     families = {re.search(r"^family:\s*(\w+)", p.read_text(), re.M).group(1) for p in (ROOT / "conf" / "model").glob("*.yaml")}
     assert families == set(PLANS), families
+
+
+def test_benchmarks_and_studies_never_import_each_other():
+    graph = import_graph()
+    crossing = sorted(f"{m} imports {t}" for m, targets in graph.items() for t in targets
+                      for a, b in (("framework.bench", "framework.studies"), ("framework.studies", "framework.bench"))
+                      if (m == a or m.startswith(a + ".")) and (t == b or t.startswith(b + ".")))
+    assert not crossing, crossing
+    assert "framework.studies.growth" in graph and "framework.bench.suite_train" in graph
+
+
+# The tests' own layout: test modules, the helpers they share, and the programs multi-process tests start.
+TEST_SUPPORT = {"__init__", "conftest", "helpers", "zygote", "config_keys", "mutants"}
+
+
+def test_test_modules_share_helpers_and_never_import_one_another():
+    """tests/ holds test_*.py, the shared helpers (helpers.py, conftest.py's fixtures, zygote.py's process
+    launcher, the config-key record and the mutation check) and workers/ (what multi-process tests start); a test
+    module importing another one (or conftest) would make its helpers hard to find and import its tests twice."""
+    tests = ROOT / "tests"
+    stray = sorted(p.stem for p in tests.glob("*.py") if not p.stem.startswith("test_") and p.stem not in TEST_SUPPORT)
+    assert not stray, f"tests/ holds {stray}: shared helpers go in tests/helpers.py, workers in tests/workers/"
+    wrong = []
+    for p in sorted([*tests.glob("*.py"), *(tests / "workers").glob("*.py")]):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if name.startswith("tests.test_") or name == "tests.conftest":
+                    wrong.append(f"{p.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not wrong, "\n".join(wrong)

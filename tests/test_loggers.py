@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from framework.train import train
-from tests.test_train import cheap, compose_cfg
-from tests.wandb_records import config, history, run_ids, run_record, wait_for_exit
+from tests.helpers import cheap, compose_cfg, history, run_ids, run_record, wait_for_exit, wandb_config
 
 pytest.importorskip("wandb")
 
@@ -42,7 +41,7 @@ def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_ru
     assert run_ids(log) == [run_id]
     run = run_record(log)
     assert (run.display_name, run.run_group, list(run.tags)) == ("fox-256", "ablation", ["baseline", "cpu"])
-    assert config(log)["optimizer"]["lr"] == 3e-4 and config(log)["model"]["in_channels"] == 1  # the resolved config
+    assert wandb_config(log)["optimizer"]["lr"] == 3e-4 and wandb_config(log)["model"]["in_channels"] == 1  # the resolved config
     rows = history(log)
     keys = set().union(*rows)
     per_step = {"train/loss", "lr-AdamW", "train/device/samples_per_sec", "train/grad_norm", "train/data_wait_ms"}

@@ -16,7 +16,7 @@ from torch import nn
 
 from framework import train as train_lib
 from plugins.low_precision_norm import LPLayerNorm, apply_low_precision_norms
-from tests.test_train import _fit_digits, cheap, compose_cfg, losses
+from tests.helpers import cheap, compose_cfg, losses
 
 # bf16 keeps 8 significant bits (relative step 2**-8 ~ 0.004); inputs and outputs are both rounded,
 # so a normalized value of magnitude ~5 may be ~0.03 off. Tolerance: |lp - fp32| <= 2e-2 + 2e-2 * |fp32|.
@@ -103,7 +103,7 @@ def test_bf16_run_swaps_norms_before_the_optimizer_is_built(tmp_path, digits_sha
 
 def test_fp32_run_warns_and_is_bit_identical(tmp_path, digits_shards):
     # The unet preset has GroupNorm too.
-    fit: list[Any] = [*_fit_digits("sd2_unet_debug"), "trainer.precision=32-true"]
+    fit: list[Any] = ["model=sd2_unet_debug", "trainer.precision=32-true"]
     plain = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *fit, steps=3, run="plain")))
     with pytest.warns(UserWarning, match="does nothing with trainer.precision=32-true"):
         lp = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *fit, "plugins=[low_precision_norm]", steps=3, run="lp")))

@@ -17,10 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import zygote
-from tests.conftest import S3_BUCKET
-from tests.test_own_data import metric_nets, own_data  # noqa: F401  (fixtures of the own-data row)
-from tests.test_train import losses
-from tests.wandb_records import history, run_ids, run_record, wait_for_exit
+from tests.helpers import S3_BUCKET, history, losses, run_ids, run_record, wait_for_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -99,7 +96,7 @@ def run_command(run_dir: Path, data: Path | str, strategy: str, devices: int, lo
 def growth_source(tmp_path_factory, digits_shards) -> Path:
     """A 4-block quickstart model after 2 steps: the source of the growth row."""
     from framework.train import train
-    from tests.test_train import cheap, compose_cfg
+    from tests.helpers import cheap, compose_cfg
 
     return Path(train(compose_cfg(cheap(tmp_path_factory.mktemp("source"), digits_shards, steps=2)))["checkpoint"])
 

@@ -4,39 +4,15 @@ encoder folders dataset.json recorded are gone, so sample.vae / sample.text_enco
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from framework.inference.sampling import SamplingPlan
 from framework.train import train
-from tests.conftest import make_image_folder, make_tiny_text_encoder, make_tiny_vae
-from tests.test_train import compose_cfg
-
-
-@pytest.fixture(scope="module")
-def own_data(tmp_path_factory) -> dict[str, Path]:
-    """RGB 20x24 images with captions, one unreadable file and one uncaptioned image, encoded at 16 px; then
-    the encoder folders move away (another machine), copies stay elsewhere."""
-    from data_prep.precompute import precompute
-
-    tmp = tmp_path_factory.mktemp("own")
-    src = make_image_folder(tmp / "images", n=12, size=20)
-    (src / "broken.png").write_bytes(b"not an image")
-    (src / "broken.txt").write_text("a picture that cannot be read")
-    Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(src / "uncaptioned.png")
-    # shift_factor 0: stock diffusers pipelines decode without a shift (the export test compares with them)
-    vae, text = make_tiny_vae(tmp / "vae", shift_factor=0.0), make_tiny_text_encoder(tmp / "text")
-    data = precompute({"source": {"name": "folder", "path": str(src)}, "vae": str(vae), "text_encoder": str(text),
-                       "resolution": 16, "out": str(tmp / "latents"), "max_bad_fraction": 0.2, "progress": False})
-    moved = {"vae": tmp / "elsewhere" / "vae", "text": tmp / "elsewhere" / "text"}
-    for key, folder in (("vae", vae), ("text", text)):
-        shutil.move(str(folder), moved[key])
-    return {"data": data, "tmp": tmp, **moved}
+from tests.helpers import compose_cfg, make_image_folder
 
 
 def _run(own: dict[str, Path], name: str, *extra: str, every: int = 3) -> list[str]:
@@ -223,7 +199,7 @@ def test_diffusers_export_of_sana_with_a_dc_ae_samples_like_framework_sample(own
     from framework.export import ExportCommand, export
     from framework.inference.pipeline import Pipeline
     from framework.inference.sampling import noise_seeds
-    from tests.conftest import make_tiny_dc_ae
+    from tests.helpers import make_tiny_dc_ae
 
     dcae = make_tiny_dc_ae(tmp_path / "dcae")
     data = precompute({"source": {"name": "folder", "path": str(make_image_folder(tmp_path / "images", n=12, size=40))},
@@ -288,31 +264,9 @@ def test_diffusers_export_of_an_sd2_unet_samples_like_framework_sample_unguided(
 # --------------------------------------------------------------------------------------------
 
 
-class TinyFeatures(torch.nn.Module):
-    """A random feature network in the FID Inception's calling convention: uint8 (N, 3, H, W) -> (N, 8)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x.float() / 127.5 - 1).relu().mean((2, 3))
-
-
-@pytest.fixture(scope="module")
-def metric_nets(tmp_path_factory) -> dict[str, Path]:
-    from tests.test_evaluation import make_tiny_clip
-
-    tmp = tmp_path_factory.mktemp("metric_nets")
-    torch.manual_seed(0)
-    torch.jit.script(TinyFeatures()).save(str(tmp / "features.pt"))
-    return {"inception": tmp / "features.pt", "clip": make_tiny_clip(tmp / "clip"),
-            "real": make_image_folder(tmp / "heldout", n=10, size=20, seed=1)}
-
-
 def test_fid_is_the_frechet_formula_and_its_interval_holds_it():
     from framework.evaluation.realdata import fid_from_features, fid_with_interval
-    from tests.test_evaluation import reference_frechet
+    from tests.helpers import reference_frechet
 
     g = torch.Generator().manual_seed(0)
     real, fake = torch.randn(300, 6, generator=g).double(), (torch.randn(200, 6, generator=g) * 1.3 + 0.4).double()

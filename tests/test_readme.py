@@ -45,7 +45,7 @@ PLACEHOLDERS = {"experiment=NAME": "experiment=pixart_xl_2_256"}
 
 def as_one_job(module: str, args: list[str]) -> list[str]:
     """The command line of one job with `--cfg job`: a sweep (-m, a=1,2) as its first job, `...` (the README's
-    "and the rest") dropped, placeholders filled; `--cfg job` before the overrides (after bench's suite name)."""
+    "and the rest") dropped, placeholders filled; `--cfg job` before the overrides (after a bench suite's or a study's name)."""
     out = []
     for a in args:
         if a in ("-m", "..."):
@@ -54,7 +54,7 @@ def as_one_job(module: str, args: list[str]) -> list[str]:
         if "," in value and not value.startswith(("[", "'", '"')):
             a = f"{key}={value.split(',')[0]}"
         out.append(PLACEHOLDERS.get(a, a))
-    head = 1 if module == "framework.bench" else 0
+    head = 1 if module in ("framework.bench", "framework.studies") else 0
     return [*out[:head], "--cfg", "job", *out[head:]]
 
 
@@ -64,7 +64,7 @@ COMMANDS = [(f"{page.name}: {module}", module, args) for page in DOCS for module
 
 def test_the_readme_shows_every_public_command():
     modules = {m for m, _ in readme_commands()}
-    assert {"framework.train", "framework.sample", "framework.eval", "framework.export", "framework.bench",
+    assert {"framework.train", "framework.sample", "framework.eval", "framework.export", "framework.bench", "framework.studies",
             "data_prep.precompute", "plugins.growth", "plugins.prune"} <= modules, modules
 
 

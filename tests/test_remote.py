@@ -11,10 +11,8 @@ import time
 import pytest
 import torch
 
-from tests.test_distributed import run_train
-from tests.test_train import cheap, compose_cfg, losses
+from tests.helpers import cheap, compose_cfg, losses, run_train, S3_BUCKET as BUCKET
 
-from tests.conftest import S3_BUCKET as BUCKET
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 
 from framework.models.backbones import build_denoiser, load_preset
 from framework.distributed.sequence import check
-from tests.test_decoupled import torchrun
+from tests.helpers import torchrun
 
 
 def _check_splits(result: dict, ranks: int) -> None:
@@ -46,7 +46,7 @@ def _check_splits(result: dict, ranks: int) -> None:
 
 def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, digits_shards):
     out = tmp_path / "result.json"
-    proc = torchrun(2, "-m", "tests.sequence_worker", str(digits_shards), str(out), tmp=tmp_path, fork=True)
+    proc = torchrun(2, "-m", "tests.workers.sequence", str(digits_shards), str(out), tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     _check_splits(result, 2)
@@ -72,7 +72,7 @@ def test_four_ranks_with_interior_bands_equal_the_whole_model(tmp_path, digits_s
     """P = 4: ranks 1 and 2 hold interior bands (SANA's halo comes from both neighbours), 4 tokens per rank; SANA's
     sums all-reduced in 2 head groups too."""
     out = tmp_path / "result.json"
-    proc = torchrun(4, "-m", "tests.sequence_worker", str(digits_shards), str(out), tmp=tmp_path, fork=True)
+    proc = torchrun(4, "-m", "tests.workers.sequence", str(digits_shards), str(out), tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     _check_splits(result, 4)
@@ -130,7 +130,7 @@ def test_the_job_mesh_dims_follow_nodes_and_sequence_groups():
 
 def test_training_refuses_a_sequence_group_across_nodes_at_start_up(tmp_path, digits_shards):
     from framework.train import train
-    from tests.test_train import cheap, compose_cfg
+    from tests.helpers import cheap, compose_cfg
 
     overrides = [*cheap(tmp_path, digits_shards, steps=1), "strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2",
                  "strategy.sequence_parallel=4"]
@@ -140,7 +140,7 @@ def test_training_refuses_a_sequence_group_across_nodes_at_start_up(tmp_path, di
 
 def test_training_refuses_an_indivisible_split_at_start_up(tmp_path, digits_shards):
     from framework.train import train
-    from tests.test_train import cheap, compose_cfg
+    from tests.helpers import cheap, compose_cfg
 
     overrides = [*cheap(tmp_path, digits_shards, steps=1), "strategy=ddp", "trainer.devices=3",
                  "strategy.sequence_parallel=2"]
@@ -155,8 +155,8 @@ def test_two_rank_sequence_parallel_training_follows_one_process(tmp_path, digit
     process with the same batch; pixart, and 2 data x 2 sequence ranks, are in tests/test_distributed.py."""
     import torch
 
-    from tests.test_distributed import STEPS, TOL, run_train
-    from tests.test_train import losses
+    from tests.helpers import STEPS, TOL, run_train
+    from tests.helpers import losses
 
     model = [f"model={family}_debug", "model.in_channels=1", "model.sample_size=8", "data.batch_size=16",
              "data.num_workers=1", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every_n_steps=2"]

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from framework.train import train
-from tests.test_train import compose_cfg, losses
+from tests.helpers import compose_cfg, losses
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40  # long enough that the warning lands mid-run, short enough for a few seconds of training

@@ -19,40 +19,11 @@ from omegaconf import OmegaConf
 from framework import config as config_lib
 from framework.train import train
 from tests import zygote
+from tests.helpers import CONF, ROOT, cheap, compose_cfg, losses, with_callback
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 config_lib.register()
 
 DEBUG_PRESETS = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug"]
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=overrides)
-
-
-def cheap(tmp_path: Path, data: Path, *extra: str, steps: int = 3, run: str = "run") -> list[str]:
-    """The quickstart config, shrunk: a few steps, no grids or eval, per-step CSV logging."""
-    return [
-        f"run.dir={tmp_path / run}",
-        f"data.path={data}",
-        f"data.local={tmp_path / run / 'cache'}",
-        "data.batch_size=16",
-        f"trainer.max_steps={steps}",
-        "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "eval.at_end=false",
-        "sample.per_prompt=1",
-        "sample.steps=2",
-        "sample.prompts=[a handwritten 3]",
-        *extra,
-    ]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,17 +243,10 @@ class _PoisonGradient(pl.Callback):
         self.seen += 1
 
 
-def _with_callback(monkeypatch, callback: pl.Callback) -> None:
-    import framework.train as train_lib
-
-    base = train_lib.build_callbacks
-    monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), callback])
-
-
 def test_a_nonfinite_gradient_with_a_finite_loss_is_skipped(tmp_path, digits_shards, monkeypatch):
     """The gradient norm is checked with the loss: step 2's backward overflows while its loss is finite, and
     skip_nonfinite drops that update (the weights saved after step 3 equal those saved after step 2)."""
-    _with_callback(monkeypatch, _PoisonGradient(at=2))
+    with_callback(monkeypatch, _PoisonGradient(at=2))
     out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.skip_nonfinite=true",
                                   "trainer.checkpoint_every_n_steps=1", "trainer.keep_checkpoints=10", steps=4)))
     ckpts = Path(out["run_dir"]) / "checkpoints"
@@ -297,7 +261,7 @@ def test_a_nonfinite_step_found_late_leaves_no_checkpoint_of_its_weights(tmp_pat
     """Without skip_nonfinite the flag is read on logging steps, before saves and at the end, not every step: with
     logging every 100 steps, the NaN of step 2 stops the run at the next save, and the newest checkpoint on disk
     is the one from before it."""
-    _with_callback(monkeypatch, _PoisonBatch(at=2))
+    with_callback(monkeypatch, _PoisonBatch(at=2))
     with pytest.raises(Exception, match="at step 2; stopping"):
         train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=100",
                                 "trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=10", steps=6)))
@@ -381,22 +345,25 @@ def test_scaling_command_writes_json_and_png(tmp_path, digits_shards):
         assert im.size[0] > 800 and im.size[1] > 300
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 def test_throughput_counts_every_batch_and_reads_the_clock_on_logging_steps_only(tmp_path, digits_shards,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, accumulate):
     """train/samples and train/batches count every batch, while the monitor's update (where Lightning waits for the GPU
-    to read the clock) runs on logging steps only: 3 of 10 steps at log_every_n_steps=3."""
+    to read the clock) runs on logging steps only: 3 of 10 steps at log_every_n_steps=3. With 2 micro-batches per
+    step the clock is read once per logged step, after its second micro-batch, and both are counted."""
     from lightning.pytorch.callbacks import ThroughputMonitor
 
     updates = []
     base = ThroughputMonitor._update
     monkeypatch.setattr(ThroughputMonitor, "_update", lambda self, trainer, *a: updates.append(trainer.global_step)
                         or base(self, trainer, *a))
-    out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=3", steps=10)))
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=3",
+                                  f"trainer.accumulate_grad_batches={accumulate}", steps=10)))
     with open(Path(out["run_dir"]) / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/batches")]
     assert updates == [3, 6, 9]  # the trainer's step count after each of those steps
     assert [(int(r["step"]), float(r["train/batches"]), float(r["train/samples"])) for r in rows] == [
-        (s, s + 1, 16 * (s + 1)) for s in (2, 5, 8)]
+        (s, accumulate * (s + 1), 16 * accumulate * (s + 1)) for s in (2, 5, 8)]
     assert all(float(r["train/device/samples_per_sec"]) > 0 for r in rows[1:])
 
 
@@ -459,7 +426,7 @@ def test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_losses(tmp
 def test_compiled_blocks_run_compiled_and_follow_the_eager_losses(tmp_path, digits_shards, extra_callback):
     """strategy.compile=true: every block runs inside a torch.compile trace (none does without it) and the losses
     follow the eager run's."""
-    from tests.conftest import CompiledBlocks
+    from tests.helpers import CompiledBlocks
 
     eager_probe = extra_callback(CompiledBlocks())
     eager = train(compose_cfg(cheap(tmp_path, digits_shards, steps=3, run="eager")))

@@ -88,7 +88,7 @@ def finish(code: int) -> int:
 
 def serve(path: str) -> None:
     import framework.train  # noqa: F401  the imports every training process needs
-    import tests.dist_train  # noqa: F401
+    import tests.workers.dist_train  # noqa: F401
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)

@@ -12,11 +12,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
   ema        EMA cost per step before and after its start (plugins/ema.py)
   norm       low-precision norms' effect on step time and peak memory (plugins/low_precision_norm.py)
   cache      cached sampling (framework/inference/caching.py): images/s, accuracy and fd of full sampling, a learned
-             schedule, uniform:K at the same cost and fewer steps at the same latency
-  cache_curve  quality (fd, accuracy, paired error to the full sampler, bootstrap intervals) against measured speed:
-             routers trained per sparsity and read at several thresholds, uniform:K, fewer steps; cache_curve.png
-  buckets    aspect-ratio buckets against square crops on synthetic mixed-aspect scenes: whether the blocks a held-out
-             caption names near the edges are drawn (framework/evaluation/shapes.py); buckets.png
+             schedule, uniform:K at the same cost and fewer steps at the same latency (the quality-vs-speed curve is a
+             study: python -m framework.studies cache_curve)
   decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
              doing both (SplitRanks), and denoising / decoding ranks (decode_ranks)
   checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
@@ -29,23 +26,18 @@ Suites (one file each, framework/bench/suite_<name>.py):
              sequence parallelism over P ranks (framework/distributed/sequence.py; P ranks simulated on one device)
   overlap    sequence parallelism's exposed communication per head-group count, forward and backward: one rank's
              recorded step replayed with calibrated stand-in collectives (nvlink / infiniband presets, gloo measured)
-Each prints a table and writes one JSON row per configuration to `out`.
+Each prints a table and writes one JSON row per configuration to `out`. Studies (what a method buys, over training
+runs: cache_curve, buckets, growth) are `python -m framework.studies`.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
-import hydra
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
-
-from framework.bench import (suite_buckets, suite_cache, suite_cache_curve, suite_checkpoint, suite_data, suite_decode,
-                             suite_ema, suite_gpu, suite_init_memory, suite_memory, suite_norm, suite_optimizer,
-                             suite_overhead, suite_overlap, suite_sequence, suite_train)
-from framework.bench.harness import write_json
-from framework.cli import quiet_hydra
+from framework.bench import (suite_cache, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_gpu,
+                             suite_init_memory, suite_memory, suite_norm, suite_optimizer, suite_overhead, suite_overlap,
+                             suite_sequence, suite_train)
+from framework.cli import named_command
 
 # name -> (the suite's config dataclass, run(cfg) -> JSON rows)
 SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
@@ -57,8 +49,6 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "ema": (suite_ema.EMABench, suite_ema.run),
     "norm": (suite_norm.NormBench, suite_norm.run),
     "cache": (suite_cache.CacheBench, suite_cache.run),
-    "cache_curve": (suite_cache_curve.CacheCurveBench, suite_cache_curve.run),
-    "buckets": (suite_buckets.BucketsBench, suite_buckets.run),
     "decode": (suite_decode.DecodeBench, suite_decode.run),
     "overhead": (suite_overhead.OverheadBench, suite_overhead.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),
@@ -69,21 +59,8 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in SUITES:
-        raise SystemExit(f"usage: python -m framework.bench SUITE [key=value ...]; SUITE is one of {sorted(SUITES)}")
-    suite = sys.argv.pop(1)
-    config, run = SUITES[suite]
-    ConfigStore.instance().store(name=f"bench_{suite}", node=config)
-    quiet_hydra()
-
-    @hydra.main(version_base="1.3", config_path=None, config_name=f"bench_{suite}")
-    def _run(cfg: Any) -> None:
-        obj = OmegaConf.to_object(cfg)
-        rows = run(obj)
-        if rows:  # under torchrun (suite decode) only rank 0 has rows to write
-            write_json(rows, obj.out)
-
-    _run()
+    studies = {"cache_curve": "framework.studies", "buckets": "framework.studies"}  # suites once, studies now
+    named_command("framework.bench", SUITES, "SUITE", elsewhere=studies)
 
 
 if __name__ == "__main__":

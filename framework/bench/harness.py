@@ -1,5 +1,5 @@
-"""What the benchmark suites share: the table printer, JSON rows, peak FLOPs per device, a step
-timer, synthetic batches and a timed Lightning fit of the real training module.
+"""What the benchmark suites share: peak FLOPs per device, a step timer, synthetic batches and a timed
+Lightning fit of the real training module (the table printer and JSON rows are framework.cli's).
 
 Depends on the core only (tests/test_layers.py), so a suite about a plugin imports the plugin and
 this file, and nothing here knows any plugin.
@@ -7,12 +7,10 @@ this file, and nothing here knows any plugin.
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
@@ -23,31 +21,6 @@ from framework.models.flops import count_train_flops_per_sample
 from framework.training.module import DiffusionModule
 from framework.models.objectives import ObjectiveConfig
 from framework.training.optim import OptimizerConfig
-
-# --------------------------------------------------------------------------------------------
-# Output
-# --------------------------------------------------------------------------------------------
-
-
-def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
-    """`cols` of `rows` as left-aligned columns; floats to 4 significant digits, None as '-'."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "-" if v is None else str(v)
-
-    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
-
-
-def write_json(rows: list[dict[str, Any]], out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(rows, indent=2))
-    print(f"wrote {out}")
-
 
 # --------------------------------------------------------------------------------------------
 # Devices

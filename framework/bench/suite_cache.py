@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from framework.bench.harness import print_table
-from framework.cli import resolve_device
+from framework.cli import print_table, resolve_device
 from framework.evaluation.settings import EvalSettings
 from framework.evaluation.scoring import generate_candidates, score_images
 from framework.inference.pipeline import Pipeline

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from framework.bench.harness import print_table
+from framework.cli import print_table
 from framework.data.datamodule import DataConfig, LatentDataModule
 from framework.data.shards import INDEX_FILE
 

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from framework.cli import print_table
 import torch.distributed as dist
 
-from framework.bench.harness import print_table
 
 
 @dataclass

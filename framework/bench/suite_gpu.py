@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import plugins.came  # noqa: F401  (registers optimizer=came8bit)
-from framework.bench.harness import bench_module, measure_fit, print_table
-from framework.cli import resolve_device
+from framework.bench.harness import bench_module, measure_fit
+from framework.cli import print_table, resolve_device
 from framework.distributed.fsdp import prepare_blocks
 from framework.models.backbones import load_preset
 from plugins.ema import EMA, EMAConfig

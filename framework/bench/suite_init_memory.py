@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from framework.bench.harness import print_table
+from framework.cli import print_table
 from framework.distributed.env import leave
 from framework.distributed.fsdp import build_meta, materialize, shard
 from framework.models.backbones import build_denoiser, load_preset

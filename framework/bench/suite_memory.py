@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.bench.harness import print_table
+from framework.cli import print_table
 from framework.distributed.dtensor import local_tensor
 from framework.models.backbones import ModelConfig, build_denoiser, load_preset
 from framework.distributed.fsdp import shard, shard_units

@@ -11,7 +11,8 @@ from typing import Any, Iterable
 
 import torch
 
-from framework.bench.harness import bench_optimizer, print_table
+from framework.cli import print_table
+from framework.bench.harness import bench_optimizer
 from framework.models.backbones import build_denoiser, load_preset
 from framework.training.optim import OPTIMIZERS
 from plugins.came import is_8bit

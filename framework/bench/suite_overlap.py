@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from framework.bench.harness import print_table
+from framework.cli import print_table
 from framework.distributed.env import leave
 
 # Per-message latency (s) and bandwidth one rank sends at (bytes/s), by link. NVLink: an H100 SXM's 450 GB/s each way,

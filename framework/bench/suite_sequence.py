@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from framework.bench.harness import print_table
+from framework.cli import print_table
 from framework.distributed.env import leave
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from framework.bench.harness import bench_module, measure_fit, print_table
-from framework.cli import resolve_device
+from framework.bench.harness import bench_module, measure_fit
+from framework.cli import print_table, resolve_device
 from framework.models.backbones import ModelConfig, apply_attention_backend, load_preset
 from framework.training.module import DiffusionModule
 from framework.distributed.fsdp import prepare_blocks

@@ -28,7 +28,7 @@ def leave() -> None:
     FSDP2 states and device meshes hold process groups in reference cycles, so destroy_process_group() alone can
     leave a gloo group alive until the interpreter's final garbage collection; its worker threads then end while
     Python is being torn down and the process aborts ("terminate called without an active exception", seen about
-    once in 60 two-rank torchrun runs of tests/came_fsdp_worker.py on a loaded 2-core machine). Collecting first
+    once in 60 two-rank torchrun runs of tests/workers/came_fsdp.py on a loaded 2-core machine). Collecting first
     lets the last references go while everything still works.
     """
     import gc

@@ -30,7 +30,7 @@ for them do not dispatch through its context-parallel attention, so all of it is
 gather hooks, the processors, one Ulysses attention for every head-group count (torch's functional all-to-all,
 asynchronous until its result is used, wrapped so that its backward is asynchronous too), SANA's linear-attention
 all-reduces (the same, by head group) and Mix-FFN halo exchange. diffusers' own Ulysses attention
-(`dispatch_attention_fn` with a ContextParallelConfig) is a reference in tests/sequence_worker.py.
+(`dispatch_attention_fn` with a ContextParallelConfig) is a reference in tests/workers/sequence.py.
 """
 
 from __future__ import annotations

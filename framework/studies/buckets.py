@@ -1,4 +1,4 @@
-"""`python -m framework.bench buckets`: what aspect-ratio buckets keep that square crops lose.
+"""`python -m framework.studies buckets`: what aspect-ratio buckets keep that square crops lose.
 
 The synthetic shapes scenes (data_prep/sources/shapes.py: wide, tall and square canvases with a coloured block near
 each end, the caption naming them) are encoded twice with the pixel codec: into buckets of the three shapes, and as
@@ -16,16 +16,15 @@ from typing import Any
 
 import torch
 
-from framework.bench.harness import print_table
-from framework.cli import run_complete, train_child
+from framework.cli import print_table, run_complete, train_child
 
 BUCKET_SIZES = [[16, 32], [24, 24], [32, 16]]
 SQUARE = 24
 
 
 @dataclass
-class BucketsBench:
-    """Arguments of `python -m framework.bench buckets`."""
+class BucketsStudy:
+    """Arguments of `python -m framework.studies buckets`."""
 
     scenes: int = 1800
     """Training scenes (a third each wide, tall, square)."""
@@ -42,7 +41,7 @@ class BucketsBench:
     out: str = "runs/buckets_demo/buckets.json"
 
 
-def prepare(cfg: BucketsBench, root: Path) -> dict[str, Path]:
+def prepare(cfg: BucketsStudy, root: Path) -> dict[str, Path]:
     from data_prep.precompute import precompute
 
     common = {"source": {"name": "shapes", "scenes": cfg.scenes}, "vae": "pixel", "text_encoder": "minilm",
@@ -52,7 +51,7 @@ def prepare(cfg: BucketsBench, root: Path) -> dict[str, Path]:
             "square": precompute({**common, "resolution": SQUARE, "out": str(root / "data_square")}, rank=0, world_size=1)}
 
 
-def train_arm(cfg: BucketsBench, root: Path, arm: str, data: Path) -> Path:
+def train_arm(cfg: BucketsStudy, root: Path, arm: str, data: Path) -> Path:
     run = root / arm
     ckpt = run / "checkpoints" / "last.ckpt"
     if run_complete(run):
@@ -66,7 +65,7 @@ def train_arm(cfg: BucketsBench, root: Path, arm: str, data: Path) -> Path:
     return ckpt
 
 
-def draw(ckpt: Path, captions: list[str], bucketed: bool, cfg: BucketsBench) -> list[torch.Tensor]:
+def draw(ckpt: Path, captions: list[str], bucketed: bool, cfg: BucketsStudy) -> list[torch.Tensor]:
     """Each caption's image: at its layout's aspect (bucketed) or the model's one size."""
     from data_prep.sources.shapes import LAYOUTS
     from framework.evaluation.shapes import parse_scene
@@ -126,7 +125,7 @@ def plot(rows: list[dict[str, Any]], examples: dict[str, list[torch.Tensor]], ca
     return path
 
 
-def run(cfg: BucketsBench) -> list[dict[str, Any]]:
+def run(cfg: BucketsStudy) -> list[dict[str, Any]]:
     from data_prep.sources.shapes import HELDOUT_OFFSET, draw_scene
     from framework.evaluation.realdata import mean_with_interval
     from framework.evaluation.shapes import found_blocks, parse_scene

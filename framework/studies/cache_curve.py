@@ -1,4 +1,4 @@
-"""`python -m framework.bench cache_curve ckpt=PATH sparsities=[...]`: quality against measured speed of cached sampling.
+"""`python -m framework.studies cache_curve ckpt=PATH sparsities=[...]`: quality against measured speed of cached sampling.
 
 Does a learned cache schedule pay? One figure and one JSON answer it for a checkpoint:
   learned   a router per sparsity weight (trained here with `experiment` unless its run dir already holds a
@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from framework.bench.harness import print_table
-from framework.cli import run_complete, train_child
+from framework.cli import print_table, run_complete, train_child
 from framework.cli import resolve_device
 from framework.inference.caching import SCHEDULE_FILE, CacheSchedule
 from framework.inference.pipeline import Pipeline
@@ -42,8 +41,8 @@ EQUAL_SPEED = 0.03  # "equal measured speed": within 3%
 
 
 @dataclass
-class CacheCurveBench:
-    """Arguments of `python -m framework.bench cache_curve`."""
+class CacheCurveStudy:
+    """Arguments of `python -m framework.studies cache_curve`."""
 
     ckpt: str = "???"
     """The model's checkpoint."""
@@ -89,7 +88,7 @@ class CacheCurveBench:
 # --------------------------------------------------------------------------------------------
 
 
-def train_routers(cfg: CacheCurveBench, sampler: str, objective: str) -> list[Path]:
+def train_routers(cfg: CacheCurveStudy, sampler: str, objective: str) -> list[Path]:
     """The schedule file of each sparsity's router, trained in a child process unless its run finished earlier."""
     paths = []
     for s in cfg.sparsities:
@@ -242,7 +241,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     return path
 
 
-def run(cfg: CacheCurveBench) -> list[dict[str, Any]]:
+def run(cfg: CacheCurveStudy) -> list[dict[str, Any]]:
     pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights)
     kind = dataset_kind(pipe.info)
     if kind is None:

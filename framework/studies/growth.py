@@ -1,4 +1,4 @@
-"""`python -m plugins.growth.study`: does growing pay at equal training compute? Every arm, several seeds.
+"""`python -m framework.studies growth`: does growing pay at equal training compute? Every arm, several seeds.
 
 One plan of `total_steps` optimizer steps with one learning-rate schedule (the base experiment's warm-up and
 decay over total_steps), run as four arms per seed, each a `python -m framework.train` run evaluated every
@@ -29,16 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.cli import quiet_hydra, run_complete, train_child
+from framework.cli import run_complete, train_child
 
 
 @dataclass
-class StudyCommand:
-    """Arguments of `python -m plugins.growth.study`."""
+class GrowthStudy:
+    """Arguments of `python -m framework.studies growth`."""
 
     base: str = "pairs"
     """The experiment every arm trains (conf/experiment/NAME.yaml): the task, data, model width, lr and schedule."""
@@ -73,19 +71,16 @@ class StudyCommand:
             raise ValueError(f"large_layers={self.large_layers} must be more than small_layers={self.small_layers}")
 
 
-ConfigStore.instance().store(name="growth_study_command", node=StudyCommand)
-
-
 # --------------------------------------------------------------------------------------------
 # The runs
 # --------------------------------------------------------------------------------------------
 
 
-def arms(cmd: StudyCommand) -> list[str]:
+def arms(cmd: GrowthStudy) -> list[str]:
     return ["small", "control", *(f"grown_{i}{cmd.grown_tag}" for i in cmd.inits), "scratch"]
 
 
-def arm_args(cmd: StudyCommand, arm: str, small_ckpt: Path) -> list[str]:
+def arm_args(cmd: GrowthStudy, arm: str, small_ckpt: Path) -> list[str]:
     """The train overrides of one arm (module docstring)."""
     rest = [f"trainer.max_steps={cmd.total_steps - cmd.small_steps}", f"optimizer.schedule_start={cmd.small_steps}"]
     if arm == "small":
@@ -100,11 +95,11 @@ def arm_args(cmd: StudyCommand, arm: str, small_ckpt: Path) -> list[str]:
             *cmd.grown_overrides]
 
 
-def run_dir(cmd: StudyCommand, arm: str, seed: int) -> Path:
+def run_dir(cmd: GrowthStudy, arm: str, seed: int) -> Path:
     return Path(cmd.out) / arm / f"seed{seed}"
 
 
-def train_arm(cmd: StudyCommand, arm: str, seed: int) -> Path:
+def train_arm(cmd: GrowthStudy, arm: str, seed: int) -> Path:
     run = run_dir(cmd, arm, seed)
     if run_complete(run):
         print(f"[growth study] {arm} seed {seed}: complete, kept")
@@ -166,7 +161,7 @@ def interval(values: list[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def curves(cmd: StudyCommand) -> dict[str, dict[int, dict[float, dict[str, float]]]]:
+def curves(cmd: GrowthStudy) -> dict[str, dict[int, dict[float, dict[str, float]]]]:
     """arm -> seed -> training FLOPs so far (the small run's included for control and grown arms) -> eval values."""
     out: dict[str, dict[int, dict[float, dict[str, float]]]] = {}
     for seed in cmd.seeds:
@@ -180,7 +175,7 @@ def curves(cmd: StudyCommand) -> dict[str, dict[int, dict[float, dict[str, float
     return out
 
 
-def compare(cmd: StudyCommand, metric: str) -> dict[str, Any]:
+def compare(cmd: GrowthStudy, metric: str) -> dict[str, Any]:
     data = curves(cmd)
     scratch_total = max(data["scratch"][cmd.seeds[0]])
     # each arm's last evaluation, seed by seed
@@ -210,7 +205,7 @@ def compare(cmd: StudyCommand, metric: str) -> dict[str, Any]:
                        for arm, runs in data.items()}}
 
 
-def plot(cmd: StudyCommand, results: dict[str, dict[str, Any]], path: Path) -> Path:
+def plot(cmd: GrowthStudy, results: dict[str, dict[str, Any]], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,16 +235,15 @@ def plot(cmd: StudyCommand, results: dict[str, dict[str, Any]], path: Path) -> P
     return path
 
 
-def accuracy_key(cmd: StudyCommand) -> str | None:
+def accuracy_key(cmd: GrowthStudy) -> str | None:
     """The dataset's accuracy metric as the evaluations logged it (pair_accuracy, prompt_accuracy), if any."""
     logged = evaluations(run_dir(cmd, "scratch", cmd.seeds[0]))
     keys = {k for v in logged.values() for k in v}
     return next((k for k in ("pair_accuracy", "prompt_accuracy") if k in keys), None)
 
 
-@hydra.main(version_base="1.3", config_path=None, config_name="growth_study_command")
-def main(cfg: StudyCommand) -> None:
-    cmd: StudyCommand = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+def run(cmd: GrowthStudy) -> None:
+    """Train every arm of every seed that is not complete yet, then write and print the report."""
     for seed in cmd.seeds:
         for arm in arms(cmd):
             train_arm(cmd, arm, seed)
@@ -265,11 +259,6 @@ def main(cfg: StudyCommand) -> None:
     print(f"wrote {report.with_suffix('.json')} and {report.with_suffix('.png')}")
 
 
-def report_path(cmd: StudyCommand) -> Path:
+def report_path(cmd: GrowthStudy) -> Path:
     """out/growth (+ .json, .png); a tagged study's report is its own (growth_lr4), so the untagged one is kept."""
     return Path(cmd.out) / f"growth{cmd.grown_tag}"
-
-
-if __name__ == "__main__":
-    quiet_hydra()
-    main()

@@ -1,4 +1,4 @@
-"""`python -m plugins.growth.report small=RUN grown=RUN scratch=RUN out=DIR`: grown versus from scratch.
+"""`python -m framework.studies growth_report small=RUN grown=RUN scratch=RUN out=DIR`: grown versus from scratch.
 
 Reads the three runs' metrics.csv (train/loss, and eval/fd, eval/prompt_accuracy from
 `eval.every_n_steps`), puts the grown run after the small one on one step axis (the small run's last
@@ -15,18 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
-
-from framework.cli import quiet_hydra
 
 LOSS_WINDOW = 4  # logged losses averaged on each side of the growth
 
 
 @dataclass
-class ReportCommand:
-    """Arguments of `python -m plugins.growth.report`."""
+class GrowthReport:
+    """Arguments of `python -m framework.studies growth_report`."""
 
     small: str = "???"
     """Run dir of the small model (the growth source)."""
@@ -36,9 +31,6 @@ class ReportCommand:
     """Run dir of the large model trained from scratch for the same total steps."""
     out: str = "???"
     """Folder for growth.png and growth.json."""
-
-
-ConfigStore.instance().store(name="growth_report_command", node=ReportCommand)
 
 
 def read_series(run_dir: str | Path, key: str) -> list[tuple[int, float]]:
@@ -121,9 +113,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-@hydra.main(version_base="1.3", config_path=None, config_name="growth_report_command")
-def main(cfg: ReportCommand) -> None:
-    cmd: ReportCommand = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+def run(cmd: GrowthReport) -> None:
+    """Compare the three runs; write and print the report."""
     out = Path(cmd.out)
     out.mkdir(parents=True, exist_ok=True)
     result = compare(cmd.small, cmd.grown, cmd.scratch)
@@ -132,8 +123,3 @@ def main(cfg: ReportCommand) -> None:
     summary = {k: v for k, v in result.items() if k != "curves"}
     print(json.dumps(summary, indent=2))
     print(f"wrote {out / 'growth.json'} and {out / 'growth.png'}")
-
-
-if __name__ == "__main__":
-    quiet_hydra()
-    main()

@@ -173,11 +173,17 @@ class LoggedStepThroughput(ThroughputMonitor):
     def __init__(self) -> None:
         super().__init__(batch_size_fn=lambda b: b["latents"].shape[0], window_size=2)
         self._pending = (0, 0)  # batches and samples since the last reading
+        self._step = -1  # trainer.global_step after the previous batch: a batch that moved it ended a step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._step = trainer.global_step
 
     @rank_zero_only
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            *args: Any) -> None:
-        if trainer.fit_loop._should_accumulate() or not logging_step(trainer):
+        stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        if not stepped or not logging_step(trainer):  # mid-accumulation, or a step whose rates are not logged
             batches, samples = self._pending
             self._pending = (batches + 1, samples + self.batch_size_fn(batch))
             return

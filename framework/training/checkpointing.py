@@ -203,6 +203,16 @@ def slurm_job_id() -> str:
     return os.environ["SLURM_JOB_ID"]
 
 
+
+def next_hpc_path(run_dir: Path) -> str:
+    """run_dir/hpc_ckpt_N.ckpt, N one more than the largest there (1 for the first): Lightning's name for a Slurm
+    checkpoint, which resume_path reads beside checkpoints/last.ckpt. Unfinished `.ckpt.tmp` files count too, so
+    a save that died half-way is never written over."""
+    import re
+
+    numbers = [int(m.group(1)) for p in run_dir.glob("hpc_ckpt_*") if (m := re.match(r"hpc_ckpt_(\d+)\.ckpt", p.name))]
+    return str(run_dir / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
+
 class SlurmPreemption(pl.Callback):
     """On Slurm's warning signal, save run.dir/hpc_ckpt_N.ckpt at one step on every rank, requeue, exit.
 
@@ -271,7 +281,7 @@ class SlurmPreemption(pl.Callback):
         if not self._any_rank_signalled(trainer) or 0 < trainer.max_steps <= trainer.global_step:
             return  # no signal, or the last step: the run ends now and writes last.ckpt itself
         # One name for all ranks: each rank listing the folder while rank 0 writes could pick N+1.
-        path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+        path = trainer.strategy.broadcast(next_hpc_path(Path(trainer.default_root_dir)))
         rank_zero_info(f"Slurm preemption signal: saving step {trainer.global_step} to {path}")
         trainer.save_checkpoint(path)
         finish_saves(trainer)

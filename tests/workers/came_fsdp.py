@@ -11,7 +11,7 @@ TASK and writes the results as `NAME_rank<r>.pt` into OUT_DIR.
   checkpoint `reshard_w<WORLD_SIZE>`, train STEPS more (the uninterrupted run).
 - `load:W`: resume that model from the checkpoint saved on W ranks and train STEPS steps.
 
-    python tests/came_fsdp_worker.py OUT_DIR NAME TASK [TASK ...]
+    python tests/workers/came_fsdp.py OUT_DIR NAME TASK [TASK ...]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from framework.distributed.env import leave  # noqa: E402
 from plugins.came import CAME, is_8bit  # noqa: E402

@@ -1,4 +1,4 @@
-"""`torchrun --nproc_per_node=N -m tests.decoupled_worker DATA VAE DECODE_RANKS OUT`: plain vs decoupled generation.
+"""`torchrun --nproc_per_node=N -m tests.workers.decoupled DATA VAE DECODE_RANKS OUT`: plain vs decoupled generation.
 
 Every rank builds the same random 4-channel PixArt over the digits prompts with a tiny random VAE as the
 image decoder (tests/conftest.py), then generates the prompts plainly (each rank alone) and with
@@ -98,7 +98,7 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
 
 
 def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
-    """`... tests.decoupled_worker roles CKPT K|auto OUT`: the sample command's way (a lazy pipeline of a checkpoint):
+    """`... tests.workers.decoupled roles CKPT K|auto OUT`: the sample command's way (a lazy pipeline of a checkpoint):
     per rank, whether it built the denoiser and loaded the image codec, and its peak resident memory; rank 0 also
     checks the images against one process's."""
     import resource

@@ -1,4 +1,4 @@
-"""`python -m tests.dist_train [train overrides]`: framework.train plus a probe callback, for 2-process tests.
+"""`python -m tests.workers.dist_train [train overrides]`: framework.train plus a probe callback, for 2-process tests.
 
 Lightning's launcher re-runs this same command for the other ranks, so every rank gets the probe.
 Each rank writes run.dir/probe_rank<r>.json: the sample keys of each step's batch and, after the
@@ -139,7 +139,7 @@ def main_with_probe(probe: Callable[[Path], pl.Callback]) -> None:
 
     train_lib.build_callbacks = build_callbacks
     # framework.train's config_path is relative to its own file; from this module give it absolutely.
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    conf = str(Path(__file__).resolve().parents[2] / "conf")
     hydra.main(version_base="1.3", config_path=conf, config_name="config")(train_lib.main.__wrapped__)()
 
 

@@ -1,4 +1,4 @@
-"""`python -m tests.ema_dist_train [train overrides]`: framework.train plus a probe of the EMA, for 2-process tests.
+"""`python -m tests.workers.ema_dist_train [train overrides]`: framework.train plus a probe of the EMA, for 2-process tests.
 
 Lightning's launcher re-runs this same command for the other ranks, so every rank gets the probe.
 When training ends each rank writes run.dir/ema_probe_rank<r>.json: for every EMA tensor whether
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from tests.dist_train import main_with_probe
+from tests.workers.dist_train import main_with_probe
 
 
 class EMAProbe(pl.Callback):

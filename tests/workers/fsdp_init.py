@@ -1,4 +1,4 @@
-"""`python -m tests.fsdp_init_worker CASES_JSON OUT_DIR`: the fsdp set-up of several models, 2 ranks, gloo, CPU.
+"""`python -m tests.workers.fsdp_init CASES_JSON OUT_DIR`: the fsdp set-up of several models, 2 ranks, gloo, CPU.
 
 For each case ({"model": preset, "seed": N, "init_from": path or null}) it seeds like framework.train
 (`pl.seed_everything`), draws 3 numbers (as tests/test_fsdp_init.py's reference does), builds the real DiffusionModule

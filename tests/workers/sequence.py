@@ -1,4 +1,4 @@
-"""`torchrun --standalone --nproc_per_node=P -m tests.sequence_worker DATA OUT`: sequence-parallel forward and
+"""`torchrun --standalone --nproc_per_node=P -m tests.workers.sequence DATA OUT`: sequence-parallel forward and
 backward of each family's debug preset against the same model on whole sequences, in fp64; and sampling (P = 2).
 Also: with activation checkpointing, against diffusers' own Ulysses attention, and which all-gathers run.
 

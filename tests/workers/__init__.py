@@ -1,0 +1,1 @@
+"""Programs the multi-process tests start (`python -m tests.workers.NAME`), one per rank."""
