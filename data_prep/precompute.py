@@ -87,8 +87,13 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
 
 
 def _world() -> tuple[int, int, int]:
-    env = lambda k, d: int(os.environ.get(k, d))
-    return env("RANK", 0), env("WORLD_SIZE", 1), env("LOCAL_RANK", 0)
+    """(rank, world size, local rank) from the launcher: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, else srun's
+    SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun sets no RANK: without these its tasks would each be rank 0
+    of 1 and write the same rank_00000 folder), else one process."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+    return int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_LOCALID", 0))
 
 
 # ---------------------------------------------------------------------------------------------

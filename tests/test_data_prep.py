@@ -208,12 +208,29 @@ def test_interrupted_run_restarts_cleanly(tmp_path, tiny_text_encoder_dir):
     assert not (out / "rank_00000" / "junk.partial").exists()
 
 
-def test_two_ranks_merge(tmp_path, tiny_text_encoder_dir):
+@pytest.mark.parametrize("launcher", ["args", "torchrun", "srun"])
+def test_two_ranks_merge(tmp_path, tiny_text_encoder_dir, monkeypatch, launcher):
+    """Rank 1 writes its part and returns; rank 0 writes its own, then merges. The rank and world size come from
+    the arguments, from torchrun's RANK / WORLD_SIZE, or from srun's SLURM_PROCID / SLURM_NTASKS alone."""
     src = make_image_folder(tmp_path / "imgs", n=5)
     cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir)
-    precompute(cfg, rank=1, world_size=2)  # rank 1 writes its part and returns
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(k, raising=False)
+
+    def as_rank(rank: int) -> Path:
+        if launcher == "args":
+            return precompute(cfg, rank=rank, world_size=2)
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK") if launcher == "torchrun" else ("SLURM_PROCID", "SLURM_NTASKS",
+                                                                                    "SLURM_LOCALID")
+        for name, value in zip(names, (rank, 2, rank)):
+            monkeypatch.setenv(name, str(value))
+        return precompute(cfg)
+
+    as_rank(1)
     assert not (tmp_path / "ds" / "dataset.json").exists()
-    out = precompute(cfg, rank=0, world_size=2)  # rank 0 writes its part, then merges
+    out = as_rank(0)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(k, raising=False)  # the rows are read back by one process
     index = json.loads((out / "index.json").read_text())
     assert {s["raw_data"]["basename"].split("/")[0] for s in index["shards"]} == {"rank_00000", "rank_00001"}
     keys = [r["key"] for r in read_rows(out)]

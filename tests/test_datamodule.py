@@ -470,22 +470,34 @@ def test_streaming_scale_keys_reach_the_dataset(digits_shards, tmp_path):
     with pytest.raises(ValueError, match="not more than data.num_canonical_nodes=100000"):
         module(digits_shards, tmp_path, name="c2", num_canonical_nodes=100_000)
     for bad, match in (({"shuffle_algo": "py9"}, "data.shuffle_algo='py9'"), ({"num_canonical_nodes": 0}, ">= 1"),
-                       ({"download_timeout": 0}, "download_timeout")):
+                       ({"num_canonical_nodes": "many"}, "'many'.*auto"), ({"download_timeout": 0}, "download_timeout")):
         with pytest.raises(ValueError, match=match):
             DataConfig(path=str(digits_shards), **bad)
 
 
-def test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts():
-    """The real-data config's canonical node count divides evenly over 1-8 physical nodes, so a job saved on 4 nodes
-    and resumed on 3, 5, 6 or 7 keeps Streaming's per-node partition (each node reads its own canonical nodes'
-    shards); with Streaming's default (the first run's 4 nodes) that partition refuses 3 nodes and a resume falls
-    back to one that reads shards across node boundaries."""
+def test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts(digits_shards, tmp_path, caplog):
+    """The real-data config's canonical node count (auto: 840 for a dataset of 3,360 samples or more) divides evenly
+    over 1-8 physical nodes, so a job saved on 4 nodes and resumed on 3, 5, 6 or 7 keeps Streaming's per-node
+    partition (each node reads its own canonical nodes' shards); with Streaming's default (the first run's 4 nodes)
+    that partition refuses 3 nodes and a resume falls back to one that reads shards across node boundaries. A small
+    dataset gets fewer partitions, at least 4 samples each, instead of a refusal (72 captioned images: 12), and the
+    run says what it chose: here the 4,314 digits rows get 840."""
     from omegaconf import OmegaConf
     from streaming.base.partition import get_partitions
 
-    ncn = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "shards.yaml").num_canonical_nodes
+    from framework.data.datamodule import canonical_nodes
+
+    shipped = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "shards.yaml").num_canonical_nodes
+    assert shipped == "auto"
+    ncn = canonical_nodes(shipped, 100_000)
+    assert ncn == 840
     for nodes in range(1, 9):
         get_partitions("orig", 100_000, ncn, nodes, 8, 2, 32)
+    assert [canonical_nodes("auto", n) for n in (72, 100, 479, 480, 3359, 3360, 3)] == [12, 24, 60, 120, 420, 840, 1]
+    assert canonical_nodes(7, 72) == 7 and canonical_nodes(None, 72) is None
+    with caplog.at_level("INFO"):
+        dm = module(digits_shards, tmp_path, batch_size=8, num_canonical_nodes="auto")
+    assert dm.dataset.num_canonical_nodes == 840 and "num_canonical_nodes=auto chose 840 for 4314 samples" in caplog.text
     with pytest.raises(ValueError, match="evenly divisible"):
         get_partitions("orig", 100_000, 4, 3, 8, 2, 32)
 

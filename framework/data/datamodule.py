@@ -57,11 +57,14 @@ class DataConfig:
     drop_last: bool = True  # keep every step's batch the same size
     predownload: Optional[int] = None  # samples to fetch ahead per worker; null = Streaming's 8 * batch_size
     cache_limit: Optional[str] = None  # cap on the local cache for remote data ("10gb"); null = no cap
-    # Streaming's scale knobs (docs/data.md). num_canonical_nodes: the sample space is split into this many
+    # Streaming's scale knobs (docs/training.md). num_canonical_nodes: the sample space is split into this many
     # partitions, dealt out to the physical nodes; when one count divides the other each node reads only its own
-    # partitions' shards (else Streaming's relaxed partition reads across nodes), so the shipped real-data config
-    # sets 840 (node counts 1-8, 10, 12, 14, 15, ... all divide it); null = the first run's node count.
-    num_canonical_nodes: Optional[int] = None
+    # partitions' shards (else Streaming's relaxed partition reads across nodes). `auto` (the shipped real-data
+    # config) takes the largest of CANONICAL_NODES (840, 420, 120, ...) that leaves every partition at least
+    # SAMPLES_PER_PARTITION samples: 840 for any dataset of 3,360 samples or more (node counts 1-8, 10, 12, 14, 15,
+    # ... divide it), fewer for a small one (12 for 72 images); it depends on the dataset alone, so a resume gets the
+    # same. null = the first run's node count (Streaming's default).
+    num_canonical_nodes: Any = None
     shuffle_algo: str = "py1e"  # Streaming's shuffle: py1e (default), py1br, py1s, py2s, naive
     shuffle_block_size: Optional[int] = None  # samples per shuffle block; null = Streaming's max(4e6 / nodes, 2^18)
     download_retry: int = 2  # remote shards: extra attempts per shard download
@@ -83,9 +86,13 @@ class DataConfig:
             raise ValueError("data.persistent_workers=true needs data.num_workers > 0.")
         if self.shuffle_algo not in SHUFFLE_ALGOS:
             raise ValueError(f"data.shuffle_algo={self.shuffle_algo!r}: use one of {', '.join(SHUFFLE_ALGOS)}.")
-        for key in ("num_canonical_nodes", "shuffle_block_size"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ValueError(f"data.{key}={getattr(self, key)}: must be >= 1 (or null for Streaming's default).")
+        ncn = self.num_canonical_nodes
+        if ncn is not None and ncn != "auto" and (isinstance(ncn, bool) or not isinstance(ncn, int) or ncn < 1):
+            raise ValueError(f"data.num_canonical_nodes={ncn!r}: an integer >= 1, auto (chosen from the dataset's "
+                             "size) or null (Streaming's default: the first run's node count).")
+        if self.shuffle_block_size is not None and self.shuffle_block_size < 1:
+            raise ValueError(f"data.shuffle_block_size={self.shuffle_block_size}: must be >= 1 (or null for "
+                             "Streaming's default).")
         if self.download_retry < 0 or self.download_timeout <= 0:
             raise ValueError(f"data.download_retry={self.download_retry} must be >= 0 and data.download_timeout="
                              f"{self.download_timeout} > 0.")
@@ -327,6 +334,20 @@ def check_socket_room() -> None:
                          "characters, or data.num_workers=0")
 
 
+# What data.num_canonical_nodes=auto chooses from, largest first: each divides 840 and is divided by the node counts
+# a dataset of its size is likely to be trained on; and the fewest samples it leaves a partition.
+CANONICAL_NODES = (840, 420, 120, 60, 24, 12, 6, 2, 1)
+SAMPLES_PER_PARTITION = 4
+
+
+def canonical_nodes(setting: Any, num_samples: int) -> Optional[int]:
+    """data.num_canonical_nodes as Streaming gets it: `auto` resolved from the dataset's size (see DataConfig),
+    an integer or null as given."""
+    if setting != "auto":
+        return setting
+    return next((c for c in CANONICAL_NODES if num_samples >= SAMPLES_PER_PARTITION * c), 1)
+
+
 def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
     """`make()` a StreamingDataset, again after a short random pause when another job on this node registered the
     same shared-memory prefix between Streaming's choice of it and its creation (FileExistsError on `NNNNNN_locals`:
@@ -366,6 +387,7 @@ class LatentDataModule(L.LightningDataModule):
         self.prepare_data_per_node = False
         self.info: Optional[DatasetInfo] = None
         self.dataset = None
+        self.num_canonical_nodes: Optional[int] = None  # data.num_canonical_nodes resolved (setup)
         self.buckets: list[dict] = []  # the aspect-ratio buckets read (setup)
 
     def prepare_data(self) -> None:
@@ -391,7 +413,12 @@ class LatentDataModule(L.LightningDataModule):
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, fewer than "
                              f"one global batch ({self.cfg.batch_size} per rank x {global_batch // self.cfg.batch_size}"
                              f" data-parallel ranks = {global_batch}); lower data.batch_size")
-        ncn = self.cfg.num_canonical_nodes
+        ncn = self.num_canonical_nodes = canonical_nodes(self.cfg.num_canonical_nodes, self.info.num_samples)
+        if self.cfg.num_canonical_nodes == "auto":
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"data: num_canonical_nodes=auto chose {ncn} for {self.info.num_samples} samples (node "
+                           f"counts that divide {ncn} each read only their own partitions' shards)")
         if ncn is not None and self.info.num_samples <= ncn:
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, not more "
                              f"than data.num_canonical_nodes={ncn} (Streaming's partitions): lower "
@@ -451,7 +478,7 @@ class LatentDataModule(L.LightningDataModule):
                 batch_size=cfg.batch_size, shuffle=cfg.shuffle,
                 shuffle_seed=self.seed if cfg.shuffle_seed is None else cfg.shuffle_seed,
                 predownload=cfg.predownload, cache_limit=cfg.cache_limit,
-                num_canonical_nodes=cfg.num_canonical_nodes, shuffle_algo=cfg.shuffle_algo,
+                num_canonical_nodes=self.num_canonical_nodes, shuffle_algo=cfg.shuffle_algo,
                 shuffle_block_size=cfg.shuffle_block_size, download_retry=cfg.download_retry,
                 download_timeout=cfg.download_timeout,
                 replication=self.replication if self.replication > 1 else None,
