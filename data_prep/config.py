@@ -52,6 +52,7 @@ class PrecomputeConfig:
     prompts: Optional[list[str]] = None  # grid prompts encoded with the data (training never loads the text
     # encoder for them); null: the source's own (digits: the ten digits), else the first 8 distinct captions
     batch_size: int = 64  # images per encoder call
+    caption_cache_mb: float = 1024.0  # caption embeddings kept for reuse, least recently used dropped beyond this
     device: Optional[str] = None  # null = cuda:<LOCAL_RANK> when a GPU is present, else cpu
     dtype: Optional[str] = None  # null = bf16/fp16 on GPU, fp32 on CPU
     shard_size: str = "64mb"  # MDS shard size limit (bytes or "64mb"-style)
@@ -73,6 +74,8 @@ class PrecomputeConfig:
             raise ValueError(f"max_bad_fraction={self.max_bad_fraction}: must be in [0, 1].")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1.")
+        if self.caption_cache_mb < 0:
+            raise ValueError(f"caption_cache_mb={self.caption_cache_mb}: must be >= 0 (0 encodes every caption anew).")
         if self.buckets is not None and self.width is not None:
             raise ValueError(f"buckets={self.buckets} and width={self.width}: the buckets set every image's size; "
                              "drop width.")

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
@@ -154,18 +155,37 @@ def _batches(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
 
 
 class CaptionCache:
-    """Each unique caption string is encoded once per run (digits has only 50 of them)."""
+    """Caption embeddings kept for reuse, at most `max_bytes` of them, the least recently used dropped first.
 
-    def __init__(self, encoder: TextEncoder, batch_size: int) -> None:
-        self.encoder, self.batch_size, self.table = encoder, batch_size, {}
+    A caption seen again (digits has only 50; web data repeats stock captions) is not encoded again while it is
+    kept. Per-token embeddings are large (T5-XXL: 4096 x fp16 a token, about 1 MB for a long caption), so an
+    unbounded table would grow with the number of distinct captions, hundreds of GiB over millions of them.
+    """
+
+    def __init__(self, encoder: TextEncoder, batch_size: int, max_bytes: float = float("inf")) -> None:
+        self.encoder, self.batch_size, self.max_bytes = encoder, batch_size, max_bytes
+        self.table: OrderedDict[str, np.ndarray] = OrderedDict()  # oldest use first
+        self.bytes = 0
+        self.encoded = 0  # captions sent to the encoder so far
 
     def __call__(self, captions: list[str]) -> list[np.ndarray]:
-        todo = list(dict.fromkeys(c for c in captions if c not in self.table))
+        found = {c: self.table[c] for c in dict.fromkeys(captions) if c in self.table}
+        for c in found:
+            self.table.move_to_end(c)
+        todo = [c for c in dict.fromkeys(captions) if c not in found]
         for i in range(0, len(todo), self.batch_size):
             chunk = todo[i:i + self.batch_size]
             for c, emb in zip(chunk, self.encoder.encode(chunk)):
-                self.table[c] = emb.numpy().astype(np.float16)  # (L_i, D)
-        return [self.table[c] for c in captions]
+                found[c] = emb.numpy().astype(np.float16)  # (L_i, D)
+                self._keep(c, found[c])
+            self.encoded += len(chunk)
+        return [found[c] for c in captions]
+
+    def _keep(self, caption: str, emb: np.ndarray) -> None:
+        self.table[caption] = emb
+        self.bytes += emb.nbytes
+        while self.bytes > self.max_bytes and self.table:
+            self.bytes -= self.table.popitem(last=False)[1].nbytes
 
 
 def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEncoder, mode: str,
@@ -184,7 +204,7 @@ def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEnco
         columns["label"] = "int"
     if buckets is not None:  # SDXL-style micro-conditioning needs the source size and the crop
         columns.update({"bucket": "int", "original_size": "ndarray:int32", "crop_top_left": "ndarray:int32"})
-    captions = CaptionCache(text, cfg.batch_size)
+    captions = CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)
     stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": [],
              "bucket_rows": {}}
     total = source.size()

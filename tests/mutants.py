@@ -260,6 +260,13 @@ MUTANTS = [
              "    return next((c for c in CANONICAL_NODES if num_samples >= SAMPLES_PER_PARTITION * c), 1)",
              "    return 840"),),
            ("tests/test_datamodule.py::test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts",)),
+    Mutant("caption_cache_unbounded", "precompute ignores caption_cache_mb: its caption cache grows without bound",
+           (("data_prep/precompute.py", "CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)",
+             "CaptionCache(text, cfg.batch_size)"),),
+           ("tests/test_data_prep.py::test_precompute_bounds_its_caption_cache_by_caption_cache_mb",)),
+    Mutant("caption_cache_evicts_oldest_inserted", "the caption cache drops the oldest encoded, not the least recently used",
+           (("data_prep/precompute.py", "        for c in found:\n            self.table.move_to_end(c)\n", ""),),
+           ("tests/test_data_prep.py::test_the_caption_cache_keeps_the_most_recently_used_within_its_bytes",)),
     # The suite's own machinery (findings 3 and 7 of the tests review):
     Mutant("job_status_largest_code", "a multi-rank job's status is the largest rank code (hides a rank killed by -9)",
            (("tests/zygote.py", "    return next((c for c in codes if c != 0), 0)", "    return max(codes)"),),

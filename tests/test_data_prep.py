@@ -311,3 +311,66 @@ def test_buckets_refuse_bad_specs_and_know_the_presets():
         resolve_buckets([[256, 250]], 16)
     with pytest.raises(ValueError, match="use one of pixart_256"):
         resolve_buckets("pixart_2048", 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The caption cache
+# ---------------------------------------------------------------------------------------------
+
+
+class CountingEncoder:
+    """A text encoder stand-in: caption i -> a (4, 8) embedding filled with its length; counts what it encodes."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def encode(self, captions: list[str]) -> list:
+        import torch
+
+        self.seen += captions
+        return [torch.full((4, 8), float(len(c))) for c in captions]
+
+
+def test_the_caption_cache_keeps_the_most_recently_used_within_its_bytes():
+    """Three embeddings' worth of room (3 x 64 bytes): a fourth caption drops the least recently used, which is
+    encoded again when it comes back; a caption used meanwhile stays. Over 100k distinct captions the kept bytes
+    never pass the limit."""
+    from data_prep.precompute import CaptionCache
+
+    enc = CountingEncoder()
+    cache = CaptionCache(enc, batch_size=2, max_bytes=3 * 64)
+    out = cache(["a", "bb", "a", "ccc"])
+    assert [float(e[0, 0]) for e in out] == [1, 2, 1, 3] and enc.seen == ["a", "bb", "ccc"]
+    cache(["a"])  # used again: now the most recent
+    cache(["dddd"])  # drops "bb", the least recently used
+    assert list(cache.table) == ["ccc", "a", "dddd"] and cache.bytes == 3 * 64
+    cache(["bb", "a"])
+    assert enc.seen == ["a", "bb", "ccc", "dddd", "bb"]  # "bb" encoded again, "a" not
+    peak = 0
+    for i in range(0, 100_000, 500):
+        cache([f"caption {j}" for j in range(i, i + 500)])
+        peak = max(peak, cache.bytes)
+    assert peak <= 3 * 64 and len(cache.table) == 3 and cache.encoded == 5 + 100_000
+
+
+def test_precompute_bounds_its_caption_cache_by_caption_cache_mb(tmp_path, tiny_text_encoder_dir, monkeypatch):
+    """caption_cache_mb reaches the rank's cache: 8 images with 2 distinct captions are 2 encoder inputs by default
+    and 8 at caption_cache_mb=0 (nothing kept)."""
+    import data_prep.precompute as pre
+
+    src = make_image_folder(tmp_path / "imgs", n=8)
+    for i, txt in enumerate(sorted(src.rglob("*.txt"))):
+        txt.write_text("a cat" if i % 2 else "a dog")
+    caches = []
+
+    class Recorded(pre.CaptionCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    monkeypatch.setattr(pre, "CaptionCache", Recorded)
+    precompute(folder_config(src, tmp_path / "kept", tiny_text_encoder_dir), rank=0, world_size=1)
+    precompute(folder_config(src, tmp_path / "none", tiny_text_encoder_dir, caption_cache_mb=0), rank=0, world_size=1)
+    kept, none = caches
+    assert (kept.max_bytes, none.max_bytes) == (1024 * 2**20, 0)
+    assert (kept.encoded, none.encoded) == (2, 8) and len(read_rows(tmp_path / "none")) == 8
