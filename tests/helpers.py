@@ -304,7 +304,10 @@ def folder_config(src: Path, out: Path, text_encoder: Path, **kw) -> dict:
 
 
 def read_rows(path: Path) -> list[dict]:
-    ds = StreamingDataset(local=str(path), shuffle=False, batch_size=1)
+    from framework.data.shards import prefix_lock
+
+    with prefix_lock():  # as the data module opens its datasets: never the prefix another job is choosing
+        ds = StreamingDataset(local=str(path), shuffle=False, batch_size=1)
     rows = [ds[i] for i in range(len(ds))]
     del ds
     return rows
