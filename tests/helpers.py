@@ -304,10 +304,9 @@ def folder_config(src: Path, out: Path, text_encoder: Path, **kw) -> dict:
 
 
 def read_rows(path: Path) -> list[dict]:
-    from framework.data.shards import prefix_lock
+    from framework.data.shards import open_streaming
 
-    with prefix_lock():  # as the data module opens its datasets: never the prefix another job is choosing
-        ds = StreamingDataset(local=str(path), shuffle=False, batch_size=1)
+    ds = open_streaming(lambda: StreamingDataset(local=str(path), shuffle=False, batch_size=1))  # as the data module
     rows = [ds[i] for i in range(len(ds))]
     del ds
     return rows

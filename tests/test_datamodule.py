@@ -507,7 +507,6 @@ def test_a_shared_memory_prefix_taken_by_another_job_at_the_same_moment_is_retri
     """Two jobs starting together on one node can both pick Streaming's first free shared-memory prefix; the second
     to create its `NNNNNN_locals` gets FileExistsError (seen in CI: the Slurm sweep's two array jobs). A process
     that is its node's only rank retries with the next prefix; inside a multi-rank job the error is raised."""
-    import framework.data.datamodule as dm_lib
 
     real, calls = framework.data.shards.ShardDataset, []
 
@@ -526,7 +525,7 @@ def test_a_shared_memory_prefix_taken_by_another_job_at_the_same_moment_is_retri
     calls.clear()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(FileExistsError, match="_locals"):
-        dm_lib.open_racing_other_jobs(lambda: racing())
+        framework.data.shards.open_racing_other_jobs(lambda: racing())
     assert len(calls) == 1
 
 

@@ -88,10 +88,10 @@ def test_pair_source_round_trips_through_the_shards(pairs_shards, tmp_path):
     assert info["latent_size"] == [8, 16] and info["num_images"] == 2 * len(TRAIN_PAIRS) == 180
 
     seen = set()
-    from framework.data.shards import prefix_lock
+    from framework.data.shards import open_streaming
 
-    with prefix_lock():  # as the data module opens its datasets
-        rows = StreamingDataset(remote=str(out), local=str(tmp_path / "cache"), shuffle=False, batch_size=1)
+    rows = open_streaming(lambda: StreamingDataset(remote=str(out), local=str(tmp_path / "cache"), shuffle=False,
+                                                   batch_size=1))  # as the data module opens its datasets
     for row in rows:
         a, b = divmod(int(row["label"]), 10)
         pixels = np.round((row["latents"].astype(np.float32)[0] + 1) * 127.5)  # pixel codec: [-1, 1]

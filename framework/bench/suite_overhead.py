@@ -161,7 +161,7 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
 
     from framework import config as config_lib
     from framework.data.datamodule import canonical_nodes
-    from framework.data.shards import prefix_lock
+    from framework.data.shards import open_streaming
     from framework.models.backbones import build_denoiser
     from framework.preflight import fit_model_to_data
 
@@ -182,9 +182,9 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
     B = cfg.data.batch_size
     d = cfg.data  # with data.local, Streaming copies the shards there (as the framework's run does)
     remote, local = (d.path, d.local) if d.local else (None, str(Path(d.path).expanduser()))
-    with prefix_lock():  # as the framework's data module opens it: no other job's dataset takes the same prefix
-        dataset = StreamingDataset(remote=remote, local=local, batch_size=B, shuffle=d.shuffle, shuffle_seed=cfg.seed,
-                                   num_canonical_nodes=canonical_nodes(d.num_canonical_nodes, info.num_samples))
+    dataset = open_streaming(lambda: StreamingDataset(  # as the framework's data module opens it
+        remote=remote, local=local, batch_size=B, shuffle=d.shuffle, shuffle_seed=cfg.seed,
+        num_canonical_nodes=canonical_nodes(d.num_canonical_nodes, info.num_samples)))
     scale, shift = info.scaling_factor, info.shift_factor
 
     def collate(samples: list[dict]) -> dict[str, torch.Tensor]:

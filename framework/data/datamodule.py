@@ -11,7 +11,6 @@ the LightningModule calls `drop_captions` per step.
 """
 from __future__ import annotations
 
-import logging
 import os
 import urllib.parse
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import torch
 
 from data_prep.record import DATASET_FILE, DatasetRecord
 from framework.models.conditioning import pad_and_stack
-from framework.data.shards import VALIDATE_MODES, check_shards, prefix_lock, remove_orphan_shared_memory
+from framework.data.shards import VALIDATE_MODES, check_shards, open_streaming
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # streaming.base.shuffle's algorithms
 
@@ -348,29 +347,6 @@ def canonical_nodes(setting: Any, num_samples: int) -> Optional[int]:
     return next((c for c in CANONICAL_NODES if num_samples >= SAMPLES_PER_PARTITION * c), 1)
 
 
-def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
-    """`make()` a StreamingDataset, again after a short random pause when another job on this node registered the
-    same shared-memory prefix between Streaming's choice of it and its creation (FileExistsError on `NNNNNN_locals`:
-    Streaming takes the first free prefix without a lock across processes, so two jobs starting together can pick
-    the same one). Jobs of this framework take `prefix_lock` and do not race each other; this is for another
-    program's Streaming job on the node. The retry picks the next free prefix. Only for a process that is its node's
-    only rank: within a job the local ranks agree on the prefix together, and one rank retrying alone would leave
-    the others waiting."""
-    import random
-    import time
-
-    alone = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1
-    for attempt in range(attempts):
-        try:
-            return make()
-        except FileExistsError as err:
-            if not alone or "_locals" not in str(err) or attempt == attempts - 1:
-                raise
-            logging.getLogger(__name__).warning("another job registered Streaming's shared-memory prefix at the same "
-                                                "moment (%s); trying the next one", err)
-            time.sleep(random.uniform(0.05, 0.5))
-
-
 def _is_complete(path: str) -> bool:
     return _is_remote(path) or (Path(path).expanduser() / DATASET_FILE).is_file()
 
@@ -483,13 +459,7 @@ class LatentDataModule(L.LightningDataModule):
                 download_timeout=cfg.download_timeout,
                 replication=self.replication if self.replication > 1 else None,
             )
-            with prefix_lock():  # no other job on this node chooses a prefix meanwhile
-                removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
-                if removed:
-                    logging.getLogger(__name__).warning(
-                        "removed %d shared-memory segments left by a dead Streaming dataset: %s",
-                        len(removed), ", ".join(removed[:6]))
-                return open_racing_other_jobs(make)
+            return open_streaming(make)
         except Exception as err:
             raise RuntimeError(f"could not open the shards of {cfg.path} (local cache {local}): "
                                f"{type(err).__name__}: {err}") from err

@@ -19,7 +19,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -278,6 +278,44 @@ def prefix_lock(shm_dir: Path = SHM_DIR, timeout: float = 300.0) -> Iterator[Non
     finally:
         if fd is not None:
             os.close(fd)  # closing the only descriptor releases the flock
+
+
+def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
+    """`make()` a StreamingDataset, again after a short random pause when another job on this node registered the
+    same shared-memory prefix between Streaming's choice of it and its creation (FileExistsError on `NNNNNN_locals`:
+    Streaming takes the first free prefix without a lock across processes, so two jobs starting together can pick
+    the same one). Jobs of this framework take `prefix_lock` and do not race each other; this is for another
+    program's Streaming job on the node. The retry picks the next free prefix. Only for a process that is its node's
+    only rank: within a job the local ranks agree on the prefix together, and one rank retrying alone would leave
+    the others waiting."""
+    import logging
+    import random
+    import time
+
+    alone = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1
+    for attempt in range(attempts):
+        try:
+            return make()
+        except FileExistsError as err:
+            if not alone or "_locals" not in str(err) or attempt == attempts - 1:
+                raise
+            logging.getLogger(__name__).warning("another job registered Streaming's shared-memory prefix at the same "
+                                                "moment (%s); trying the next one", err)
+            time.sleep(random.uniform(0.05, 0.5))
+
+
+def open_streaming(make: Any) -> Any:
+    """`make()` a StreamingDataset the way every dataset of this project is opened: under this node's prefix lock,
+    after removing the segments dead datasets left behind, retried if another program's job took its prefix.
+    The data module, the overhead bench's hand loop and the tests' own readers all open theirs through it."""
+    import logging
+
+    with prefix_lock():  # no other job on this node chooses a prefix meanwhile
+        removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
+        if removed:
+            logging.getLogger(__name__).warning("removed %d shared-memory segments left by a dead Streaming dataset: "
+                                                "%s", len(removed), ", ".join(removed[:6]))
+        return open_racing_other_jobs(make)
 
 
 # ---------------------------------------------------------------------------------------------
