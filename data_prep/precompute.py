@@ -169,10 +169,11 @@ class CaptionCache:
         self.encoded = 0  # captions sent to the encoder so far
 
     def __call__(self, captions: list[str]) -> list[np.ndarray]:
-        found = {c: self.table[c] for c in dict.fromkeys(captions) if c in self.table}
+        unique = dict.fromkeys(captions)
+        found = {c: self.table[c] for c in unique if c in self.table}
         for c in found:
             self.table.move_to_end(c)
-        todo = [c for c in dict.fromkeys(captions) if c not in found]
+        todo = [c for c in unique if c not in found]
         for i in range(0, len(todo), self.batch_size):
             chunk = todo[i:i + self.batch_size]
             for c, emb in zip(chunk, self.encoder.encode(chunk)):
