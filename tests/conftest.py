@@ -78,6 +78,14 @@ def pairs_shards(tmp_path_factory) -> Path:
     return precompute(cfg, rank=0, world_size=1)
 
 
+def pytest_collection_finish(session) -> None:
+    """Move everything alive once the test modules are imported (torch, Lightning, diffusers: about 600,000
+    objects) out of the collector's reach. The collection after each test (below) then walks only what the
+    tests made since, instead of about 0.6 s of walking per test (6 minutes of a 20-minute suite)."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_streaming_env():
     """Each test starts single-process; LatentDataModule.setup sets these, so restore them after."""
