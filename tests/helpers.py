@@ -219,6 +219,33 @@ def train_env(tmp: Path, env: dict | None) -> dict[str, str]:
     return full_env
 
 
+# The least final grid of a run (one image a prompt, one sampler step) for tests that never look at it.
+LEAST_GRID = ("sample.per_prompt=1", "sample.steps=1")
+
+
+def forked_children(monkeypatch, module: str = "framework.train") -> list[list[str]]:
+    """The `python -m MODULE` children a command starts with subprocess.run (a study's arms through
+    framework.cli.train_child, the overhead bench's timed runs) forked from the test zygote: a fresh interpreter's
+    imports cost more than a test-sized child's work. Returns the list their command lines are appended to; any
+    other subprocess.run is left alone."""
+    launched: list[list[str]] = []
+    plain = subprocess.run
+
+    def run(argv, *args, **kwargs):
+        if list(argv[:3]) != [sys.executable, "-m", module]:
+            return plain(argv, *args, **kwargs)
+        launched.append(argv)
+        proc = zygote.run(argv, env=kwargs.get("env"), timeout=600)
+        if hasattr(kwargs.get("stdout"), "write"):  # the caller's log file (stderr=STDOUT)
+            kwargs["stdout"].write(proc.stdout + proc.stderr)
+        elif proc.returncode:  # train_child raises naming only the run folder: the child's output goes to the report
+            print(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return proc
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return launched
+
+
 def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, env: dict | None = None,
               wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
     """Start `python -m tests.workers.dist_train` on the digits shards with its own run.dir, cache and TMPDIR."""

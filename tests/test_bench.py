@@ -5,6 +5,7 @@ import pytest
 import sys
 from pathlib import Path
 from tests import zygote
+from tests.helpers import forked_children
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,15 +49,16 @@ def test_bench_checkpoint_saves_the_same_bytes_both_ways(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards):
+def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards, monkeypatch, capsys):
     """The framework's train command and the hand-written loop each run in their own process on the same shards,
     batch and threads; the command prints the ratio and writes a row per run plus the medians."""
-    out = tmp_path / "bench.json"
-    proc = zygote.run([sys.executable, "-m", "framework.bench", "overhead", "warmup=2", "steps=3", "rounds=2",
-                       f"overrides=['data.path={digits_shards}','data.local={tmp_path / 'cache'}','data.batch_size=16']",
-                       f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    *runs, ratio = json.loads(out.read_text())
+    from framework.bench.suite_overhead import OverheadBench, run
+
+    children = forked_children(monkeypatch, "framework.bench.suite_overhead")  # the timed runs, each in its own process
+    *runs, ratio = run(OverheadBench(
+        warmup=2, steps=3, rounds=2,
+        overrides=[f"data.path={digits_shards}", f"data.local={tmp_path / 'cache'}", "data.batch_size=16"]))
+    assert [argv[3] for argv in children] == ["framework", "loop", "loop", "framework"]
     # alternating order, so drift of the machine falls on both sides alike
     assert [(r["round"], r["side"]) for r in runs] == [(0, "framework"), (0, "loop"), (1, "loop"), (1, "framework")]
     assert {(r["batch_size"], r["threads"]) for r in runs} == {(16, runs[0]["threads"])}
@@ -64,7 +66,7 @@ def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards):
     fw = sorted(r["samples_per_s"] for r in runs if r["side"] == "framework")
     loop = sorted(r["samples_per_s"] for r in runs if r["side"] == "loop")
     assert ratio["framework_over_loop"] == pytest.approx(sum(fw) / sum(loop))  # medians of two runs each
-    assert f"framework / loop = {ratio['framework_over_loop']:.3f}" in proc.stdout
+    assert f"framework / loop = {ratio['framework_over_loop']:.3f}" in capsys.readouterr().out
 
 
 def test_bench_gpu_writes_its_table_into_the_readme_block(tmp_path):

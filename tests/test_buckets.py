@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import folder_config, losses, make_mixed_folder, probe, run_train, same_updates
+from tests.helpers import (
+    LEAST_GRID, folder_config, forked_children, losses, make_mixed_folder, probe, run_train, same_updates,
+)
 
 BUCKETS = [[4, 32], [8, 16], [12, 12], [16, 8]]
 # (h, w): 20 landscape (-> 8x16), 20 square (-> 12x12), 12 portrait (-> 16x8), 3 very wide (-> 4x32: fewer than a
@@ -282,11 +284,13 @@ def test_the_shapes_detector_finds_the_named_blocks_and_a_square_crop_loses_them
 
 
 @pytest.mark.slow
-def test_the_bucket_demonstration_runs_end_to_end(tmp_path):
+def test_the_bucket_demonstration_runs_end_to_end(tmp_path, monkeypatch):
     from framework.studies.buckets import BucketsStudy, run
 
+    launched = forked_children(monkeypatch)
     rows = run(BucketsStudy(scenes=48, steps=1, batch_size=8, eval_scenes=3, sample_steps=2, bootstrap=10,
-                            out=str(tmp_path / "demo" / "buckets.json")))
+                            train_overrides=list(LEAST_GRID), out=str(tmp_path / "demo" / "buckets.json")))
+    assert len(launched) == 2 and all(set(LEAST_GRID) <= set(argv) for argv in launched)
     sizes = {(r["model"], r["layout"]): r["image_size"] for r in rows}
     assert sizes[("buckets", "wide")] == "16x32" and sizes[("buckets", "tall")] == "32x16"
     assert sizes[("square", "wide")] == "24x24" and sizes[("buckets", "square")] == "24x24"

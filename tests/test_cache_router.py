@@ -17,7 +17,7 @@ import torch
 from framework.inference.sampling import SamplingPlan
 from framework.models.blocks import block_views
 from framework.inference.caching import CacheSchedule, model_signature, resolve_schedule, uniform_schedule
-from tests.helpers import FAMILIES, cheap, compose_cfg, crash_and_resume
+from tests.helpers import FAMILIES, cheap, compose_cfg, crash_and_resume, forked_children
 
 PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0"]
 
@@ -416,7 +416,8 @@ def test_straight_through_trains_on_the_forward_that_sampling_runs(digits_shards
 
 
 @pytest.mark.slow
-def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps(tmp_path, digits_shards, sources):
+def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps(tmp_path, digits_shards, sources,
+                                                                                 monkeypatch):
     """A router trained by the command itself (a child framework.train), read at two thresholds; uniform:K at each
     learned schedule's count of computed branches; fewer steps. The full sampler is the paired error's reference
     (0 for itself), every interval holds its estimate, and a re-thresholded schedule computes what its betas say."""
@@ -429,7 +430,9 @@ def test_the_cache_curve_compares_learned_schedules_with_uniform_and_fewer_steps
                           router_overrides=train_args, uniform=[2.0], fewer=[2], steps=4, seeds=1, phrasings=1,
                           batch_size=32, time_images=10, repeats=1, bootstrap=20, weights="train", device="cpu",
                           out=str(tmp_path / "curve" / "cache_curve.json"))
+    launched = forked_children(monkeypatch)
     rows = {r["variant"]: r for r in run(cfg)}
+    assert len(launched) == 1  # the one sparsity's router stage
     router_dir = tmp_path / "curve" / "router_sparsity0.003"
     learned = CacheSchedule.load(router_dir / "cache_schedule.json")
     assert learned.source["guidance"] == 4.0 and learned.source["start"] == "trajectory"

@@ -13,7 +13,9 @@ from framework.models.blocks import block_views, silence_block
 from framework.models.backbones import build_denoiser, load_preset
 from plugins.growth import GrowthConfig, grow, grow_checkpoint, layer_plan
 from plugins.prune import PruneCommand, choose_kept, prune
-from tests.helpers import FAMILIES, ROOT, cheap, compose_cfg, crash_and_resume, losses
+from tests.helpers import (
+    FAMILIES, LEAST_GRID, cheap, compose_cfg, crash_and_resume, forked_children, losses,
+)
 
 
 def _source(name: str, layers: int = 2):
@@ -281,18 +283,18 @@ def test_growth_report_by_hand(tmp_path):
 
     # The same through the public command, which writes growth.json and growth.png into out
     import json
-    import subprocess
     import sys
+
+    from tests import zygote
 
     out = tmp_path / "report"
     cmd = [sys.executable, "-m", "framework.studies", "growth_report", f"small={small}", f"grown={grown}",
            f"scratch={scratch}", f"out={out}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = zygote.run(cmd, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "growth.json").read_text()) == json.loads(json.dumps(r)) and (out / "growth.png").is_file()
     # A study asked of the benchmarks' command is pointed to where it lives
-    proc = subprocess.run([sys.executable, "-m", "framework.bench", "buckets"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "buckets"], timeout=120)
     assert proc.returncode != 0 and "python -m framework.studies buckets" in proc.stderr
 
 
@@ -304,20 +306,13 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
     import json
 
     from framework.studies import growth as study
-    from tests import zygote
 
-    launched: list[list[str]] = []
-
-    def run(argv, env=None):  # the arms' train commands, forked from the test zygote
-        launched.append(argv)
-        return zygote.run(argv, env=env, timeout=600)
-
-    monkeypatch.setattr("subprocess.run", run)  # framework.cli.train_child starts each arm through it
+    launched = forked_children(monkeypatch)
     cmd = study.GrowthStudy(
         base="quickstart", seeds=[0, 1], inits=["cyclic"], small_layers=2, large_layers=3, small_steps=2,
         total_steps=4, eval_every=2, new_warmup_steps=2, out=str(tmp_path / "study"),
         overrides=[f"data.path={digits_shards}", f"data.local={tmp_path / 'cache'}", "data.batch_size=16",
-                   "eval.seeds=1", "eval.phrasings=1", "eval.steps=2", "trainer.enable_progress_bar=false"])
+                   "eval.seeds=1", "eval.phrasings=1", "eval.steps=2", "trainer.enable_progress_bar=false", *LEAST_GRID])
     for _ in range(2):  # the second pass finds every run complete
         for seed in cmd.seeds:
             for arm in study.arms(cmd):

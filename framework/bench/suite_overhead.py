@@ -107,8 +107,10 @@ def _compose(experiment: str, overrides: list[str], max_steps: int, run_dir: Pat
 
     conf = Path(__file__).resolve().parents[2] / "conf"
     window = [f"experiment={experiment}", *overrides, f"trainer.max_steps={max_steps}", f"run.dir={run_dir}",
-              # Outside the timed window: no grid or evaluation, one checkpoint at the very end.
-              "sample.every_n_steps=0", "eval.at_end=false", "eval.every_n_steps=0",
+              # Outside the timed window: one checkpoint and the least grid (one image a prompt, one sampler step: the
+              # full one costs more than a short run's training) at the very end, no evaluation.
+              "sample.every_n_steps=0", "sample.per_prompt=1", "sample.steps=1", "eval.at_end=false",
+              "eval.every_n_steps=0",
               f"trainer.checkpoint_every_n_steps={max_steps}"]
     with initialize_config_dir(str(conf), version_base="1.3"):
         return compose("config", overrides=window)
