@@ -58,7 +58,10 @@ class PrecomputeConfig:
     shard_size: str = "64mb"  # MDS shard size limit (bytes or "64mb"-style)
     compression: Optional[str] = "zstd"  # MDS shard compression
     max_bad_fraction: float = 0.01  # fail when more than this fraction of images/captions is unusable
-    merge_timeout_s: float = 3600.0  # rank 0 waits this long for other ranks before merging
+    # records of a folder, manifest or built-in source per part of the output (out/part_NNNNNN/): the unit dealt to
+    # ranks, marked done and, after a kill, encoded again; webdataset makes one part per .tar whatever this says
+    records_per_part: int = 1000
+    merge_timeout_s: float = 3600.0  # rank 0 waits this long for every part to be done before merging
     progress: bool = True  # show a tqdm bar
 
     def __post_init__(self) -> None:
@@ -72,6 +75,8 @@ class PrecomputeConfig:
             raise ValueError(f"posterior={self.posterior!r}: use 'mean' or 'sample'.")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ValueError(f"max_bad_fraction={self.max_bad_fraction}: must be in [0, 1].")
+        if self.records_per_part < 1:
+            raise ValueError(f"records_per_part={self.records_per_part}: must be >= 1.")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1.")
         if self.caption_cache_mb < 0:

@@ -1,14 +1,21 @@
 """`python -m data_prep.precompute`: encode an image-caption source once into MDS shards.
 
-Layout of the output folder (every rank writes its own sub-folder, also when there is only one):
+The source is read in input shards (a .tar each, or `records_per_part` files, rows or records) and each one becomes
+a part of the output, encoded by one rank that opens only its own inputs (data_prep/parts.py deals them out):
 
     out/precompute.json          config fingerprint, written FIRST (refuses a different config later)
-    out/rank_00000/...           this rank's MDS shards + index.json + done.json (rank finished)
-    out/index.json               merged index (streaming.base.util.merge_index)
-    out/bucket_<h>x<w>/...       with `buckets=`: one MDS folder per aspect-ratio bucket instead (its rank_* folders
+    out/parts.json               the source's input shards, in order (refuses a resume over other inputs)
+    out/part_000000/...          input shard 0's MDS shards + index.json (an MDSWriter folder)
+    out/done/part_000000.json    part 0 finished (written once its writers have closed): its stats
+    out/index.json               the parts' indexes merged in part order (streaming.base.util.merge_index)
+    out/bucket_<h>x<w>/...       with `buckets=`: one MDS folder per aspect-ratio bucket instead (its part_* folders
                                  and merged index.json), latents at the bucket's shape (data_prep/buckets.py)
     out/empty_caption.safetensors  the "" caption's embedding, for train-time caption dropout
     out/dataset.json             written LAST: the completion marker the trainer reads
+
+A killed run is resumed by running the same command again, on any number of ranks: parts with a done marker are
+kept, the others are encoded again from scratch. Each part's rows are in the source's order, so the dataset is the
+same whatever the number of ranks and however often it was resumed.
 """
 from __future__ import annotations
 
@@ -17,7 +24,6 @@ import io
 import json
 import math
 import os
-import shutil
 import time
 from collections import OrderedDict
 from dataclasses import asdict
@@ -30,6 +36,7 @@ from PIL import Image
 
 from data_prep.config import PrecomputeConfig, SourceConfig, register_configs
 from data_prep.encoders import ImageCodec, TextEncoder, load_image_codec, load_text_encoder
+from data_prep.parts import DONE_DIR, check_parts, done_file, merge, my_parts, part_name, remove_partial, wait_for_parts
 from data_prep.record import DATASET_FILE, FORMAT_VERSION, DatasetRecord, write_json_atomic
 from data_prep.sources import Record, get_source
 
@@ -37,7 +44,6 @@ FINGERPRINT_FILE = "precompute.json"
 EMPTY_CAPTION_FILE = "empty_caption.safetensors"
 PROMPTS_FILE = "prompts.safetensors"  # the grid prompts' embeddings, one tensor per prompt (keys "0", "1", ...)
 GRID_PROMPTS = 8  # captions kept as grid prompts when neither the config nor the source names any
-RANK_DONE_FILE = "done.json"
 
 
 def log(msg: str) -> None:
@@ -90,7 +96,7 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
 def _world() -> tuple[int, int, int]:
     """(rank, world size, local rank) from the launcher: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, else srun's
     SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (srun sets no RANK: without these its tasks would each be rank 0
-    of 1 and write the same rank_00000 folder), else one process."""
+    of 1 and encode every part), else one process."""
     env = os.environ
     if "RANK" in env or "SLURM_PROCID" not in env:
         return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
@@ -189,63 +195,71 @@ class CaptionCache:
             self.bytes -= self.table.popitem(last=False)[1].nbytes
 
 
-def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEncoder, mode: str,
-                rank_dir: Path, rank: int, world: int, buckets: list[tuple[int, int]] | None = None) -> dict:
-    """Encode this rank's share (records i with i % world == rank) into rank_dir (with buckets: into each
-    bucket's folder, out/bucket_<h>x<w>/rank_<r>); returns its stats."""
-    from contextlib import ExitStack
-
-    from streaming import MDSWriter
-    from tqdm import tqdm
-
-    from data_prep.buckets import bucket_dir, nearest_bucket
-
+def _columns(source, buckets: list[tuple[int, int]] | None) -> dict[str, str]:
     columns = {"latents": "ndarray:float16", "text_embeds": "ndarray:float16", "caption": "str", "key": "str"}
     if source.num_classes is not None:
         columns["label"] = "int"
     if buckets is not None:  # SDXL-style micro-conditioning needs the source size and the crop
         columns.update({"bucket": "int", "original_size": "ndarray:int32", "crop_top_left": "ndarray:int32"})
-    captions = CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)
+    return columns
+
+
+def _pixels(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tuple[int, int]] | None,
+            stats: dict) -> tuple[int, torch.Tensor, dict] | None:
+    """(bucket, or -1 without buckets; pixels (C, h, w); micro-conditioning) of a record, or None when it is unusable
+    (counted in stats)."""
+    from data_prep.buckets import nearest_bucket
+
+    if not r.captions:
+        stats["missing_captions"] += 1
+        stats["examples"].append(f"{r.key}: missing caption")
+        return None
+    try:
+        img = open_image(r.image, mode)
+        if buckets is None:
+            b, (h, w) = -1, (cfg.resolution, cfg.width or cfg.resolution)
+        else:
+            b = nearest_bucket(img.size[1], img.size[0], buckets)
+            h, w = buckets[b]
+        extra = {"bucket": b, "original_size": np.array([img.size[1], img.size[0]], dtype=np.int32)}
+        img, top, left = cover_crop(img, h, w)
+        extra["crop_top_left"] = np.array([top, left], dtype=np.int32)
+        return b, to_tensor(img), extra
+    except Exception as err:  # unreadable/truncated: skip, count, report
+        stats["bad_images"] += 1
+        stats["examples"].append(f"{r.key}: unreadable image ({type(err).__name__}: {err})")
+        return None
+
+
+def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, captions: CaptionCache, mode: str,
+                out: Path, index: int, buckets: list[tuple[int, int]] | None, bar, dealt: dict) -> dict:
+    """Encode input shard `shard` into part `index` (out/part_<index>, or with buckets each bucket's
+    out/bucket_<h>x<w>/part_<index>), rows in the source's order; then mark the part done with its stats."""
+    from contextlib import ExitStack
+
+    from streaming import MDSWriter
+
+    from data_prep.buckets import bucket_dir
+
+    columns = _columns(source, buckets)
     stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": [],
              "bucket_rows": {}}
-    total = source.size()
-    bar = tqdm(total=None if total is None else -(-total // world) if world > 1 else total,
-               disable=not cfg.progress, desc=f"encode rank {rank}", unit="img")
     start = time.perf_counter()
-    mine = (r for i, r in enumerate(source.records()) if i % world == rank)
     with ExitStack() as stack:
         writers: dict[int, Any] = {}
 
-        def writer(b: int):  # one per bucket (b = -1 without buckets), opened at its first image
+        def writer(b: int):  # one per bucket (b = -1 without buckets), opened at its first row
             if b not in writers:
-                out = rank_dir if b < 0 else rank_dir.parent / bucket_dir(buckets[b]) / rank_dir.name
-                writers[b] = stack.enter_context(MDSWriter(out=str(out), columns=columns, compression=cfg.compression,
+                folder = (out if b < 0 else out / bucket_dir(buckets[b])) / part_name(index)
+                writers[b] = stack.enter_context(MDSWriter(out=str(folder), columns=columns, compression=cfg.compression,
                                                            hashes=["xxh64"], size_limit=cfg.shard_size))
             return writers[b]
 
-        if buckets is None:
-            writer(-1)  # the single folder exists even when every record is bad (the error below names them)
-        for batch in _batches(mine, cfg.batch_size):
+        for batch in _batches(source.shard_records(shard), cfg.batch_size):
             groups: dict[int, list[tuple[Record, torch.Tensor, dict]]] = {}
             for r in batch:
-                if not r.captions:
-                    stats["missing_captions"] += 1
-                    stats["examples"].append(f"{r.key}: missing caption")
-                    continue
-                try:
-                    img = open_image(r.image, mode)
-                    if buckets is None:
-                        b, (h, w) = -1, (cfg.resolution, cfg.width or cfg.resolution)
-                    else:
-                        b = nearest_bucket(img.size[1], img.size[0], buckets)
-                        h, w = buckets[b]
-                    extra = {"bucket": b, "original_size": np.array([img.size[1], img.size[0]], dtype=np.int32)}
-                    img, top, left = cover_crop(img, h, w)
-                    extra["crop_top_left"] = np.array([top, left], dtype=np.int32)
-                    groups.setdefault(b, []).append((r, to_tensor(img), extra))
-                except Exception as err:  # unreadable/truncated: skip, count, report
-                    stats["bad_images"] += 1
-                    stats["examples"].append(f"{r.key}: unreadable image ({type(err).__name__}: {err})")
+                if (got := _pixels(r, cfg, mode, buckets, stats)) is not None:
+                    groups.setdefault(got[0], []).append((r, got[1], got[2]))
             bar.update(len(batch))
             for b, group in sorted(groups.items()):
                 latents = codec.encode(torch.stack([g[1] for g in group])).cpu().numpy().astype(np.float16)  # (B, c, h, w)
@@ -263,54 +277,70 @@ def encode_rank(cfg: PrecomputeConfig, source, codec: ImageCodec, text: TextEnco
                         stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
                 stats["images"] += len(group)
                 stats.setdefault("latent_shape", list(latents.shape[1:]))
-    bar.close()
-    stats["seconds"] = time.perf_counter() - start
-    seen = stats["images"] + stats["bad_images"] + stats["missing_captions"]
-    bad = stats["bad_images"] + stats["missing_captions"]
-    if seen == 0 or stats["images"] == 0:
-        raise RuntimeError(f"rank {rank}: no usable image-caption pairs in source={cfg.source.name} "
-                           f"(path={cfg.source.path}); {bad} unusable: {stats['examples'][:5]}")
-    if bad:
-        log(f"rank {rank}: skipped {stats['bad_images']} unreadable images and {stats['missing_captions']} "
-            f"missing captions of {seen}, e.g. {stats['examples'][:3]}")
-    if bad / seen > cfg.max_bad_fraction:
-        raise RuntimeError(
-            f"rank {rank}: {bad} of {seen} records unusable ({stats['bad_images']} unreadable images, "
-            f"{stats['missing_captions']} missing captions) > max_bad_fraction={cfg.max_bad_fraction}. "
-            f"First ones: {stats['examples'][:5]}. Fix the source or raise max_bad_fraction. "
-            f"No dataset.json was written, so this output is not treated as complete."
-        )
+        stats["seconds"] = time.perf_counter() - start
     stats["examples"] = stats["examples"][:20]
+    # Only now have the writers closed (the last shard and the index.json are on disk): the part may be marked done.
+    write_json_atomic(done_file(out, index), {**stats, **dealt})
     return stats
 
 
+def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int], codec: ImageCodec,
+                text: TextEncoder, mode: str, out: Path, round_: int, rank: int, world: int,
+                buckets: list[tuple[int, int]] | None = None) -> dict:
+    """Encode this rank's parts `mine` one after the other, each marked done as it finishes; returns the totals."""
+    from tqdm import tqdm
+
+    from data_prep.buckets import bucket_dir
+
+    captions = CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)  # shared by the rank's parts
+    total = source.size()
+    bar = tqdm(total=None if total is None else round(total * len(mine) / len(shards)), disable=not cfg.progress,
+               desc=f"encode rank {rank}", unit="img")
+    totals = {"images": 0, "rows": 0, "seconds": 0.0}
+    (out / DONE_DIR).mkdir(exist_ok=True)
+    for i in mine:
+        remove_partial(out, i, [bucket_dir(b) for b in buckets or []])
+        stats = encode_part(cfg, source, shards[i], codec, captions, mode, out, i, buckets, bar,
+                            {"part": i, "shard": shards[i], "rank": rank, "round": round_, "world": world})
+        totals = {k: v + stats[k] for k, v in totals.items()}
+    bar.close()
+    return totals
+
+
 # ---------------------------------------------------------------------------------------------
-# Finishing: merge ranks, write the empty caption and dataset.json (rank 0 only)
+# Finishing: merge the parts, write the empty caption and dataset.json (rank 0 only)
 # ---------------------------------------------------------------------------------------------
 
 
-def _wait_for_ranks(out: Path, world: int, timeout: float) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    done = [out / f"rank_{r:05d}" / RANK_DONE_FILE for r in range(world)]
-    while not all(p.is_file() for p in done):
-        if time.monotonic() > deadline:
-            missing = [str(p.parent) for p in done if not p.is_file()]
-            raise TimeoutError(f"ranks did not finish within merge_timeout_s={timeout}: {missing}")
-        time.sleep(1.0)
-    return [json.loads(p.read_text()) for p in done]
+def usable_totals(cfg: PrecomputeConfig, stats: list[dict]) -> dict:
+    """The parts' counts summed; raises when nothing is usable or more than max_bad_fraction is not."""
+    total = {k: sum(s[k] for s in stats) for k in ("images", "rows", "bad_images", "missing_captions")}
+    examples = [e for s in stats for e in s["examples"]]
+    bad = total["bad_images"] + total["missing_captions"]
+    seen = total["images"] + bad
+    if total["images"] == 0:
+        raise RuntimeError(f"no usable image-caption pairs in source={cfg.source.name} (path={cfg.source.path}); "
+                           f"{bad} unusable: {examples[:5]}")
+    if bad:
+        log(f"skipped {total['bad_images']} unreadable images and {total['missing_captions']} missing captions of "
+            f"{seen}, e.g. {examples[:3]}")
+    if bad / seen > cfg.max_bad_fraction:
+        raise RuntimeError(
+            f"{bad} of {seen} records unusable ({total['bad_images']} unreadable images, {total['missing_captions']} "
+            f"missing captions) > max_bad_fraction={cfg.max_bad_fraction}. First ones: {examples[:5]}. Fix the source "
+            "or raise max_bad_fraction (a rerun with a higher one keeps the parts encoded so far). No dataset.json "
+            "was written, so this output is not treated as complete."
+        )
+    return total
 
 
-def _merge(root: Path, world: int) -> None:
-    """root/index.json from the ranks' root/rank_*/index.json (a rank with no rows there has none)."""
-    from streaming.base.util import merge_index
-
-    (root / "index.json").unlink(missing_ok=True)  # a stale merge from an interrupted run; merge_index won't overwrite
-    parts = [root / f"rank_{r:05d}" / "index.json" for r in range(world)]
-    merge_index([str(p) for p in parts if p.is_file()], str(root))
+def first_captions(stats: list[dict]) -> list[str]:
+    """The first GRID_PROMPTS distinct captions in the source's order (the parts' own first ones, in part order)."""
+    return list(dict.fromkeys(c for s in stats for c in s["first_captions"]))[:GRID_PROMPTS]
 
 
 def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: int) -> list[dict]:
-    """dataset.json's `buckets`: each size, its folder, latent size and row count (every rank's)."""
+    """dataset.json's `buckets`: each size, its folder, latent size and row count (every part's)."""
     from data_prep.buckets import bucket_dir
 
     rows = lambda b: sum(s["bucket_rows"].get(str(b), 0) for s in stats)
@@ -319,25 +349,26 @@ def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: 
 
 
 def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
-           out: Path, world: int, buckets: list[tuple[int, int]] | None = None) -> DatasetRecord:
+           out: Path, world: int, num_parts: int, buckets: list[tuple[int, int]] | None = None) -> DatasetRecord:
     from safetensors.torch import save_file
 
     from data_prep.buckets import nearest_bucket
 
-    stats = _wait_for_ranks(out, world, cfg.merge_timeout_s)
+    stats = wait_for_parts(out, num_parts, cfg.merge_timeout_s)
+    total = usable_totals(cfg, stats)
     if buckets is None:
-        _merge(out, world)
+        merge(out, [i for i, s in enumerate(stats) if s["rows"]])
     else:
         table = bucket_table(stats, buckets, codec.downsample)
-        for row in table:
+        for b, row in enumerate(table):
             if row["num_samples"]:
-                _merge(out / row["dir"], world)
+                merge(out / row["dir"], [i for i, s in enumerate(stats) if s["bucket_rows"].get(str(b))])
     empty = text.encode([""])[0].to(torch.float16).contiguous()  # (L0, D)
     save_file({"text_embeds": empty}, str(out / EMPTY_CAPTION_FILE))
-    prompts = list(cfg.prompts or source.grid_prompts() or stats[0]["first_captions"])
+    prompts = list(cfg.prompts or source.grid_prompts() or first_captions(stats))
     save_file({str(i): e.to(torch.float16).contiguous() for i, e in enumerate(text.encode(prompts))},
               str(out / PROMPTS_FILE))
-    latent_shape = stats[0]["latent_shape"]
+    latent_shape = next(s["latent_shape"] for s in stats if "latent_shape" in s)
     extra: dict[str, Any] = {}
     if buckets is not None:
         # The model's base size (its sample_size): the square bucket's side (PixArt's 256 / 512 / 1024), or that of
@@ -363,10 +394,9 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         image_mode=mode,
         resolution=cfg.resolution if buckets is None else latent_shape[1] * codec.downsample,
         width=cfg.width,
-        num_samples=sum(s["rows"] for s in stats),
-        num_images=sum(s["images"] for s in stats),
-        skipped={"bad_images": sum(s["bad_images"] for s in stats),
-                 "missing_captions": sum(s["missing_captions"] for s in stats)},
+        num_samples=total["rows"],
+        num_images=total["images"],
+        skipped={"bad_images": total["bad_images"], "missing_captions": total["missing_captions"]},
         num_classes=source.num_classes,
         empty_caption=EMPTY_CAPTION_FILE,
         prompts={"file": PROMPTS_FILE, "texts": prompts},
@@ -386,8 +416,9 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_existing(out: Path, fp: dict, world: int) -> bool:
-    """True when a finished dataset with this config exists; raises when `out` holds a different one."""
+def _check_existing(out: Path, fp: dict) -> bool:
+    """True when a finished dataset with this config exists; raises when `out` holds a different one. An unfinished
+    one with this config is resumed, on any number of ranks."""
     marker = out / FINGERPRINT_FILE
     if not marker.is_file():
         if out.is_dir() and any(out.iterdir()):
@@ -399,18 +430,14 @@ def _check_existing(out: Path, fp: dict, world: int) -> bool:
         diff = {k: (old["config"].get(k), v) for k, v in fp["config"].items() if old["config"].get(k) != v}
         raise FileExistsError(f"out={out} holds a dataset made with a different configuration "
                               f"(differences as (existing, requested): {diff}). Use another out= or delete it.")
-    if (out / DATASET_FILE).is_file():
-        return True
-    if old.get("world_size") != world:
-        raise FileExistsError(f"out={out}: an interrupted run with WORLD_SIZE={old.get('world_size')} is there; "
-                              f"rerun with that many ranks or delete the folder (now WORLD_SIZE={world}).")
-    return False
+    return (out / DATASET_FILE).is_file()
 
 
 def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None) -> Path:
-    """Build the dataset at cfg.out (or do nothing if it is already there); returns its path.
+    """Build the dataset at cfg.out (or do nothing if it is already there, or finish what a killed run began);
+    returns its path.
 
-    rank/world_size default to the RANK/WORLD_SIZE environment; pass 0/1 to force one process
+    rank/world_size default to the launcher's environment (`_world`); pass 0/1 to force one process
     (the data module does, since its prepare_data runs on one rank inside a DDP job).
     """
     cfg = as_config(cfg)
@@ -419,15 +446,23 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
     rank = env_rank if rank is None else rank
     world = env_world if world_size is None else world_size
     fp = fingerprint(cfg)
-    if _check_existing(out, fp, world):
+    if _check_existing(out, fp):
         log(f"{out} is already complete (dataset.json present, same config); nothing to do.")
         return out
     out.mkdir(parents=True, exist_ok=True)
     if not (out / FINGERPRINT_FILE).is_file():  # written first; every rank writes the same content
-        write_json_atomic(out / FINGERPRINT_FILE, {**fp, "world_size": world})
+        write_json_atomic(out / FINGERPRINT_FILE, fp)
 
     source = get_source(cfg.source)
-    device = cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    shards = source.shards(cfg.records_per_part)
+    check_parts(out, shards)
+    round_, mine, done = my_parts(out, len(shards), rank, world)
+    log(f"rank {rank} of {world}: {done} of {len(shards)} parts already done, {len(mine)} to encode here "
+        f"(round {round_})")
+    if not mine and rank != 0:
+        return out
+    # cuda:<local rank>, or the one GPU Slurm left visible to this task (--gpus-per-task=1 binds one to each)
+    device = cfg.device or (f"cuda:{local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
     mode = cfg.image_mode or (source.default_image_mode if cfg.vae == "pixel" else "RGB")
     codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior)
     for key, side in (("resolution", cfg.resolution), ("width", cfg.width)):
@@ -440,21 +475,13 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
         buckets = resolve_buckets(cfg.buckets, 2 * codec.downsample)
     text = load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens)
 
-    rank_dir = out / f"rank_{rank:05d}"
-    if (rank_dir / RANK_DONE_FILE).is_file():
-        log(f"rank {rank}: {rank_dir} already finished; skipping to merge.")
-    else:
-        shutil.rmtree(rank_dir, ignore_errors=True)  # an interrupted run restarts this rank from scratch
-        for stale in out.glob(f"bucket_*/{rank_dir.name}"):
-            shutil.rmtree(stale, ignore_errors=True)
-        stats = encode_rank(cfg, source, codec, text, mode, rank_dir, rank, world, buckets)
-        rank_dir.mkdir(parents=True, exist_ok=True)  # with buckets it holds no shards, only this marker
-        write_json_atomic(rank_dir / RANK_DONE_FILE, stats)
-        log(f"rank {rank}: {stats['images']} images -> {stats['rows']} rows in {stats['seconds']:.1f}s "
-            f"({stats['images'] / max(stats['seconds'], 1e-9):.1f} images/s, {device})")
+    if mine:
+        t = encode_rank(cfg, source, shards, mine, codec, text, mode, out, round_, rank, world, buckets)
+        log(f"rank {rank}: {len(mine)} parts, {t['images']} images -> {t['rows']} rows in {t['seconds']:.1f}s "
+            f"({t['images'] / max(t['seconds'], 1e-9):.1f} images/s, {device})")
     if rank != 0:
         return out
-    record = finish(cfg, fp, source, codec, text, mode, out, world, buckets)
+    record = finish(cfg, fp, source, codec, text, mode, out, world, len(shards), buckets)
     log(f"wrote {record.num_samples} samples to {out} (latents {record.latent_channels}x"
         f"{record.latent_size[0]}x{record.latent_size[1]}, text dim {record.text_dim})")
     return out

@@ -50,7 +50,7 @@ class DatasetRecord:
     columns: list[str] = field(default_factory=list)  # the MDS columns
     latents_scaled: bool = False  # the trainer applies (x - shift_factor) * scaling_factor exactly once
     source: dict[str, Any] = field(default_factory=dict)  # {"name", "path", ...the source's metadata}
-    world_size: int = 1  # ranks that encoded it
+    world_size: int = 1  # ranks of the run that finished it (a resumed dataset's earlier parts may have had others)
     width: Optional[int] = None  # the image width when it differs from the resolution
     buckets: Optional[list[dict[str, Any]]] = None  # aspect-ratio buckets: [{"size", "dir", "latent_size", "num_samples"}]
     bucket_spec: Optional[str] = None

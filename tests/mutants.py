@@ -274,6 +274,39 @@ MUTANTS = [
     Mutant("forked_child_skips_shutdown", "forked test processes exit without joining threads or running atexit",
            (("tests/zygote.py", "    code = finish(code)\n", ""),),
            ("tests/test_zygote.py",)),
+    # Precompute by input shard (issue 41):
+    Mutant("precompute_rank_reads_every_shard", "a precompute rank reads every input shard and keeps its own part's "
+           "records (the output is right; every rank opens every tar)",
+           (("data_prep/precompute.py", "_batches(source.shard_records(shard), cfg.batch_size)",
+             "_batches((r for s in source.shards(cfg.records_per_part) for r in source.shard_records(s) if s == shard), "
+             "cfg.batch_size)"),),
+           ("tests/test_data_prep.py::test_a_rank_opens_only_its_own_input_shards",)),
+    Mutant("precompute_part_marked_done_before_close", "a part's done marker is written while its MDS writer is still "
+           "open (a kill then leaves a done part without its last shard or index.json)",
+           (("data_prep/precompute.py",
+             '        stats["seconds"] = time.perf_counter() - start\n    stats["examples"] = stats["examples"][:20]\n'
+             '    # Only now have the writers closed (the last shard and the index.json are on disk): the part may be '
+             'marked done.\n    write_json_atomic(done_file(out, index), {**stats, **dealt})\n',
+             '        stats["seconds"] = time.perf_counter() - start\n        stats["examples"] = stats["examples"][:20]\n'
+             '        write_json_atomic(done_file(out, index), {**stats, **dealt})\n'),),
+           ("tests/test_data_prep.py::test_interrupted_run_restarts_cleanly",)),
+    Mutant("precompute_done_parts_encoded_again", "a resumed precompute ignores the done markers and encodes every part "
+           "again", (("data_prep/parts.py", "    done = read_done(out)\n", "    done = {}\n"),),
+           ("tests/test_data_prep.py::test_a_killed_run_resumes_on_another_number_of_ranks",)),
+    Mutant("precompute_parts_merged_out_of_order", "the parts' indexes are merged in reverse order (the rows no longer "
+           "follow the source)",
+           (("data_prep/parts.py", "merge_index([str(p) for p in parts], str(root))",
+             "merge_index([str(p) for p in reversed(parts)], str(root))"),),
+           ("tests/test_data_prep.py::test_two_ranks_merge[args]",
+            "tests/test_data_prep.py::test_a_killed_run_resumes_on_another_number_of_ranks")),
+    Mutant("precompute_merge_skips_a_part", "the merge leaves out the last part that holds rows",
+           (("data_prep/precompute.py", 'merge(out, [i for i, s in enumerate(stats) if s["rows"]])',
+             'merge(out, [i for i, s in enumerate(stats) if s["rows"]][:-1])'),),
+           ("tests/test_data_prep.py::test_two_ranks_merge[args]",)),
+    Mutant("precompute_records_per_part_ignored", "precompute cuts the source with the default records_per_part "
+           "whatever the config says",
+           (("data_prep/precompute.py", "shards = source.shards(cfg.records_per_part)", "shards = source.shards(1000)"),),
+           ("tests/test_data_prep.py::test_two_ranks_merge[args]",)),
 ]
 
 

@@ -5,6 +5,7 @@ import io
 import json
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -130,14 +131,7 @@ def test_manifest(tmp_path, tiny_text_encoder_dir, fmt):
 
 def test_webdataset(tmp_path, tiny_text_encoder_dir):
     src = make_image_folder(tmp_path / "imgs", n=5)
-    (tmp_path / "wds").mkdir()
-    with tarfile.open(tmp_path / "wds" / "00000.tar", "w") as tar:
-        for i, png in enumerate(sorted(src.rglob("*.png"))):
-            for ext, data in (("jpg", _as_jpeg(png)), ("txt", png.with_suffix(".txt").read_bytes()),
-                              ("json", b"{}")):
-                info = tarfile.TarInfo(f"{i:09d}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+    write_tars(sorted(src.rglob("*.png")), tmp_path / "wds", per_tar=5)
     cfg = folder_config(tmp_path / "wds", tmp_path / "ds", tiny_text_encoder_dir)
     cfg["source"] = {"name": "webdataset", "path": str(tmp_path / "wds")}
     out = precompute(cfg, rank=0, world_size=1)
@@ -149,6 +143,22 @@ def test_webdataset(tmp_path, tiny_text_encoder_dir):
         assert row["caption"] == pngs[i].with_suffix(".txt").read_text(), row["key"]
         pixels = load_pixels(_as_jpeg(pngs[i]), "RGB", 8).numpy()
         np.testing.assert_allclose(row["latents"].astype(np.float32), pixels, atol=1e-3)
+
+
+def write_tars(pngs: list[Path], folder: Path, per_tar: int) -> list[Path]:
+    """img2dataset-style tars of `per_tar` images each: <i>.jpg, <i>.txt (the png's caption) and <i>.json."""
+    folder.mkdir(parents=True)
+    tars = []
+    for t in range(0, len(pngs), per_tar):
+        tars.append(folder / f"{t // per_tar:05d}.tar")
+        with tarfile.open(tars[-1], "w") as tar:
+            for i, png in enumerate(pngs[t:t + per_tar], t):
+                for ext, data in (("jpg", _as_jpeg(png)), ("txt", png.with_suffix(".txt").read_bytes()),
+                                  ("json", b"{}")):
+                    info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return tars
 
 
 def _as_jpeg(png: Path) -> bytes:
@@ -177,6 +187,11 @@ def test_bad_images_and_missing_captions(tmp_path, tiny_text_encoder_dir, capsys
     info = json.loads((out / "dataset.json").read_text())
     assert info["num_samples"] == 4 and info["skipped"] == {"bad_images": 1, "missing_captions": 1}
     assert "img000.png: unreadable image" in capsys.readouterr().out
+    # the refused folder, again with the higher limit: its encoded part is kept and only merged
+    again = precompute(folder_config(src, tmp_path / "strict", tiny_text_encoder_dir, max_bad_fraction=0.5),
+                       rank=0, world_size=1)
+    assert "1 of 1 parts already done, 0 to encode here" in capsys.readouterr().out
+    assert [r["key"] for r in read_rows(again)] == [r["key"] for r in read_rows(out)]
 
 
 def test_wrong_encoder_paths(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
@@ -190,30 +205,67 @@ def test_wrong_encoder_paths(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
         precompute(folder_config(src, tmp_path / "c", tmp_path), rank=0, world_size=1)
 
 
-def test_interrupted_run_restarts_cleanly(tmp_path, tiny_text_encoder_dir):
+def marked_done_only_when_written(monkeypatch) -> list[Path]:
+    """Check, as each done marker is written, that its part is already complete on disk: the part's index.json
+    (which MDSWriter writes last, when it closes) counts the rows the marker claims. Returns the markers written."""
+    import data_prep.precompute as pre
+
+    written, write = [], pre.write_json_atomic
+
+    def checked(path: Path, obj: dict) -> None:
+        if path.parent.name == "done":
+            index = path.parent.parent / path.stem / "index.json"
+            assert index.is_file(), f"{path.name} written while its part has no index.json yet (writer still open)"
+            assert sum(s["samples"] for s in json.loads(index.read_text())["shards"]) == obj["rows"]
+            written.append(path)
+        write(path, obj)
+
+    monkeypatch.setattr(pre, "write_json_atomic", checked)
+    return written
+
+
+def test_interrupted_run_restarts_cleanly(tmp_path, tiny_text_encoder_dir, monkeypatch, capsys):
+    """A crash mid-part: the finished part is kept as it is, the unfinished one is cleared and encoded again."""
     src = make_image_folder(tmp_path / "imgs", n=4)
-    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir)
+    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir, records_per_part=2)
+    written = marked_done_only_when_written(monkeypatch)
     out = precompute(cfg, rank=0, world_size=1)
-    first = json.loads((out / "dataset.json").read_text())
-    # simulate a crash mid-way: the rank had not finished and dataset.json was never written
+    assert [p.name for p in written] == ["part_000000.json", "part_000001.json"]
+    first, rows = json.loads((out / "dataset.json").read_text()), read_rows(out)
+    # simulate a crash mid-way: part 1 had not finished and dataset.json was never written
     (out / "dataset.json").unlink()
-    (out / "rank_00000" / "done.json").unlink()
-    (out / "rank_00000" / "junk.partial").write_text("half a shard")
+    (out / "done" / "part_000001.json").unlink()
+    (out / "part_000001" / "junk.partial").write_text("half a shard")
+    kept = (out / "done" / "part_000000.json").stat()
     with pytest.raises(FileNotFoundError, match="did not finish"):
         from framework.data.datamodule import read_dataset_info
 
         read_dataset_info(str(out))
+    capsys.readouterr()
     precompute(cfg, rank=0, world_size=1)
+    assert "1 of 2 parts already done, 1 to encode here" in capsys.readouterr().out
     assert json.loads((out / "dataset.json").read_text())["num_samples"] == first["num_samples"]
-    assert not (out / "rank_00000" / "junk.partial").exists()
+    assert not (out / "part_000001" / "junk.partial").exists()
+    again = (out / "done" / "part_000000.json").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # part 0 was not encoded again
+    assert [(r["key"], r["caption"]) for r in read_rows(out)] == [(r["key"], r["caption"]) for r in rows]
+    # another source under the same folder is refused, naming the parts
+    (src / "img009.png").write_bytes((src / "img000.png").read_bytes())
+    (out / "dataset.json").unlink()
+    with pytest.raises(FileExistsError, match="2 parts then, 3 now.*source or records_per_part changed"):
+        precompute(cfg, rank=0, world_size=1)
 
 
 @pytest.mark.parametrize("launcher", ["args", "torchrun", "srun"])
 def test_two_ranks_merge(tmp_path, tiny_text_encoder_dir, monkeypatch, launcher):
-    """Rank 1 writes its part and returns; rank 0 writes its own, then merges. The rank and world size come from
-    the arguments, from torchrun's RANK / WORLD_SIZE, or from srun's SLURM_PROCID / SLURM_NTASKS alone."""
+    """Rank 1 encodes its part and returns; rank 0 encodes its own, then merges all three in the source's order. The
+    rank and world size come from the arguments, from torchrun's RANK / WORLD_SIZE, or from srun's SLURM_PROCID /
+    SLURM_NTASKS alone."""
+    from data_prep.config import SourceConfig
+    from data_prep.sources import get_source
+
     src = make_image_folder(tmp_path / "imgs", n=5)
-    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir)
+    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir, records_per_part=2)  # parts of 2, 2 and 1 images
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         monkeypatch.delenv(k, raising=False)
 
@@ -227,14 +279,113 @@ def test_two_ranks_merge(tmp_path, tiny_text_encoder_dir, monkeypatch, launcher)
         return precompute(cfg)
 
     as_rank(1)
+    assert sorted(p.name for p in (tmp_path / "ds").glob("done/*.json")) == ["part_000001.json"]
     assert not (tmp_path / "ds" / "dataset.json").exists()
     out = as_rank(0)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         monkeypatch.delenv(k, raising=False)  # the rows are read back by one process
     index = json.loads((out / "index.json").read_text())
-    assert {s["raw_data"]["basename"].split("/")[0] for s in index["shards"]} == {"rank_00000", "rank_00001"}
-    keys = [r["key"] for r in read_rows(out)]
-    assert len(keys) == 5 and len(set(keys)) == 5
+    assert [s["raw_data"]["basename"].split("/")[0] for s in index["shards"]] == [f"part_{i:06d}" for i in range(3)]
+    in_order = [f"{r.key}#0" for r in get_source(SourceConfig(name="folder", path=str(src))).records()]
+    assert [r["key"] for r in read_rows(out)] == in_order and len(in_order) == 5
+
+
+@pytest.mark.parametrize("kind", ["webdataset", "folder"])
+def test_a_rank_opens_only_its_own_input_shards(tmp_path, tiny_text_encoder_dir, monkeypatch, kind):
+    """Rank 1 of 2 reads the tars (or the images and captions) of parts 1 and 3 and nothing of parts 0 and 2; rank 0
+    the others. Recorded where the source opens a tar or a caption file, and where precompute opens an image."""
+    import data_prep.precompute as pre
+    import data_prep.sources.folder as folder_source
+    import data_prep.sources.webdataset as wds
+
+    pngs = sorted(make_image_folder(tmp_path / "imgs", n=8).rglob("*.png"))
+    cfg = folder_config(tmp_path / "imgs", tmp_path / "ds", tiny_text_encoder_dir, records_per_part=2)
+    if kind == "webdataset":
+        write_tars(pngs, tmp_path / "wds", per_tar=2)
+        cfg["source"] = {"name": "webdataset", "path": str(tmp_path / "wds")}
+        inputs = [[f"{t:05d}.tar"] for t in range(4)]
+    else:
+        inputs = [sorted(f"{p.stem}{ext}" for p in pngs[2 * t:2 * t + 2] for ext in (".png", ".txt")) for t in range(4)]
+    opened: list[str] = []
+    tar_open, read_caption, open_image = wds.tarfile.open, folder_source.read_caption, pre.open_image
+    monkeypatch.setattr(wds.tarfile, "open", lambda path, *a, **k: opened.append(Path(path).name) or tar_open(path, *a, **k))
+    monkeypatch.setattr(folder_source, "read_caption", lambda path: opened.append(path.name) or read_caption(path))
+    monkeypatch.setattr(pre, "open_image", lambda image, mode: opened.append(getattr(image, "name", "bytes"))
+                        or open_image(image, mode))
+    precompute(cfg, rank=1, world_size=2)
+    assert sorted(set(opened) - {"bytes"}) == sorted(inputs[1] + inputs[3])
+    opened.clear()
+    out = precompute(cfg, rank=0, world_size=2)
+    assert sorted(set(opened) - {"bytes"}) == sorted(inputs[0] + inputs[2])
+    assert len(read_rows(out)) == 8
+
+
+# A rank of the killed run: precompute as `python -c`, ranks from RANK / WORLD_SIZE, each image slowed down so that
+# the kill lands while some parts are done and others are being written.
+SLOW_RANK = """
+import json, sys, time
+import data_prep.precompute as pre
+to_tensor = pre.to_tensor
+def slow(img):
+    time.sleep(0.15)
+    return to_tensor(img)
+pre.to_tensor = slow
+pre.precompute(json.loads(sys.argv[1]))
+"""
+
+
+def test_a_killed_run_resumes_on_another_number_of_ranks(tmp_path, tiny_text_encoder_dir, capsys):
+    """Two ranks are SIGKILLed once a seeded number of parts is done; three ranks resume. Parts finished before the
+    kill are not encoded again, the leftover is dealt evenly over the three, and the dataset equals one uninterrupted
+    process's: the same rows in the same order (latents and captions exact; text embeddings up to float round-off,
+    since the ranks' encoder ran with another thread count)."""
+    from tests.helpers import train_env
+
+    src = make_image_folder(tmp_path / "imgs", n=24)
+    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir, records_per_part=2)  # 12 parts
+    reference = read_rows(precompute({**cfg, "out": str(tmp_path / "reference")}, rank=0, world_size=1))
+    kill_after = int(np.random.default_rng(41).integers(2, 6))  # done markers seen before the kill
+    done = tmp_path / "ds" / "done"
+    ranks = []
+    for r in range(2):
+        (tmp_path / f"tmp{r}").mkdir()
+        env = train_env(tmp_path / f"tmp{r}", {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)})
+        ranks.append(zygote.popen([sys.executable, "-c", SLOW_RANK, json.dumps(cfg)], env=env))
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(done.glob("*.json"))) < kill_after:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), \
+                [p.communicate()[0][-2000:] for p in ranks if p.poll() is not None]
+            time.sleep(0.01)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait(60)
+    kept = {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in done.glob("*.json")}
+    assert kill_after <= len(kept) < 12, kept
+    assert not (tmp_path / "ds" / "dataset.json").exists()
+    unfinished = next(i for i in range(12) if f"part_{i:06d}.json" not in kept)
+    (tmp_path / "ds" / f"part_{unfinished:06d}").mkdir(exist_ok=True)
+    (tmp_path / "ds" / f"part_{unfinished:06d}" / "junk.partial").write_text("half a shard")
+
+    capsys.readouterr()
+    for rank in (2, 1, 0):  # one after the other: ranks 1 and 0 find the markers rank 2 has just written
+        out = precompute(cfg, rank=rank, world_size=3)
+    log = capsys.readouterr().out
+    assert f"rank 2 of 3: {len(kept)} of 12 parts already done" in log
+    assert {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in done.glob("*.json") if f.name in kept} == kept
+    assert not (tmp_path / "ds" / f"part_{unfinished:06d}" / "junk.partial").exists()
+    markers = [json.loads(f.read_text()) for f in sorted(done.glob("*.json")) if f.name not in kept]
+    assert {(m["round"], m["world"]) for m in markers} == {(2, 3)} and len(markers) == 12 - len(kept)
+    per_rank = [sum(m["rank"] == r for m in markers) for r in range(3)]
+    assert max(per_rank) - min(per_rank) <= 1, per_rank
+    assert json.loads((out / "dataset.json").read_text())["num_samples"] == len(reference) == 24
+    rows = read_rows(out)
+    assert [(r["key"], r["latents"].tobytes(), r["caption"]) for r in rows] == \
+        [(r["key"], r["latents"].tobytes(), r["caption"]) for r in reference]
+    for got, want in zip(rows, reference):
+        np.testing.assert_allclose(got["text_embeds"].astype(np.float32), want["text_embeds"].astype(np.float32),
+                                   rtol=0, atol=2e-3)
 
 
 def test_cli_hydra_app(tmp_path, tiny_text_encoder_dir):

@@ -132,7 +132,7 @@ def test_missing_dataset_and_corrupt_shards(digits_shards, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a LatentForge dataset.*data_prep.precompute"):
         read_dataset_info(str(tmp_path / "nothing"))
     copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
-    shard = next(copy.glob("rank_*/shard.*.mds.zstd"))  # a fresh dataset holds only compressed shards
+    shard = min(copy.glob("part_*/shard.*.mds.zstd"))  # a fresh dataset holds only compressed shards
     data = shard.read_bytes()
     shard.write_bytes(data[:-10])  # truncated
     with pytest.raises(ValueError, match=f"shard {shard} is corrupt: {len(data) - 10} bytes on disk.*precompute"):
@@ -168,7 +168,7 @@ def test_corrupt_decompressed_shard_fails_at_setup(digits_shards, tmp_path):
     unchecked; a flipped byte in it used to end training mid-epoch with an IndexError from Streaming."""
     copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
     expected = read_batch(copy)["key"]
-    mds = next(copy.glob("rank_*/shard.*.mds"))  # written by Streaming just now
+    mds = min(copy.glob("part_*/shard.*.mds"))  # written by Streaming just now
     intact = mds.read_bytes()
     mds.write_bytes(flip(intact, len(intact) // 2))
     with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its xxh64 hash differs from the one in "
@@ -184,7 +184,7 @@ def test_corrupt_decompressed_shard_fails_at_setup(digits_shards, tmp_path):
 def test_corrupt_cache_shard_fails_at_setup(digits_shards, tmp_path):
     cache = tmp_path / "cache"
     expected = read_batch(digits_shards, cache)["key"]
-    mds = next(cache.glob("rank_*/shard.*.mds"))  # copied and decompressed by Streaming
+    mds = min(cache.glob("part_*/shard.*.mds"))  # copied and decompressed by Streaming
     mds.write_bytes(flip(mds.read_bytes(), 20_000))
     with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its xxh64.*Delete it: Streaming fetches it "
                                          f"again from {digits_shards}"):
@@ -200,19 +200,21 @@ def test_size_check_reads_mds_header(digits_shards, tmp_path, monkeypatch):
     it catches truncation and a damaged offset table, not bytes flipped inside sample data."""
     copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
     read_batch(copy)
-    mds = next(copy.glob("rank_*/shard.*.mds"))
+    mds = min(copy.glob("part_*/shard.*.mds"))
     intact = mds.read_bytes()
+    samples = next(s["samples"] for s in json.loads((copy / "index.json").read_text())["shards"]
+                   if s["raw_data"]["basename"] == mds.relative_to(copy).as_posix())
     mds.write_bytes(intact[:-100])
     with pytest.raises(ValueError, match=f"shard {mds} is corrupt: {len(intact) - 100} bytes on disk"):
         LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
     mds.write_bytes(flip(intact, 4 + 4 * 100 + 3))  # the high byte of sample 100's offset
     with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its table of sample offsets is damaged"):
         LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
-    mds.write_bytes(flip(intact, 4 + 4 * 4314 + 3))  # the high byte of the end-of-data offset
+    mds.write_bytes(flip(intact, 4 + 4 * samples + 3))  # the high byte of the end-of-data offset
     with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its offset table ends at byte .* has {len(intact)}"):
         LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
     mds.write_bytes(flip(intact, 0))  # the sample count
-    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its header counts .* samples, .* 4314"):
+    with pytest.raises(ValueError, match=f"shard {mds} is corrupt: its header counts .* samples, .* {samples}"):
         LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")
     mds.write_bytes(flip(intact, len(intact) // 2))
     LatentDataModule(DataConfig(path=str(copy), validate="size")).setup("fit")  # sizes and header are intact
@@ -405,7 +407,7 @@ def test_failed_shard_preparation_raises_instead_of_ending_the_epoch(digits_shar
     it had no more samples: the loader yielded nothing and nothing was raised. The data module raises it."""
     copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
     dm = module(copy, tmp_path, batch_size=16, shuffle=False)  # with a cache: the thread copies the shard into it
-    shard = next(copy.glob("rank_*/shard.*.mds.zstd"))
+    shard = min(copy.glob("part_*/shard.*.mds.zstd"))
     shard.unlink()  # after the start-up check: the copy fails
     message = (f"Streaming failed to prepare a shard of {re.escape(str(copy))} .*: FileNotFoundError: .*"
                f"{re.escape(str(shard))}.*would have ended the epoch here without an error")
@@ -452,7 +454,7 @@ def test_failed_shard_preparation_releases_the_shard(digits_shards, tmp_path, mo
     assert failures
     monkeypatch.undo()
     dataset.prepare_shard(0)  # prepared again: decompressed from the intact .zstd
-    assert next(copy.glob("rank_*/shard.*.mds")).is_file()
+    assert min(copy.glob("part_*/shard.*.mds")).is_file()
     assert len(next(iter(dm.train_dataloader()))["key"]) == 16
 
 

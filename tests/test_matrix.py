@@ -4,7 +4,8 @@ Every strategy on 1 and 2 devices, every logger, the plugins and the 8-bit optim
 background checkpoint saves and a named W&B run: a few steps each, with a sample grid mid-run and the
 final evaluation on, so a crash anywhere (start-up, a grid, a checkpoint, the evaluation, closing the
 logger, exporting the result) fails here. Each row also
-checks what that combination must leave behind.
+checks what that combination must leave behind. One more combination starts at the data: precompute as two
+srun tasks, then training on what they wrote.
 """
 
 from __future__ import annotations
@@ -225,6 +226,32 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert sum(r.get("samples/_type") == "images/separated" for r in rows) == 2
     else:
         assert not (run_dir / "wandb").exists()
+
+
+def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards):
+    """`python -m data_prep.precompute` as two srun tasks would start it (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID,
+    no RANK or WORLD_SIZE), each encoding one of the digits' two parts; then two training steps on the result. The
+    config is digits_shards' own, so the dataset must be that one-process dataset: same fingerprint, same parts."""
+    tmp, out = tmp_path / "tmp", tmp_path / "digits"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    ranks = [zygote.popen([sys.executable, "-m", "data_prep.precompute", "source=digits", "vae=pixel",
+                           "text_encoder=minilm", "resolution=8", f"out={out}", "progress=false",
+                           f"hydra.run.dir={tmp / f'hydra{r}'}"],
+                          env={**env, "TMPDIR": str(tmp), "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
+                               "SLURM_LOCALID": str(r)}) for r in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [log[-3000:] for log in logs]
+    for r, log in enumerate(logs):
+        assert f"rank {r} of 2: " in log and ", 1 to encode here" in log, log[-3000:]
+    got, want = (json.loads((d / "dataset.json").read_text()) for d in (out, digits_shards))
+    assert (got["fingerprint"], got["num_samples"], got["world_size"]) == (want["fingerprint"], want["num_samples"], 2)
+    parts = lambda d: [(s["raw_data"]["basename"], s["samples"]) for s in json.loads((d / "index.json").read_text())["shards"]]
+    assert parts(out) == parts(digits_shards) and {b.split("/")[0] for b, _ in parts(out)} == {"part_000000", "part_000001"}
+
+    run_dir = tmp_path / "run"
+    run_command(run_dir, out, "single", 1, "csv", ["trainer.max_steps=2", "eval.at_end=false", "sample.every_n_steps=0"])
+    assert sorted(losses(run_dir)) == [0, 1]
 
 
 @pytest.mark.parametrize("codes,expected", [([0, 0], 0), ([0, -9], -9), ([1, 0], 1), ([-15, 2], -15)])

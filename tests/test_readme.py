@@ -22,7 +22,8 @@ NOT_HYDRA = {"pytest"}  # `python -m pytest -q tests`: the suite itself
 
 def readme_commands(path: Path = ROOT / "README.md") -> list[tuple[str, list[str]]]:
     """(module, arguments) of every `python -m MODULE ...` in the README's bash blocks (continuation lines joined,
-    comments dropped, `a && b` split); `sbatch ... launch/train.sbatch ARGS` is framework.train with ARGS."""
+    comments dropped, `a && b` split); `sbatch ... launch/NAME.sbatch ARGS` is the module that script runs
+    (`python -m MODULE` in it) with ARGS."""
     found = []
     for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -34,8 +35,9 @@ def readme_commands(path: Path = ROOT / "README.md") -> list[tuple[str, list[str
                     found.append((part[2], part[3:]))
                 elif part[:1] == ["sbatch"]:
                     script = next(i for i, t in enumerate(part) if t.endswith(".sbatch"))
-                    assert "python -m framework.train" in (ROOT / part[script]).read_text()
-                    found.append(("framework.train", part[script + 1:]))
+                    runs = re.findall(r"^\s*(?:srun .*)?python -m ([\w.]+)", (ROOT / part[script]).read_text(), re.M)
+                    assert len(set(runs)) == 1, (part[script], runs)
+                    found.append((runs[0], part[script + 1:]))
     return found
 
 

@@ -15,6 +15,7 @@ files would be, and nothing of them may be left once it has finished.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -176,6 +177,39 @@ def test_sbatch_job_saves_on_the_warning_requeues_itself_and_resumes(tmp_path, d
     else:
         torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
                                    torch.tensor([reference[s] for s in range(STEPS)]), **TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# sbatch launch/precompute.sbatch
+# --------------------------------------------------------------------------------------------
+
+
+def test_precompute_sbatch_on_two_tasks_writes_the_one_process_dataset(tmp_path, tiny_text_encoder_dir):
+    """launch/precompute.sbatch as its usage line says, sized for this CPU node: 2 tasks deal a folder's 3 parts
+    (ranks from srun's environment alone), rank 0 merges, and the rows are the one-process run's, in its order."""
+    from data_prep.precompute import precompute
+    from tests.helpers import folder_config, make_image_folder, read_rows
+
+    src = make_image_folder(tmp_path / "imgs", n=9)
+    want = precompute({**folder_config(src, tmp_path / "one", tiny_text_encoder_dir), "records_per_part": 4},
+                      rank=0, world_size=1)
+    out = tmp_path / "two"
+    cmd = ["sbatch", "--parsable", "--ntasks-per-node=2", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
+           "launch/precompute.sbatch", "source=folder", f"source.path={src}", "vae=pixel",
+           f"text_encoder={tiny_text_encoder_dir}", "resolution=8", "records_per_part=4", f"out={out}",
+           f"hydra.run.dir={tmp_path / 'hydra'}"]
+    job_id = subprocess.run(cmd, cwd=ROOT, env=job_env(tmp_path), capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        info = wait_done(job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert "rank 0 of 2: " in log and "rank 1 of 2: " in log, log[-3000:]
+    got = json.loads((out / "dataset.json").read_text())
+    assert got["world_size"] == 2 and got["num_samples"] == json.loads((want / "dataset.json").read_text())["num_samples"]
+    rows = lambda d: [(r["key"], r["caption"], r["latents"].tobytes()) for r in read_rows(d)]
+    assert rows(out) == rows(want)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,13 @@ class Record:
 
 
 class ImageCaptionSource:
-    """A small class per source; data_prep.precompute only sees `records()`, `len()` and the metadata."""
+    """A small class per source; data_prep.precompute sees `shards()`, `shard_records()`, `size()` and the metadata.
+
+    The source is read in input shards (a .tar, a range of files or rows): data_prep.precompute deals them out to
+    its ranks, so a rank opens only the inputs of its own shards. A source that can build record i on its own
+    implements `record(i)` and gets ranges of record indices as its shards; one with shards of its own (tar files)
+    overrides `shards` and `shard_records`.
+    """
 
     name: str = ""
     default_image_mode: str = "RGB"  # what the pixel codec keeps when `image_mode` is None
@@ -38,11 +44,30 @@ class ImageCaptionSource:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
 
+    def shards(self, records_per_part: int) -> list[Any]:
+        """The input shards in order, each a small JSON-able descriptor that `shard_records` reads: here
+        [start, stop) ranges of `records_per_part` record indices."""
+        n = self.size()
+        if n is None:
+            raise NotImplementedError(f"source={self.name}: no size() to cut into ranges; override shards()")
+        return [[start, min(start + records_per_part, n)] for start in range(0, n, records_per_part)]
+
+    def shard_records(self, shard: Any) -> Iterator[Record]:
+        """The records of one input shard, in the source's order, reading nothing of the other shards."""
+        start, stop = shard
+        return (self.record(i) for i in range(start, stop))
+
+    def record(self, index: int) -> Record:
+        """Record `index` (0 <= index < size()), for the default range shards."""
+        raise NotImplementedError(f"source={self.name}: implement record(i) or shards() and shard_records()")
+
     def records(self) -> Iterator[Record]:
-        raise NotImplementedError
+        """Every record, in order: the shards one after the other."""
+        for shard in self.shards(records_per_part=max(1, self.size() or 1)):
+            yield from self.shard_records(shard)
 
     def size(self) -> int | None:
-        """Number of records when cheap to know (for the progress bar), else None."""
+        """Number of records when cheap to know (for the progress bar and the range shards), else None."""
         return None
 
     def metadata(self) -> dict[str, Any]:

@@ -9,7 +9,6 @@ drawn from the training digits, evaluation's real reference pairs from the held-
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Iterator
 
 import numpy as np
 
@@ -85,12 +84,12 @@ class DigitPairsSource(ImageCaptionSource):
                              "real reference pairs from the held-out digits itself")
         self.images, self.labels = make_pairs("train", list(TRAIN_PAIRS), int(cfg.pairs_per_combination), PAIR_SEED)
 
-    def records(self) -> Iterator[Record]:
-        k = max(1, int(self.cfg.rows_per_image))
-        for i, (img, (a, b)) in enumerate(zip(self.images, self.labels)):
-            phrasings = pair_captions(int(a), int(b))
-            captions = [phrasings[(i * k + j) % len(phrasings)] for j in range(k)]
-            yield Record(key=f"pairs-{i:05d}-{a}{b}", image=to_pixels(img), captions=captions, label=int(10 * a + b))
+    def record(self, index: int) -> Record:
+        k, (a, b) = max(1, int(self.cfg.rows_per_image)), self.labels[index]
+        phrasings = pair_captions(int(a), int(b))
+        captions = [phrasings[(index * k + j) % len(phrasings)] for j in range(k)]
+        return Record(key=f"pairs-{index:05d}-{a}{b}", image=to_pixels(self.images[index]), captions=captions,
+                      label=int(10 * a + b))
 
     def size(self) -> int | None:
         return len(self.images)

@@ -5,8 +5,6 @@ A fixed, seeded 20% of the images is held out for evaluation (the judge classifi
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 
 from data_prep.sources.base import ImageCaptionSource, Record
@@ -88,12 +86,12 @@ class DigitsSource(ImageCaptionSource):
         super().__init__(cfg)
         self.images, self.labels = load_digits(cfg.split)
 
-    def records(self) -> Iterator[Record]:
-        k = max(1, int(self.cfg.rows_per_image))
-        for i, (img, label) in enumerate(zip(self.images, self.labels)):
-            phrasings = digit_captions(int(label))
-            captions = [phrasings[(i * k + j) % len(phrasings)] for j in range(k)]
-            yield Record(key=f"digits-{self.cfg.split}-{i:04d}", image=to_pixels(img), captions=captions, label=int(label))
+    def record(self, index: int) -> Record:
+        k, label = max(1, int(self.cfg.rows_per_image)), int(self.labels[index])
+        phrasings = digit_captions(label)
+        captions = [phrasings[(index * k + j) % len(phrasings)] for j in range(k)]
+        return Record(key=f"digits-{self.cfg.split}-{index:04d}", image=to_pixels(self.images[index]),
+                      captions=captions, label=label)
 
     def size(self) -> int | None:
         return len(self.images)

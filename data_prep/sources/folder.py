@@ -1,8 +1,10 @@
-"""A folder of images with same-named .txt captions (`cat.png` + `cat.txt`), searched recursively."""
+"""A folder of images with same-named .txt captions (`cat.png` + `cat.txt`), searched recursively.
+
+Its input shards are ranges of the sorted file list (`records_per_part` files each).
+"""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
 
 from data_prep.sources.base import IMAGE_EXTENSIONS, ImageCaptionSource, Record, require_path
 
@@ -26,10 +28,11 @@ class FolderSource(ImageCaptionSource):
         if not self.files:
             raise ValueError(f"source.path={self.root}: no images ({', '.join(IMAGE_EXTENSIONS)}) found.")
 
-    def records(self) -> Iterator[Record]:
-        for f in self.files:
-            key = str(f.relative_to(self.root))
-            yield Record(key=key, image=f, captions=read_caption(f.with_suffix(".txt")))
+    def record(self, index: int) -> Record:
+        # __init__ listed file names only: file `index`'s caption (and, in precompute, its image) is read here, by the
+        # rank whose input shard holds it.
+        f = self.files[index]
+        return Record(key=str(f.relative_to(self.root)), image=f, captions=read_caption(f.with_suffix(".txt")))
 
     def size(self) -> int | None:
         return len(self.files)

@@ -1,6 +1,7 @@
 """A parquet or jsonl manifest: one row per image with a local path and a caption (optional label).
 
-Relative image paths are resolved against the manifest's own directory.
+Relative image paths are resolved against the manifest's own directory. Its input shards are ranges of
+`records_per_part` rows.
 """
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ class ManifestSource(ImageCaptionSource):
         if self.label_key:
             self.num_classes = int(self.table[self.label_key].max()) + 1
 
-    def records(self) -> Iterator[Record]:
-        for i, row in enumerate(self.table.itertuples(index=False)):
+    def shard_records(self, shard: list[int]) -> Iterator[Record]:
+        start, stop = shard
+        for i, row in enumerate(self.table.iloc[start:stop].itertuples(index=False), start):
             row = row._asdict()
             image = Path(str(row[self.cfg.image_key])).expanduser()
             image = image if image.is_absolute() else self.base / image

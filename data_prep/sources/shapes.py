@@ -9,7 +9,6 @@ model trained on buckets keeps. `framework/evaluation/shapes.py` finds the block
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -65,11 +64,10 @@ class ShapesSource(ImageCaptionSource):
     def size(self) -> int:
         return self.cfg.scenes
 
-    def records(self) -> Iterator[Record]:
-        offset = HELDOUT_OFFSET if self.cfg.split == "heldout" else 0
-        for i in range(self.cfg.scenes):
-            scene, img = draw_scene(offset + i)
-            yield Record(key=f"scene{offset + i:07d}", image=img, captions=[scene.caption])
+    def record(self, index: int) -> Record:
+        index += HELDOUT_OFFSET if self.cfg.split == "heldout" else 0
+        scene, img = draw_scene(index)
+        return Record(key=f"scene{index:07d}", image=img, captions=[scene.caption])
 
     def grid_prompts(self) -> list[str]:
         return [draw_scene(HELDOUT_OFFSET + i)[0].caption for i in range(6)]

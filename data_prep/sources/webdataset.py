@@ -1,7 +1,7 @@
 """WebDataset tar shards of image + .txt pairs, as img2dataset writes them (00000.tar: 000000001.jpg,
 000000001.txt, 000000001.json, ...). Read with the standard library; no network.
 
-`source.path` is one .tar file or a folder searched recursively for *.tar.
+`source.path` is one .tar file or a folder searched recursively for *.tar; each .tar is one input shard.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class WebDatasetSource(ImageCaptionSource):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        path = require_path(cfg, "webdataset")
-        self.tars = [path] if path.is_file() else sorted(path.rglob("*.tar"))
+        self.root = require_path(cfg, "webdataset")
+        self.tars = [self.root] if self.root.is_file() else sorted(self.root.rglob("*.tar"))
         if not self.tars:
-            raise ValueError(f"source.path={path}: no .tar shards found.")
+            raise ValueError(f"source.path={self.root}: no .tar shards found.")
 
     def _samples(self, tar_path: Path) -> Iterator[Record]:
         group: dict[str, bytes] = {}
@@ -55,9 +55,13 @@ class WebDatasetSource(ImageCaptionSource):
         text = group.get("txt", b"").decode("utf-8", errors="replace").strip()
         return Record(key=f"{tar_path.name}:{key}", image=image, captions=[text] if text else [])
 
-    def records(self) -> Iterator[Record]:
-        for tar_path in self.tars:
-            yield from self._samples(tar_path)
+    def shards(self, records_per_part: int) -> list[str]:
+        """One input shard per .tar (records_per_part does not apply), named relative to source.path so that a
+        moved dataset resumes."""
+        return [tar.name if tar == self.root else str(tar.relative_to(self.root)) for tar in self.tars]
+
+    def shard_records(self, shard: str) -> Iterator[Record]:
+        return self._samples(self.root if self.root.is_file() else self.root / shard)
 
 
 SOURCE = WebDatasetSource

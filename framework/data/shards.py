@@ -167,7 +167,7 @@ def check_shards(dataset: Optional[Path], cache: Optional[Path], source: str, mo
         return
     if dataset is not None:
         # The merged index at the top, which Streaming reads; its basenames are relative to it
-        # (rank_00000/shard.00000.mds.zstd). The per-rank index.json files it was merged from are not read.
+        # (part_000000/shard.00000.mds.zstd). The per-part index.json files it was merged from are not read.
         index_file = dataset / INDEX_FILE
         index = read_index(index_file)
         if cache is not None:
