@@ -78,6 +78,19 @@ def pairs_shards(tmp_path_factory) -> Path:
     return precompute(cfg, rank=0, world_size=1)
 
 
+# The longest modules (by their summed test time in a full run, 2026-11-26) start first, one per worker, the rest
+# following in file order: each module runs whole on one worker (--dist loadfile), and xdist's own order (most tests
+# first) left the Slurm module, with few but long tests, for the end, where one worker ran it alone for minutes.
+# `--no-loadscope-reorder` (pyproject.toml) keeps this order.
+LONGEST_FIRST = ("test_train.py", "test_distributed.py", "test_slurm.py", "test_matrix.py", "test_decoupled.py",
+                 "test_checkpoints.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each module's tests keep their order
+
+
 def pytest_collection_finish(session) -> None:
     """Move everything alive once the test modules are imported (torch, Lightning, diffusers: about 600,000
     objects) out of the collector's reach. The collection after each test (below) then walks only what the
