@@ -1,10 +1,13 @@
 """Typed configs for `python -m data_prep.precompute`, registered in Hydra's ConfigStore."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+
+TEXT_STORAGES = ("fp16", "bf16", "int8")  # the rows' text formats (data_prep/storage.py)
 
 
 @dataclass
@@ -63,6 +66,18 @@ class PrecomputeConfig:
     records_per_part: int = 1000
     merge_timeout_s: float = 3600.0  # rank 0 waits this long for every part to be done before merging
     progress: bool = True  # show a tqdm bar
+    # How the rows store text embeddings (data_prep/storage.py, docs/data.md): fp16; bf16 (as many bytes, float32's
+    # range); int8 (half the bytes: per token a float32 scale max|x| / 127 and int8 values). The reader decodes each.
+    text_storage: str = "fp16"
+    # Filters (data_prep/filters.py), applied before encoding; what each drops is counted in dataset.json's
+    # skipped.filtered. min_size: the shorter side of the original image in pixels (img2dataset's .json
+    # original_width / original_height when the record has them, else the decoded image); null = no limit.
+    min_size: Optional[int] = None
+    max_aspect: Optional[float] = None  # longest over shortest side of the original image, e.g. 3.0; null = no limit
+    # Thresholds on numbers in each sample's img2dataset .json (source=webdataset): {key: {min: x, max: y}}, e.g.
+    # filters={punsafe: {max: 0.5}, similarity: {min: 0.28}} or +filters.punsafe.max=0.5; bounds are inclusive. A
+    # record without the key (or with null or a non-number there) is dropped and counted as <key>.missing.
+    filters: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if self.resolution < 1:
@@ -81,9 +96,31 @@ class PrecomputeConfig:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1.")
         if self.caption_cache_mb < 0:
             raise ValueError(f"caption_cache_mb={self.caption_cache_mb}: must be >= 0 (0 encodes every caption anew).")
+        self._check_storage_and_filters()
         if self.buckets is not None and self.width is not None:
             raise ValueError(f"buckets={self.buckets} and width={self.width}: the buckets set every image's size; "
                              "drop width.")
+
+    def _check_storage_and_filters(self) -> None:
+        if self.text_storage not in TEXT_STORAGES:
+            raise ValueError(f"text_storage={self.text_storage!r}: use one of {', '.join(TEXT_STORAGES)}.")
+        if self.min_size is not None and self.min_size < 1:
+            raise ValueError(f"min_size={self.min_size}: a shorter side in pixels >= 1, or null (no limit).")
+        if self.max_aspect is not None and not self.max_aspect >= 1.0:
+            raise ValueError(f"max_aspect={self.max_aspect}: longest over shortest side, >= 1 (1: squares only), or "
+                             "null (no limit).")
+        if self.filters is not None and not isinstance(self.filters, dict):
+            raise ValueError(f"filters={self.filters!r}: a mapping {{key: {{min: x, max: y}}}}, e.g. "
+                             "filters={punsafe: {max: 0.5}, similarity: {min: 0.28}}.")
+        for key, bounds in (self.filters or {}).items():
+            if not isinstance(bounds, dict) or not bounds or set(bounds) - {"min", "max"}:
+                raise ValueError(f"filters.{key}={bounds!r}: give min and/or max (both inclusive), e.g. "
+                                 f"filters={{{key}: {{max: 0.5}}}}.")
+            for name, value in bounds.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                    raise ValueError(f"filters.{key}.{name}={value!r}: must be a number.")
+            if bounds.get("min", -math.inf) > bounds.get("max", math.inf):
+                raise ValueError(f"filters.{key}: min={bounds['min']} > max={bounds['max']}; no record could pass.")
 
 
 def register_configs() -> None:

@@ -10,6 +10,7 @@ a part of the output, encoded by one rank that opens only its own inputs (data_p
     out/index.json               the parts' indexes merged in part order (streaming.base.util.merge_index)
     out/bucket_<h>x<w>/...       with `buckets=`: one MDS folder per aspect-ratio bucket instead (its part_* folders
                                  and merged index.json), latents at the bucket's shape (data_prep/buckets.py)
+    out/projection.json          rank 0's estimate of the whole output's size, from its first part (data_prep/storage.py)
     out/empty_caption.safetensors  the "" caption's embedding, for train-time caption dropout
     out/dataset.json             written LAST: the completion marker the trainer reads
 
@@ -28,19 +29,22 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from PIL import Image
 
+from data_prep import storage
 from data_prep.config import PrecomputeConfig, SourceConfig, register_configs
 from data_prep.encoders import ImageCodec, TextEncoder, load_image_codec, load_text_encoder
+from data_prep.filters import RecordFilter, check_source
 from data_prep.parts import DONE_DIR, check_parts, done_file, merge, my_parts, part_name, remove_partial, wait_for_parts
-from data_prep.record import DATASET_FILE, FORMAT_VERSION, DatasetRecord, write_json_atomic
+from data_prep.record import DATASET_FILE, DatasetRecord, record_version, write_json_atomic
 from data_prep.sources import Record, get_source
 
 FINGERPRINT_FILE = "precompute.json"
+PROJECTION_FILE = "projection.json"
 EMPTY_CAPTION_FILE = "empty_caption.safetensors"
 PROMPTS_FILE = "prompts.safetensors"  # the grid prompts' embeddings, one tensor per prompt (keys "0", "1", ...)
 GRID_PROMPTS = 8  # captions kept as grid prompts when neither the config nor the source names any
@@ -81,8 +85,12 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
         "source": source, "vae": resolve(cfg.vae, "pixel"),
         "text_encoder": resolve(cfg.text_encoder, "minilm"), "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
-        "shard_size": cfg.shard_size, "compression": cfg.compression, "format_version": FORMAT_VERSION,
+        "shard_size": cfg.shard_size, "compression": cfg.compression, "format_version": record_version(cfg.text_storage),
     }
+    # Only when set, like the keys below: datasets built without them keep their fingerprints.
+    optional = {"text_storage": cfg.text_storage if cfg.text_storage != "fp16" else None, "min_size": cfg.min_size,
+                "max_aspect": cfg.max_aspect, "filters": cfg.filters or None}
+    content.update({k: v for k, v in optional.items() if v is not None})
     if cfg.width is not None:
         content["width"] = cfg.width
     if cfg.prompts:  # only when given: datasets built without them keep their fingerprints
@@ -170,7 +178,10 @@ class CaptionCache:
 
     def __init__(self, encoder: TextEncoder, batch_size: int, max_bytes: float = float("inf")) -> None:
         self.encoder, self.batch_size, self.max_bytes = encoder, batch_size, max_bytes
-        self.table: OrderedDict[str, np.ndarray] = OrderedDict()  # oldest use first
+        # What is kept, and returned, per caption: by default its fp16 array; precompute sets the rows' text columns
+        # in the dataset's text_storage (storage.encode_text), so an int8 dataset's cache holds half the bytes.
+        self.store: Callable[[torch.Tensor], Any] = lambda emb: emb.numpy().astype(np.float16)
+        self.table: OrderedDict[str, Any] = OrderedDict()  # oldest use first
         self.bytes = 0
         self.encoded = 0  # captions sent to the encoder so far
 
@@ -183,20 +194,20 @@ class CaptionCache:
         for i in range(0, len(todo), self.batch_size):
             chunk = todo[i:i + self.batch_size]
             for c, emb in zip(chunk, self.encoder.encode(chunk)):
-                found[c] = emb.numpy().astype(np.float16)  # (L_i, D)
+                found[c] = self.store(emb)  # (L_i, D) or the row's text columns
                 self._keep(c, found[c])
             self.encoded += len(chunk)
         return [found[c] for c in captions]
 
-    def _keep(self, caption: str, emb: np.ndarray) -> None:
+    def _keep(self, caption: str, emb: Any) -> None:
         self.table[caption] = emb
-        self.bytes += emb.nbytes
+        self.bytes += storage.nbytes(emb)
         while self.bytes > self.max_bytes and self.table:
-            self.bytes -= self.table.popitem(last=False)[1].nbytes
+            self.bytes -= storage.nbytes(self.table.popitem(last=False)[1])
 
 
-def _columns(source, buckets: list[tuple[int, int]] | None) -> dict[str, str]:
-    columns = {"latents": "ndarray:float16", "text_embeds": "ndarray:float16", "caption": "str", "key": "str"}
+def _columns(source, buckets: list[tuple[int, int]] | None, text_storage: str) -> dict[str, str]:
+    columns = {"latents": "ndarray:float16", **storage.text_columns(text_storage), "caption": "str", "key": "str"}
     if source.num_classes is not None:
         columns["label"] = "int"
     if buckets is not None:  # SDXL-style micro-conditioning needs the source size and the crop
@@ -205,17 +216,23 @@ def _columns(source, buckets: list[tuple[int, int]] | None) -> dict[str, str]:
 
 
 def _pixels(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tuple[int, int]] | None,
-            stats: dict) -> tuple[int, torch.Tensor, dict] | None:
-    """(bucket, or -1 without buckets; pixels (C, h, w); micro-conditioning) of a record, or None when it is unusable
-    (counted in stats)."""
+            stats: dict, keep: RecordFilter) -> tuple[int, torch.Tensor, dict] | None:
+    """(bucket, or -1 without buckets; pixels (C, h, w); micro-conditioning) of a record, or None when it is filtered
+    out or unusable (counted in stats)."""
     from data_prep.buckets import nearest_bucket
 
+    if (dropped := keep.check_meta(r.meta)) is not None:  # before the caption: a dropped record is not a bad one
+        stats["filtered"][dropped] += 1
+        return None
     if not r.captions:
         stats["missing_captions"] += 1
         stats["examples"].append(f"{r.key}: missing caption")
         return None
     try:
         img = open_image(r.image, mode)
+        if (dropped := keep.check_decoded(r.meta, img.size[1], img.size[0])) is not None:
+            stats["filtered"][dropped] += 1
+            return None
         if buckets is None:
             b, (h, w) = -1, (cfg.resolution, cfg.width or cfg.resolution)
         else:
@@ -232,7 +249,8 @@ def _pixels(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tuple[int
 
 
 def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, captions: CaptionCache, mode: str,
-                out: Path, index: int, buckets: list[tuple[int, int]] | None, bar, dealt: dict) -> dict:
+                out: Path, index: int, buckets: list[tuple[int, int]] | None, bar, dealt: dict,
+                keep: RecordFilter) -> dict:
     """Encode input shard `shard` into part `index` (out/part_<index>, or with buckets each bucket's
     out/bucket_<h>x<w>/part_<index>), rows in the source's order; then mark the part done with its stats."""
     from contextlib import ExitStack
@@ -241,9 +259,9 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
 
     from data_prep.buckets import bucket_dir
 
-    columns = _columns(source, buckets)
+    columns = _columns(source, buckets, cfg.text_storage)
     stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": [],
-             "bucket_rows": {}}
+             "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0), "column_bytes": {"latents": 0, "text": 0}}
     start = time.perf_counter()
     with ExitStack() as stack:
         writers: dict[int, Any] = {}
@@ -258,7 +276,7 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
         for batch in _batches(source.shard_records(shard), cfg.batch_size):
             groups: dict[int, list[tuple[Record, torch.Tensor, dict]]] = {}
             for r in batch:
-                if (got := _pixels(r, cfg, mode, buckets, stats)) is not None:
+                if (got := _pixels(r, cfg, mode, buckets, stats, keep)) is not None:
                     groups.setdefault(got[0], []).append((r, got[1], got[2]))
             bar.update(len(batch))
             for b, group in sorted(groups.items()):
@@ -267,13 +285,15 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
                     if len(stats["first_captions"]) < GRID_PROMPTS and r.captions[0] not in stats["first_captions"]:
                         stats["first_captions"].append(r.captions[0])
                     for j, (caption, emb) in enumerate(zip(r.captions, captions(r.captions))):
-                        row = {"latents": lat, "text_embeds": emb, "caption": caption, "key": f"{r.key}#{j}"}
+                        row = {"latents": lat, **emb, "caption": caption, "key": f"{r.key}#{j}"}
                         if "label" in columns:
                             row["label"] = int(r.label)
                         if buckets is not None:
                             row.update(extra)
                         writer(b).write(row)
                         stats["rows"] += 1
+                        stats["column_bytes"]["latents"] += lat.nbytes
+                        stats["column_bytes"]["text"] += storage.nbytes(emb)
                         stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
                 stats["images"] += len(group)
                 stats.setdefault("latent_shape", list(latents.shape[1:]))
@@ -293,6 +313,8 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
     from data_prep.buckets import bucket_dir
 
     captions = CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)  # shared by the rank's parts
+    captions.store = lambda emb: storage.encode_text(emb, cfg.text_storage)  # kept as the rows hold it
+    keep = RecordFilter.from_config(cfg)
     total = source.size()
     bar = tqdm(total=None if total is None else round(total * len(mine) / len(shards)), disable=not cfg.progress,
                desc=f"encode rank {rank}", unit="img")
@@ -301,10 +323,23 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
     for i in mine:
         remove_partial(out, i, [bucket_dir(b) for b in buckets or []])
         stats = encode_part(cfg, source, shards[i], codec, captions, mode, out, i, buckets, bar,
-                            {"part": i, "shard": shards[i], "rank": rank, "round": round_, "world": world})
+                            {"part": i, "shard": shards[i], "rank": rank, "round": round_, "world": world}, keep)
         totals = {k: v + stats[k] for k, v in totals.items()}
+        if rank == 0 and i == mine[0] and stats["rows"]:  # the size of the whole output, seen after one part
+            estimate = storage.projection(stats, storage.part_bytes(part_folders(out, i, buckets)), source.size(),
+                                          len(shards))
+            estimate.update(from_part=i, text_storage=cfg.text_storage, compression=cfg.compression)
+            write_json_atomic(out / PROJECTION_FILE, estimate)
+            log(storage.describe(estimate))
     bar.close()
     return totals
+
+
+def part_folders(out: Path, index: int, buckets: list[tuple[int, int]] | None) -> list[Path]:
+    """Part `index`'s MDS folders: out/part_<index>, or one in each bucket's folder."""
+    from data_prep.buckets import bucket_dir
+
+    return [out / part_name(index)] if buckets is None else [out / bucket_dir(b) / part_name(index) for b in buckets]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,12 +350,16 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
 def usable_totals(cfg: PrecomputeConfig, stats: list[dict]) -> dict:
     """The parts' counts summed; raises when nothing is usable or more than max_bad_fraction is not."""
     total = {k: sum(s[k] for s in stats) for k in ("images", "rows", "bad_images", "missing_captions")}
+    total["filtered"] = {n: sum(s.get("filtered", {}).get(n, 0) for s in stats) for n in RecordFilter.from_config(cfg).names()}
     examples = [e for s in stats for e in s["examples"]]
     bad = total["bad_images"] + total["missing_captions"]
-    seen = total["images"] + bad
+    seen = total["images"] + bad  # the filtered records are not counted: dropped by choice, not unusable
+    dropped = ", ".join(f"{n}: {c}" for n, c in total["filtered"].items())
+    if total["filtered"]:
+        log(f"filtered out {sum(total['filtered'].values())} records before encoding ({dropped})")
     if total["images"] == 0:
         raise RuntimeError(f"no usable image-caption pairs in source={cfg.source.name} (path={cfg.source.path}); "
-                           f"{bad} unusable: {examples[:5]}")
+                           f"{bad} unusable: {examples[:5]}" + (f"; filtered out: {dropped}" if dropped else ""))
     if bad:
         log(f"skipped {total['bad_images']} unreadable images and {total['missing_captions']} missing captions of "
             f"{seen}, e.g. {examples[:3]}")
@@ -369,18 +408,19 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
     save_file({str(i): e.to(torch.float16).contiguous() for i, e in enumerate(text.encode(prompts))},
               str(out / PROMPTS_FILE))
     latent_shape = next(s["latent_shape"] for s in stats if "latent_shape" in s)
-    extra: dict[str, Any] = {}
+    skipped = {"bad_images": total["bad_images"], "missing_captions": total["missing_captions"]}
+    extra: dict[str, Any] = {"skipped": {**skipped, "filtered": total["filtered"]} if total["filtered"] else skipped}
     if buckets is not None:
         # The model's base size (its sample_size): the square bucket's side (PixArt's 256 / 512 / 1024), or that of
         # the square as large as the bucket nearest 1:1, in latents, even (2x2 patches).
         h, w = buckets[nearest_bucket(1, 1, buckets)]
         base = 2 * max(1, round(math.sqrt(h * w) / (2 * codec.downsample)))
         latent_shape = [latent_shape[0], base, base]
-        extra = {"buckets": table, "bucket_spec": cfg.buckets if isinstance(cfg.buckets, str) else "list"}
+        extra.update(buckets=table, bucket_spec=cfg.buckets if isinstance(cfg.buckets, str) else "list")
         log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     record = DatasetRecord(
-        format_version=FORMAT_VERSION,
+        format_version=record_version(cfg.text_storage),
         fingerprint=fp["fingerprint"],
         image_codec={"name": cfg.vae, "class": codec.class_name},
         text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens},
@@ -396,12 +436,12 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         width=cfg.width,
         num_samples=total["rows"],
         num_images=total["images"],
-        skipped={"bad_images": total["bad_images"], "missing_captions": total["missing_captions"]},
         num_classes=source.num_classes,
         empty_caption=EMPTY_CAPTION_FILE,
         prompts={"file": PROMPTS_FILE, "texts": prompts},
-        columns=["latents", "text_embeds", "caption", "key"] + (["label"] if source.num_classes else [])
-        + (["bucket", "original_size", "crop_top_left"] if buckets is not None else []),
+        columns=list(_columns(source, buckets, cfg.text_storage)),
+        text_storage=cfg.text_storage,
+        size=storage.dataset_size([part_folders(out, i, buckets) for i, s in enumerate(stats) if s["rows"]], stats),
         latents_scaled=False,  # the trainer applies (x - shift_factor) * scaling_factor exactly once
         source={"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},
         world_size=world,
@@ -449,11 +489,12 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
     if _check_existing(out, fp):
         log(f"{out} is already complete (dataset.json present, same config); nothing to do.")
         return out
+    source = get_source(cfg.source)
+    check_source(cfg, source)  # before anything is written: a refused config leaves no folder behind
     out.mkdir(parents=True, exist_ok=True)
     if not (out / FINGERPRINT_FILE).is_file():  # written first; every rank writes the same content
         write_json_atomic(out / FINGERPRINT_FILE, fp)
 
-    source = get_source(cfg.source)
     shards = source.shards(cfg.records_per_part)
     check_parts(out, shards)
     round_, mine, done = my_parts(out, len(shards), rank, world)

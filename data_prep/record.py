@@ -14,7 +14,11 @@ from typing import Any, Optional
 
 DATASET_FILE = "dataset.json"
 # Raised when a field is added, removed or changes meaning; a reader refuses a record newer than itself.
-FORMAT_VERSION = 1
+#   1  text_embeds float16 rows
+#   2  text_storage: the rows' text may also be bf16 bits (uint16) or int8 with a text_scale column
+# A record says the oldest version that describes it (`record_version`), so an fp16 dataset stays readable by a
+# LatentForge that knows version 1 only, and one of another storage is refused by it instead of misread.
+FORMAT_VERSION = 2
 _OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec")  # present only for datasets that have them
 
 
@@ -23,6 +27,11 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
     os.replace(tmp, path)
+
+
+def record_version(text_storage: str) -> int:
+    """The oldest format version that describes a dataset of this text storage."""
+    return 1 if text_storage == "fp16" else 2
 
 
 @dataclass
@@ -46,7 +55,8 @@ class DatasetRecord:
     prompts: Optional[dict[str, Any]] = None  # {"file", "texts"}: the grid prompts' embeddings
     fingerprint: Optional[str] = None  # the precompute config's digest (precompute.json)
     num_images: Optional[int] = None
-    skipped: dict[str, int] = field(default_factory=dict)  # {"bad_images", "missing_captions"}
+    # {"bad_images", "missing_captions"}, and with filters "filtered": {filter name: records it dropped}
+    skipped: dict[str, Any] = field(default_factory=dict)
     columns: list[str] = field(default_factory=list)  # the MDS columns
     latents_scaled: bool = False  # the trainer applies (x - shift_factor) * scaling_factor exactly once
     source: dict[str, Any] = field(default_factory=dict)  # {"name", "path", ...the source's metadata}
@@ -54,6 +64,10 @@ class DatasetRecord:
     width: Optional[int] = None  # the image width when it differs from the resolution
     buckets: Optional[list[dict[str, Any]]] = None  # aspect-ratio buckets: [{"size", "dir", "latent_size", "num_samples"}]
     bucket_spec: Optional[str] = None
+    text_storage: str = "fp16"  # how the rows hold text (data_prep/storage.py); records older than it are fp16
+    # the parts' bytes on disk and uncompressed, and per sample (data_prep/storage.py dataset_size):
+    # {"bytes", "raw_bytes", "per_sample": {"latents", "text", "other", "disk"}}
+    size: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

@@ -62,7 +62,9 @@ def test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read(digits_s
 
     written = json.loads((digits_shards / "dataset.json").read_text())
     record = DatasetRecord.read(digits_shards)
-    assert record.format_version == FORMAT_VERSION and record.num_samples == 1438 * 3
+    # fp16 text: still format 1, which LatentForge before text_storage reads too (format 2 adds the other storages)
+    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 2)
+    assert record.num_samples == 1438 * 3
     assert record.to_json() == written  # no field lost or added on the way through
     assert "width" not in written and "buckets" not in written  # optional fields stay out when a dataset has none
     record.write(tmp_path)
@@ -145,16 +147,18 @@ def test_webdataset(tmp_path, tiny_text_encoder_dir):
         np.testing.assert_allclose(row["latents"].astype(np.float32), pixels, atol=1e-3)
 
 
-def write_tars(pngs: list[Path], folder: Path, per_tar: int) -> list[Path]:
-    """img2dataset-style tars of `per_tar` images each: <i>.jpg, <i>.txt (the png's caption) and <i>.json."""
+def write_tars(pngs: list[Path], folder: Path, per_tar: int, metas: list[dict] | None = None) -> list[Path]:
+    """img2dataset-style tars of `per_tar` images each: <i>.jpg, <i>.txt (the png's caption) and <i>.json (metas[i],
+    default {})."""
     folder.mkdir(parents=True)
     tars = []
     for t in range(0, len(pngs), per_tar):
         tars.append(folder / f"{t // per_tar:05d}.tar")
         with tarfile.open(tars[-1], "w") as tar:
             for i, png in enumerate(pngs[t:t + per_tar], t):
+                meta = json.dumps(metas[i] if metas else {}).encode()
                 for ext, data in (("jpg", _as_jpeg(png)), ("txt", png.with_suffix(".txt").read_bytes()),
-                                  ("json", b"{}")):
+                                  ("json", meta)):
                     info = tarfile.TarInfo(f"{i:09d}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
@@ -525,3 +529,294 @@ def test_precompute_bounds_its_caption_cache_by_caption_cache_mb(tmp_path, tiny_
     kept, none = caches
     assert (kept.max_bytes, none.max_bytes) == (1024 * 2**20, 0)
     assert (kept.encoded, none.encoded) == (2, 8) and len(read_rows(tmp_path / "none")) == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Text storage, size projection and filters (issue 41)
+# ---------------------------------------------------------------------------------------------
+
+
+def bf16_by_hand(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 -> float32 with integer arithmetic on the bits: the top 16 bits, rounded to nearest, ties to
+    even (finite inputs)."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    kept = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return (kept << 16).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("storage", ["fp16", "bf16", "int8"])
+def test_text_storage_round_trips_within_its_bound(storage):
+    """Each storage's columns decode to the embedding within its bound: fp16 exactly numpy's float16; bf16 exactly the
+    bits rounded by hand (relative error <= 2^-8); int8 within scale / 2 of each value, its scale max|x| / 127 per
+    token. Tokens span six orders of magnitude and one is all zeros; a value of 1e6, beyond float16's range, is kept by
+    bf16 and int8 and refused by fp16, naming the cure."""
+    import torch
+
+    from data_prep.storage import encode_text, nbytes, text_columns
+    from framework.data.text_storage import decode_text
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((120, 64)).astype(np.float32) * np.logspace(-3, 3, 120, dtype=np.float32)[:, None]
+    x[5] = 0.0
+    x[9, 3] = 1e6
+    if storage == "fp16":
+        with pytest.raises(ValueError, match="beyond float16's range.*text_storage=bf16"):
+            encode_text(torch.from_numpy(x), storage)
+        x[9, 3] = 6e4  # within it
+    cols = encode_text(torch.from_numpy(x), storage)
+    assert {k: f"ndarray:{v.dtype}" for k, v in cols.items()} == text_columns(storage)
+    got = decode_text(cols, storage)
+    assert got.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float32}[storage]
+    got = got.float().numpy()
+    assert nbytes(cols) == {"fp16": 120 * 64 * 2, "bf16": 120 * 64 * 2, "int8": 120 * (64 + 4)}[storage]
+    if storage == "fp16":
+        np.testing.assert_array_equal(got, x.astype(np.float16).astype(np.float32))
+        return
+    assert np.isfinite(got).all() and (got[5] == 0).all()
+    if storage == "bf16":
+        np.testing.assert_array_equal(got, bf16_by_hand(x))
+        assert (np.abs(got - x) <= 2**-8 * np.abs(x)).all()
+    else:
+        scale = cols["text_scale"]  # (L,)
+        np.testing.assert_allclose(scale, np.abs(x).max(1) / 127, rtol=1e-7)
+        # scale / 2, and float32's round-off on x / scale and q * scale (a few 1e-6 of the scale)
+        assert (np.abs(got - x) <= scale[:, None] * (0.5 + 1e-5)).all()
+        assert (np.abs(cols["text_embeds"]).max(1)[scale > 0] == 127).all()  # each token's largest value uses the range
+
+
+def storage_bound(storage: str, ref: np.ndarray, row: dict) -> np.ndarray:
+    """How far a storage's decoded value may be from the fp16 dataset's `ref`: its own bound from the encoder's float32
+    output x (bf16: 2^-8 |x|; int8: scale / 2) plus the fp16 value's (2^-11 |x|, or float16's smallest half-step)."""
+    fp16 = 2**-11 * np.abs(ref) + 2**-25
+    if storage == "bf16":
+        return 2**-8 * np.abs(ref) * (1 + 2**-10) + fp16
+    if storage == "int8":
+        return np.asarray(row["text_scale"], np.float32)[:, None] * (0.5 + 1e-5) + fp16
+    return np.zeros_like(ref)
+
+
+def test_each_text_storage_keeps_the_fp16_embeddings_within_its_bound_and_reads_back(tmp_path, tiny_text_encoder_dir,
+                                                                                     monkeypatch):
+    """The same images precomputed with text_storage=fp16, bf16 and int8: the same rows in the same order, each
+    storage's columns and format version recorded, its embeddings within its bound of the fp16 dataset's, its bytes
+    per sample as counted by hand, and the data module's batches equal to the rows decoded by hand. A dataset.json
+    without text_storage (an older one) reads as fp16; a reader of format 1 reads the fp16 dataset and refuses the
+    others; another text_storage over a finished folder is refused."""
+    import shutil
+
+    import torch
+
+    import data_prep.record as record
+    from framework.data.datamodule import DataConfig, LatentDataModule, read_dataset_info
+
+    src = make_image_folder(tmp_path / "imgs", n=12)
+    outs = {s: precompute(folder_config(src, tmp_path / s, tiny_text_encoder_dir, text_storage=s), rank=0, world_size=1)
+            for s in ("fp16", "bf16", "int8")}
+    infos = {s: json.loads((o / "dataset.json").read_text()) for s, o in outs.items()}
+    rows = {s: read_rows(o) for s, o in outs.items()}
+    assert [(i["text_storage"], i["format_version"]) for i in infos.values()] == [("fp16", 1), ("bf16", 2), ("int8", 2)]
+    assert infos["int8"]["columns"] == ["latents", "text_embeds", "text_scale", "caption", "key"]
+    assert infos["bf16"]["columns"] == infos["fp16"]["columns"] == ["latents", "text_embeds", "caption", "key"]
+    ref = {r["key"]: r for r in rows["fp16"]}
+    assert [r["key"] for r in rows["int8"]] == [r["key"] for r in rows["bf16"]] == list(ref)
+    width = {"fp16": 2 * 32, "bf16": 2 * 32, "int8": 32 + 4}  # bytes per token, text dim 32
+    for storage in ("bf16", "int8"):
+        dtype = {"bf16": np.uint16, "int8": np.int8}[storage]
+        for row in rows[storage]:
+            want = ref[row["key"]]["text_embeds"].astype(np.float32)
+            assert row["text_embeds"].dtype == dtype and row["text_embeds"].shape == want.shape
+            if storage == "bf16":  # decoded by hand: the bits are float32's top half
+                got = (row["text_embeds"].astype(np.uint32) << 16).view(np.float32)
+            else:
+                got = row["text_embeds"].astype(np.float32) * row["text_scale"][:, None]
+            assert (np.abs(got - want) <= storage_bound(storage, want, row)).all(), row["key"]
+    for storage, info in infos.items():
+        tokens = sum(len(r["text_embeds"]) for r in rows[storage])
+        assert info["size"]["per_sample"]["text"] == pytest.approx(tokens * width[storage] / 12)
+        assert info["size"]["per_sample"]["latents"] == 3 * 8 * 8 * 2
+    assert infos["int8"]["size"]["per_sample"]["text"] < 0.6 * infos["fp16"]["size"]["per_sample"]["text"]
+
+    # The data module decodes each storage; an older dataset.json (no text_storage) is fp16.
+    old = tmp_path / "older"
+    shutil.copytree(outs["fp16"], old)
+    (old / "dataset.json").write_text(json.dumps({k: v for k, v in infos["fp16"].items()
+                                                  if k not in ("text_storage", "size")}))
+    assert read_dataset_info(str(old)).text_storage == "fp16"
+    for storage, path in (*outs.items(), ("fp16", old)):
+        dm = LatentDataModule(DataConfig(path=str(path), local=str(tmp_path / f"cache_{path.name}"), batch_size=12,
+                                         shuffle=False), seed=0)
+        dm.setup("fit")
+        batch = next(iter(dm.train_dataloader()))
+        assert batch["text_embeds"].dtype == {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float32}[storage]
+        by_key = {r["key"]: r for r in rows[storage]}
+        for i, key in enumerate(batch["key"]):
+            row, n = by_key[key], int(batch["text_mask"][i].sum())
+            if storage == "int8":
+                want = torch.from_numpy(row["text_embeds"].astype(np.float32) * row["text_scale"][:, None])
+            elif storage == "bf16":
+                want = torch.from_numpy((row["text_embeds"].astype(np.uint32) << 16).view(np.float32))
+            else:
+                want = torch.from_numpy(row["text_embeds"].astype(np.float32))
+            assert torch.equal(batch["text_embeds"][i, :n].float(), want) and not batch["text_embeds"][i, n:].any()
+
+    # A LatentForge that reads format 1 only: the fp16 dataset is still its own, the others are refused.
+    monkeypatch.setattr(record, "FORMAT_VERSION", 1)
+    record.DatasetRecord.read(outs["fp16"])
+    with pytest.raises(ValueError, match="format_version 2; this LatentForge reads up to 1"):
+        record.DatasetRecord.read(outs["int8"])
+    monkeypatch.undo()
+    for done, other in (("fp16", "int8"), ("int8", "bf16")):  # the second pair has the same format version
+        was = "None" if done == "fp16" else f"'{done}'"  # fp16, the default, is left out of the fingerprint
+        with pytest.raises(FileExistsError, match=rf"'text_storage': \({was}, '{other}'\)"):
+            precompute(folder_config(src, outs[done], tiny_text_encoder_dir, text_storage=other), rank=0, world_size=1)
+
+
+def test_a_dataset_stored_in_int8_trains_on_its_dequantized_embeddings(tmp_path, tiny_text_encoder_dir, monkeypatch):
+    """A few training steps of the quickstart config on a folder precomputed with text_storage=int8: every batch the
+    model gets holds, for each row, its int8 values times its per-token scales (computed here from the stored rows),
+    zeros after them; and the losses are finite."""
+    import lightning.pytorch as pl
+    import torch
+
+    from framework.train import train
+    from tests.helpers import cheap, compose_cfg, losses, with_callback
+
+    src = make_image_folder(tmp_path / "imgs", n=32)
+    data = precompute(folder_config(src, tmp_path / "int8", tiny_text_encoder_dir, text_storage="int8"), rank=0,
+                      world_size=1)
+    by_key = {r["key"]: r["text_embeds"].astype(np.float32) * r["text_scale"][:, None] for r in read_rows(data)}
+    seen = []
+
+    class Batches(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append({k: batch[k] for k in ("text_embeds", "text_mask", "key")})
+
+    with_callback(monkeypatch, Batches())
+    out = train(compose_cfg(cheap(tmp_path, data, "logger=csv", "sample.every_n_steps=0", "data.batch_size=8",
+                                  steps=3)))
+    assert len(seen) == 3 and all(np.isfinite(v) for v in losses(Path(out["run_dir"])).values())
+    for batch in seen:
+        assert batch["text_embeds"].dtype == torch.float32
+        for i, key in enumerate(batch["key"]):
+            n = int(batch["text_mask"][i].sum())
+            assert torch.equal(batch["text_embeds"][i, :n].cpu(), torch.from_numpy(by_key[key]))
+            assert not batch["text_embeds"][i, n:].any()
+
+
+@pytest.mark.parametrize("kind", ["folder", "webdataset"])
+def test_the_size_projected_from_the_first_part_matches_the_output(tmp_path, tiny_text_encoder_dir, capsys, kind):
+    """After its first part rank 0 says (and writes to projection.json) what the whole output will weigh: the samples
+    the source will give (the folder's size(); a webdataset's tars times the part's records) times the part's bytes
+    per sample on disk. Four parts of six images: the projection is within 3% of the shard files and index.json files
+    the run then wrote, which dataset.json's `size` counts to the byte; and its text bytes per sample are the int8
+    rows' (1 byte a value + a 4-byte scale a token)."""
+    src = make_image_folder(tmp_path / "imgs", n=24)
+    cfg = folder_config(src, tmp_path / "ds", tiny_text_encoder_dir, records_per_part=6, text_storage="int8")
+    if kind == "webdataset":
+        write_tars(sorted(src.rglob("*.png")), tmp_path / "wds", per_tar=6)
+        cfg["source"] = {"name": "webdataset", "path": str(tmp_path / "wds")}
+    out = precompute(cfg, rank=0, world_size=1)
+    assert "projected output: 0.000 GB for 24 samples (24 records; 0.000 GB decompressed)" in capsys.readouterr().out
+    estimate = json.loads((out / "projection.json").read_text())
+    info = json.loads((out / "dataset.json").read_text())
+    written = sum(f.stat().st_size for f in out.glob("part_*/*") if f.is_file())  # before any reader decompresses
+    assert (estimate["samples"], estimate["from_part"], estimate["text_storage"]) == (24, 0, "int8")
+    assert info["size"]["bytes"] == written
+    assert estimate["bytes"] == pytest.approx(written, rel=0.03)
+    assert estimate["raw_bytes"] == pytest.approx(info["size"]["raw_bytes"], rel=0.03)
+    part0 = read_rows(out / "part_000000")  # the first part's own MDS folder
+    assert len(part0) == 6
+    assert estimate["bytes_per_sample"]["text"] == sum(len(r["text_embeds"]) * (32 + 4) for r in part0) / 6
+    assert estimate["bytes_per_sample"]["latents"] == 3 * 8 * 8 * 2
+
+
+# Thirteen img2dataset samples: each .json's values, and what the filters below make of it (None: kept). The JPEGs
+# are 20x24 but the last, 300x400; img2dataset's original_height / original_width say how large the image was before it
+# resized it.
+WDS_METAS = [
+    ({"punsafe": 0.1, "similarity": 0.3, "original_height": 512, "original_width": 768}, None),
+    ({"punsafe": 0.9, "similarity": 0.3, "original_height": 512, "original_width": 768}, "punsafe.max"),
+    ({"punsafe": 0.1, "similarity": 0.1, "original_height": 512, "original_width": 768}, "similarity.min"),
+    ({"similarity": 0.3, "original_height": 512, "original_width": 768}, "punsafe.missing"),
+    ({"punsafe": None, "similarity": 0.3, "original_height": 512, "original_width": 768}, "punsafe.missing"),
+    ({"punsafe": 0.1, "similarity": 0.3, "original_height": 200, "original_width": 300}, "min_size"),
+    ({"punsafe": 0.1, "similarity": 0.3, "original_height": 300, "original_width": 900}, "max_aspect"),
+    ({"punsafe": 0.1, "similarity": 0.3}, "min_size"),  # no original size: the decoded 20x24 image's
+    ({"punsafe": 0.1, "similarity": 0.3, "original_height": 300, "original_width": 600}, None),  # 2:1, 300 px: kept
+    ({"punsafe": 0.5, "similarity": 0.28, "original_height": 512, "original_width": 512}, None),  # bounds inclusive
+    ({"punsafe": 0.9, "similarity": 0.3, "original_height": 100, "original_width": 100}, "punsafe.max"),  # first fail
+    ({"punsafe": 0.2, "similarity": 0.9, "status": "success", "original_height": 1024, "original_width": 1024}, None),
+    ({"punsafe": 0.3, "similarity": 0.5}, None),  # no original size: the decoded 300x400 image's, large enough
+]
+WDS_FILTERS = {"min_size": 256, "max_aspect": 2.0, "filters": {"punsafe": {"max": 0.5}, "similarity": {"min": 0.28}}}
+
+
+def test_webdataset_filters_drop_records_by_their_json_and_count_each_filter(tmp_path, tiny_text_encoder_dir, capsys):
+    """min_size, max_aspect and thresholds on the .json's numbers: the filtered dataset is the unfiltered one less
+    exactly the records WDS_METAS marks (same rows, same latents); each dropped record is counted once, under the first
+    filter it fails, in each part's done marker, summed in dataset.json's skipped.filtered and printed. The size is
+    img2dataset's original size when the .json has it, else the decoded image's; a record without a thresholded key
+    (or with null) is dropped as <key>.missing. Other filter values over the folder are refused."""
+    from PIL import Image
+
+    src = make_image_folder(tmp_path / "imgs", n=12)
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(src / "zbig.png")
+    (src / "zbig.txt").write_text("a large picture")
+    pngs = sorted(src.rglob("*.png"))
+    assert pngs[-1].name == "zbig.png"
+    write_tars(pngs, tmp_path / "wds", per_tar=6, metas=[m for m, _ in WDS_METAS])  # 3 tars: 6, 6 and 1 samples
+    base = folder_config(tmp_path / "wds", tmp_path / "all", tiny_text_encoder_dir)
+    base["source"] = {"name": "webdataset", "path": str(tmp_path / "wds")}
+    everything = read_rows(precompute(base, rank=0, world_size=1))
+    capsys.readouterr()
+    out = precompute({**base, "out": str(tmp_path / "kept"), **WDS_FILTERS}, rank=0, world_size=1)
+    log = capsys.readouterr().out
+    expect = {f"{i:09d}" for i, (_, why) in enumerate(WDS_METAS) if why is None}
+    assert [(r["key"], r["latents"].tobytes()) for r in read_rows(out)] == \
+        [(r["key"], r["latents"].tobytes()) for r in everything if r["key"].split(":")[1].split("#")[0] in expect]
+    counts = {n: 0 for n in ("punsafe.missing", "punsafe.max", "similarity.missing", "similarity.min", "min_size",
+                             "max_aspect")}
+    per_part = [dict(counts) for _ in range(3)]
+    for i, (_, why) in enumerate(WDS_METAS):
+        if why is not None:
+            per_part[i // 6][why] += 1
+    for p in range(3):
+        assert json.loads((out / "done" / f"part_{p:06d}.json").read_text())["filtered"] == per_part[p]
+    info = json.loads((out / "dataset.json").read_text())
+    total = {n: sum(part[n] for part in per_part) for n in counts}
+    assert info["skipped"] == {"bad_images": 0, "missing_captions": 0, "filtered": total}
+    assert info["num_samples"] == len(expect) == 5
+    assert "filtered out 8 records before encoding (punsafe.missing: 2, punsafe.max: 2" in log
+    with pytest.raises(FileExistsError, match=r"'min_size': \(256, 128\)"):  # the filters are part of the fingerprint
+        precompute({**base, "out": str(out), **WDS_FILTERS, "min_size": 128}, rank=0, world_size=1)
+
+
+def test_size_filters_read_the_decoded_image_of_a_folder(tmp_path, tiny_text_encoder_dir):
+    """Without a .json the size and shape are the decoded image's: of the folder's eight images, (30, 61) is under
+    min_size=35 and (40, 90) and (90, 40) are longer than twice their width or height; (40, 80) is exactly 2:1 and
+    kept. The rest are the unfiltered dataset's rows."""
+    from tests.helpers import MIXED_SIZES
+
+    src = make_mixed_folder(tmp_path / "imgs")
+    everything = read_rows(precompute(folder_config(src, tmp_path / "all", "minilm"), rank=0, world_size=1))
+    out = precompute(folder_config(src, tmp_path / "kept", "minilm", min_size=35, max_aspect=2.0), rank=0, world_size=1)
+    dropped = {MIXED_SIZES.index(s) for s in ((30, 61), (40, 90), (90, 40))}
+    assert [r["key"] for r in read_rows(out)] == [r["key"] for r in everything if int(r["key"][3:6]) not in dropped]
+    assert json.loads((out / "dataset.json").read_text())["skipped"]["filtered"] == {"min_size": 1, "max_aspect": 2}
+
+
+def test_filter_and_storage_keys_are_checked_before_anything_is_written(tmp_path):
+    from data_prep.config import PrecomputeConfig
+
+    for bad, match in (({"text_storage": "fp8"}, "text_storage='fp8': use one of fp16, bf16, int8"),
+                       ({"min_size": 0}, "min_size=0"), ({"max_aspect": 0.5}, "max_aspect=0.5"),
+                       ({"filters": {"punsafe": {"below": 0.5}}}, r"filters.punsafe=\{'below': 0.5\}: give min and/or max"),
+                       ({"filters": {"punsafe": {"max": "x"}}}, "filters.punsafe.max='x': must be a number"),
+                       ({"filters": {"punsafe": {"min": 0.6, "max": 0.5}}}, "min=0.6 > max=0.5"),
+                       ({"filters": ["punsafe"]}, "a mapping")):
+        with pytest.raises(ValueError, match=match):
+            PrecomputeConfig(**bad)
+    src = make_image_folder(tmp_path / "imgs", n=2)
+    with pytest.raises(ValueError, match="source=folder does not have .source=webdataset does."):
+        precompute(folder_config(src, tmp_path / "ds", "minilm", filters={"punsafe": {"max": 0.5}}), rank=0, world_size=1)
+    assert not (tmp_path / "ds").exists()

@@ -21,6 +21,7 @@ class Record:
     image: Any  # bytes (encoded file), a path, or a uint8 ndarray (H, W) / (H, W, C)
     captions: list[str] = field(default_factory=list)  # empty -> "missing caption"
     label: int | None = None  # integer class, for sources that have one
+    meta: dict[str, Any] = field(default_factory=dict)  # what the source knows about it (img2dataset's .json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,6 +41,7 @@ class ImageCaptionSource:
     name: str = ""
     default_image_mode: str = "RGB"  # what the pixel codec keeps when `image_mode` is None
     num_classes: int | None = None  # set by labelled sources; stored in dataset.json
+    has_meta: bool = False  # its records carry per-sample metadata (Record.meta) that `filters=` thresholds read
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg

@@ -1,10 +1,14 @@
 """WebDataset tar shards of image + .txt pairs, as img2dataset writes them (00000.tar: 000000001.jpg,
 000000001.txt, 000000001.json, ...). Read with the standard library; no network.
 
-`source.path` is one .tar file or a folder searched recursively for *.tar; each .tar is one input shard.
+`source.path` is one .tar file or a folder searched recursively for *.tar; each .tar is one input shard. Each
+sample's .json (img2dataset's: width, height, original_width, original_height, punsafe, similarity, status, ...)
+becomes the record's `meta`, which precompute's filters read (data_prep/filters.py); a missing or unparsable .json
+gives an empty one.
 """
 from __future__ import annotations
 
+import json
 import tarfile
 from pathlib import Path
 from typing import Iterator
@@ -19,8 +23,17 @@ def _split_member(name: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), ext.lower()
 
 
+def _meta(raw: bytes | None) -> dict:
+    try:
+        meta = json.loads(raw) if raw else {}
+    except ValueError:  # UnicodeDecodeError included
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 class WebDatasetSource(ImageCaptionSource):
     name = "webdataset"
+    has_meta = True
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -53,7 +66,8 @@ class WebDatasetSource(ImageCaptionSource):
     def _record(tar_path: Path, key: str, group: dict[str, bytes]) -> Record:
         image = next((group[e] for e in group if f".{e}" in IMAGE_EXTENSIONS), None)
         text = group.get("txt", b"").decode("utf-8", errors="replace").strip()
-        return Record(key=f"{tar_path.name}:{key}", image=image, captions=[text] if text else [])
+        return Record(key=f"{tar_path.name}:{key}", image=image, captions=[text] if text else [],
+                      meta=_meta(group.get("json")))
 
     def shards(self, records_per_part: int) -> list[str]:
         """One input shard per .tar (records_per_part does not apply), named relative to source.path so that a

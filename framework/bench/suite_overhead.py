@@ -164,6 +164,7 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
     from framework import config as config_lib
     from framework.data.datamodule import canonical_nodes
     from framework.data.shards import open_streaming
+    from framework.data.text_storage import decode_text
     from framework.models.backbones import build_denoiser
     from framework.preflight import fit_model_to_data
 
@@ -191,8 +192,8 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
 
     def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
         latents = (torch.from_numpy(np.stack([s["latents"] for s in samples])).float() - shift) * scale
-        text = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(np.array(s["text_embeds"])) for s in samples],
-                                               batch_first=True)  # (B, L, D) fp16
+        text = torch.nn.utils.rnn.pad_sequence([decode_text(s, info.text_storage) for s in samples],
+                                               batch_first=True)  # (B, L, D) as stored (fp16 / bf16; int8 as float32)
         lengths = torch.tensor([len(s["text_embeds"]) for s in samples])
         mask = torch.arange(text.shape[1])[None] < lengths[:, None]  # (B, L)
         return {"latents": latents, "text_embeds": text, "text_mask": mask}

@@ -1,8 +1,10 @@
 """Training data: MDS latent shards (written by data_prep.precompute) -> padded, scaled batches.
 
+The dataset's layout, columns and storage options are described in docs/data.md.
 The trainer never runs a VAE or a text encoder. Each batch is a dict:
     latents      float32 (B, C, h, w)  scaled ONCE here: (raw - shift_factor) * scaling_factor
-    text_embeds  float32 (B, L, D)     zero-padded to the longest caption in the batch
+    text_embeds  (B, L, D)             zero-padded to the longest caption in the batch; decoded from the dataset's
+                                       text_storage (framework/data/text_storage.py): float16, bfloat16 or float32
     text_mask    bool    (B, L)        True on real tokens
     label        int64   (B,)          only when the dataset has a `label` column
     caption, key list[str]
@@ -21,9 +23,11 @@ import lightning as L
 import numpy as np
 import torch
 
+from data_prep.config import TEXT_STORAGES
 from data_prep.record import DATASET_FILE, DatasetRecord
 from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, open_streaming
+from framework.data.text_storage import decode_text
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # streaming.base.shuffle's algorithms
 
@@ -121,6 +125,7 @@ class DatasetInfo:
     # every latent is latent_size
     buckets: list = field(default_factory=list)
     prompt_embeds: dict[str, torch.Tensor] = field(default_factory=dict)  # grid prompt -> (L, D) fp16, precomputed
+    text_storage: str = "fp16"  # how the rows hold text (framework/data/text_storage.py)
 
     def summary(self) -> dict:
         """What generation needs to know (the Pipeline's `info`); plain values, so checkpoints load with weights_only."""
@@ -191,6 +196,9 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         raise FileNotFoundError(f"{file} not found: {path} is not a LatentForge dataset. Build one with "
                                 f"`python -m data_prep.precompute out={path}` (or set data.prepare).")
     rec = DatasetRecord.read(file)
+    if rec.text_storage not in TEXT_STORAGES:
+        raise ValueError(f"{file}: text_storage={rec.text_storage!r}, but this LatentForge reads "
+                         f"{', '.join(TEXT_STORAGES)}; upgrade it, or precompute the dataset again with one of these.")
     empty_file = _fetch(path, rec.empty_caption, local)
     try:
         empty = load_file(str(empty_file))["text_embeds"].float()  # (L0, D)
@@ -212,7 +220,7 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         image_mode=rec.image_mode, resolution=int(rec.resolution), path=str(file),
         num_samples=int(rec.num_samples), empty_text_embeds=empty, downsample=int(rec.downsample),
         posterior=rec.posterior, record=rec, prompt_embeds=prompt_embeds,
-        buckets=[b for b in rec.buckets or [] if b["num_samples"] > 0],
+        buckets=[b for b in rec.buckets or [] if b["num_samples"] > 0], text_storage=rec.text_storage,
     )
 
 
@@ -286,15 +294,16 @@ class LatentCollate:
     aspect-ratio buckets also give `size_ids` (B, 6): their original size and crop corner (over the codec's
     `downsample`) and the latents' size, what a size-conditioned UNet is fed (framework.models.backbones.SIZE_IDS)."""
 
-    def __init__(self, scaling_factor: float, shift_factor: float, downsample: int = 1) -> None:
+    def __init__(self, scaling_factor: float, shift_factor: float, downsample: int = 1, text_storage: str = "fp16") -> None:
         self.scaling_factor, self.shift_factor, self.downsample = scaling_factor, shift_factor, downsample
+        self.text_storage = text_storage
 
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
         latents = torch.from_numpy(np.stack([s["latents"] for s in samples])).float()  # (B, C, h, w)
         latents = (latents - self.shift_factor) * self.scaling_factor
-        # As stored (fp16): half the bytes through the loader's queue and the host-to-device copy; the training
-        # step converts them on the device.
-        embeds = [torch.from_numpy(np.array(s["text_embeds"])) for s in samples]  # (L_i, D)
+        # fp16 and bf16 as stored: half the bytes of float32 through the loader's queue and the host-to-device copy;
+        # the training step converts them on the device. int8 rows come dequantized, in float32.
+        embeds = [decode_text(s, self.text_storage) for s in samples]  # (L_i, D)
         text, mask = pad_and_stack(embeds)  # (B, L, D), (B, L)
         batch = {"latents": latents, "text_embeds": text, "text_mask": mask,
                  "caption": [s["caption"] for s in samples], "key": [s.get("key", "") for s in samples]}
@@ -476,7 +485,8 @@ class LatentDataModule(L.LightningDataModule):
         # length, Lightning does not prefetch a batch ahead, so the saved sample count is exact.
         return StreamingDataLoader(
             self.dataset, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers,
-            collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor, self.info.downsample),
+            collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor, self.info.downsample,
+                                     self.info.text_storage),
             drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
             pin_memory=torch.cuda.is_available(),  # lets Lightning copy batches to the GPU asynchronously
         )
