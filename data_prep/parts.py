@@ -90,10 +90,17 @@ def my_parts(out: Path, num_parts: int, rank: int, world: int) -> tuple[int, lis
     return round_, [i for p, i in enumerate(dealt) if p % world == rank and i not in done], len(done)
 
 
-def remove_partial(out: Path, index: int, bucket_dirs: list[str]) -> None:
+def part_folders(out: Path, index: int, buckets: list[tuple[int, int]] | None) -> list[Path]:
+    """Part `index`'s MDS folders: out/part_<index>, or with buckets one in each bucket's folder."""
+    from data_prep.buckets import bucket_dir
+
+    return [out / part_name(index)] if buckets is None else [out / bucket_dir(b) / part_name(index) for b in buckets]
+
+
+def remove_partial(out: Path, index: int, buckets: list[tuple[int, int]] | None) -> None:
     """Delete what an interrupted run left of part `index` (its MDS folder, or one per bucket) before encoding it."""
-    for folder in [out, *(out / d for d in bucket_dirs)]:
-        shutil.rmtree(folder / part_name(index), ignore_errors=True)
+    for folder in part_folders(out, index, buckets):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

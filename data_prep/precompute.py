@@ -39,7 +39,9 @@ from data_prep import storage
 from data_prep.config import PrecomputeConfig, SourceConfig, register_configs
 from data_prep.encoders import ImageCodec, TextEncoder, load_image_codec, load_text_encoder
 from data_prep.filters import RecordFilter, check_source
-from data_prep.parts import DONE_DIR, check_parts, done_file, merge, my_parts, part_name, remove_partial, wait_for_parts
+from data_prep.parts import (
+    DONE_DIR, check_parts, done_file, merge, my_parts, part_folders, part_name, remove_partial, wait_for_parts,
+)
 from data_prep.record import DATASET_FILE, DatasetRecord, record_version, write_json_atomic
 from data_prep.sources import Record, get_source
 
@@ -310,7 +312,6 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
     """Encode this rank's parts `mine` one after the other, each marked done as it finishes; returns the totals."""
     from tqdm import tqdm
 
-    from data_prep.buckets import bucket_dir
 
     captions = CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)  # shared by the rank's parts
     captions.store = lambda emb: storage.encode_text(emb, cfg.text_storage)  # kept as the rows hold it
@@ -321,7 +322,7 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
     totals = {"images": 0, "rows": 0, "seconds": 0.0}
     (out / DONE_DIR).mkdir(exist_ok=True)
     for i in mine:
-        remove_partial(out, i, [bucket_dir(b) for b in buckets or []])
+        remove_partial(out, i, buckets)
         stats = encode_part(cfg, source, shards[i], codec, captions, mode, out, i, buckets, bar,
                             {"part": i, "shard": shards[i], "rank": rank, "round": round_, "world": world}, keep)
         totals = {k: v + stats[k] for k, v in totals.items()}
@@ -333,13 +334,6 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
             log(storage.describe(estimate))
     bar.close()
     return totals
-
-
-def part_folders(out: Path, index: int, buckets: list[tuple[int, int]] | None) -> list[Path]:
-    """Part `index`'s MDS folders: out/part_<index>, or one in each bucket's folder."""
-    from data_prep.buckets import bucket_dir
-
-    return [out / part_name(index)] if buckets is None else [out / bucket_dir(b) / part_name(index) for b in buckets]
 
 
 # ---------------------------------------------------------------------------------------------
