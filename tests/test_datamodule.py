@@ -1,6 +1,7 @@
 """framework.data.datamodule: batches, scaling once, caption dropout, start-up checks, ranks, loader state and resume."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -348,15 +349,20 @@ def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_p
         shm.close()
         return name
 
-    q = max(next(i for i in range(10**6) if not taken(i, n)) for n in SHM_TO_CLEAN)
-    dead = [leftover(f"{q:06d}_locals", 64), leftover(f"{q + 1:06d}_barrier", 4096)]  # a real barrier: bytes
-    try:
-        dm = module(digits_shards, tmp_path, batch_size=16)
-        assert dm.dataset._shm_prefix_int == q + 1
-        assert (shm_dir / dead[1]).stat().st_size < 4096, "the dataset made its own barrier"
-        assert next(iter(dm.train_dataloader()))["latents"].shape == (16, 1, 8, 8)
-    finally:
-        (shm_dir / dead[0]).unlink(missing_ok=True)
+    # The node's prefix lock is held from the choice of q to the dataset's registration, as a job of this
+    # framework holds it: another xdist worker opening a dataset meanwhile would take q itself, or remove the
+    # leftovers as orphans and take q + 1. The data module's own take of the lock is the one held here.
+    with framework.data.shards.prefix_lock(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(framework.data.shards, "prefix_lock", contextlib.nullcontext)
+        q = max(next(i for i in range(10**6) if not taken(i, n)) for n in SHM_TO_CLEAN)
+        dead = [leftover(f"{q:06d}_locals", 64), leftover(f"{q + 1:06d}_barrier", 4096)]  # a real barrier: bytes
+        try:
+            dm = module(digits_shards, tmp_path, batch_size=16)
+        finally:
+            (shm_dir / dead[0]).unlink(missing_ok=True)
+    assert dm.dataset._shm_prefix_int == q + 1
+    assert (shm_dir / dead[1]).stat().st_size < 4096, "the dataset made its own barrier"
+    assert next(iter(dm.train_dataloader()))["latents"].shape == (16, 1, 8, 8)
 
 
 # ---------------------------------------------------------------------------------------------
