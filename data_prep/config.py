@@ -15,7 +15,9 @@ class SourceConfig:
     """Which image-caption source to encode (conf/source/*.yaml pick one)."""
 
     name: str = "digits"  # a module in data_prep/sources/
-    path: Optional[str] = None  # folder / manifest file / tar folder (not used by digits)
+    # folder / manifest file / tar folder, .tar or brace pattern (webdataset: /data/{00000..00099}.tar, also on an
+    # object store: s3://bucket/tars/{00000..00099}.tar or an s3:// prefix; needs staging=); not used by digits
+    path: Optional[str] = None
     split: str = "train"  # digits: "train" (training set) or "heldout" (evaluation only)
     rows_per_image: int = 3  # digits, digit_pairs: rows written per image, rotating through the caption phrasings
     pairs_per_combination: int = 40  # digit_pairs: images of each of the 90 training pairs
@@ -48,7 +50,11 @@ class PrecomputeConfig:
     # aspect-ratio buckets (data_prep/buckets.py): pixart_256 | pixart_512 | pixart_1024 | sdxl | [[h, w], ...]; each
     # image is encoded at the size of nearest aspect ratio instead of a square crop; null = resolution x width
     buckets: Optional[Any] = None
-    out: str = "data/digits"  # output dataset folder (index.json + dataset.json + shards)
+    out: str = "data/digits"  # output dataset folder (index.json + dataset.json + shards), or s3://bucket/prefix
+    # A local folder that files pass through on their way to or from an object store, needed when out or source.path
+    # is remote (s3://...): each rank stages there, in rank_<rank>/, one part's shards until they are uploaded and the
+    # input tar it is encoding (deleted once encoded); emptied when the rank starts and when it ends. null: none.
+    staging: Optional[str] = None
     image_mode: Optional[str] = None  # pixel codec: "L" or "RGB"; null = the source's own (digits: L)
     posterior: str = "mean"  # KL VAEs: store the posterior "mean" or a "sample" (recorded in dataset.json)
     max_tokens: int = 128  # caption token limit (also capped by the tokenizer's model_max_length)
@@ -97,9 +103,22 @@ class PrecomputeConfig:
         if self.caption_cache_mb < 0:
             raise ValueError(f"caption_cache_mb={self.caption_cache_mb}: must be >= 0 (0 encodes every caption anew).")
         self._check_storage_and_filters()
+        self._check_staging()
         if self.buckets is not None and self.width is not None:
             raise ValueError(f"buckets={self.buckets} and width={self.width}: the buckets set every image's size; "
                              "drop width.")
+
+    def _check_staging(self) -> None:
+        from data_prep.location import is_remote, staging_error
+
+        # (other sources refuse a remote source.path themselves: they read local files only)
+        source = self.source.path if self.source.name == "webdataset" else None
+        remote = [f"{key}={value}" for key, value in (("out", self.out), ("source.path", source)) if is_remote(value)]
+        if remote and not self.staging:
+            raise ValueError(staging_error(" and ".join(remote)))
+        if self.staging and is_remote(self.staging):
+            raise ValueError(f"staging={self.staging}: must be a folder on this machine (the files on their way to or "
+                             "from the object store are written there).")
 
     def _check_storage_and_filters(self) -> None:
         if self.text_storage not in TEXT_STORAGES:

@@ -5,31 +5,34 @@
     out/done/part_000000.json    written once part 0's writers have closed: its stats, and the round and world
                                  size of the run that encoded it. A part without it is unfinished.
 
-The ranks of a run share nothing but this folder: no process group, no messages. Each one works out from the done
-markers which parts are its own (`deal`), encodes them, and rank 0 waits for every marker before merging the parts'
-index.json files in part order, so the merged dataset is the same whatever the number of ranks.
+The ranks of a run share nothing but `out` (a folder, or a bucket's prefix: data_prep/location.py): no process
+group, no messages. Each one works out from the done markers which parts are its own (`deal`), encodes them, and rank
+0 waits for every marker before merging the parts' index.json files in part order, so the merged dataset is the same
+whatever the number of ranks. With a remote `out` the markers in the bucket are the truth, so a resume on another
+machine (a fresh staging folder) sees what is done.
 """
 from __future__ import annotations
 
 import json
-import os
+import posixpath
+import re
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
-from data_prep.record import write_json_atomic
+from data_prep.location import Location
 
 PARTS_FILE = "parts.json"
 DONE_DIR = "done"
+MARKER = re.compile(rf"{DONE_DIR}/part_(\d+)\.json")  # not the *.json.tmp<pid> a killed writer may have left
 
 
 def part_name(index: int) -> str:
     return f"part_{index:06d}"
 
 
-def done_file(out: Path, index: int) -> Path:
-    return out / DONE_DIR / f"{part_name(index)}.json"
+def done_name(index: int) -> str:
+    return f"{DONE_DIR}/{part_name(index)}.json"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,15 +40,14 @@ def done_file(out: Path, index: int) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_parts(out: Path, shards: list[Any]) -> None:
+def check_parts(out: Location, shards: list[Any]) -> None:
     """Record the source's input shards in out/parts.json, or, when a run left one, refuse other shards: part i
     must mean the same inputs in every run that adds to this folder."""
     shards = json.loads(json.dumps(shards))  # tuples as lists, as they read back
-    path = out / PARTS_FILE
-    if not path.is_file():
-        write_json_atomic(path, {"parts": shards})  # every rank writes the same content
+    if not out.exists(PARTS_FILE):
+        out.write_json(PARTS_FILE, {"parts": shards})  # every rank writes the same content
         return
-    before = json.loads(path.read_text())["parts"]
+    before = out.read_json(PARTS_FILE)["parts"]
     if before != shards:
         changed = next((i for i, (a, b) in enumerate(zip(before, shards)) if a != b), min(len(before), len(shards)))
         raise FileExistsError(
@@ -55,15 +57,10 @@ def check_parts(out: Path, shards: list[Any]) -> None:
             "the run that began this folder; rerun with those, or use a new out=.")
 
 
-def read_done(out: Path) -> dict[int, dict]:
+def read_done(out: Location) -> dict[int, dict]:
     """The done markers there are now: {part index: its marker}."""
-    folder = out / DONE_DIR
-    if not folder.is_dir():
-        return {}
-    markers = {}
-    for f in folder.glob("part_*.json"):  # not the *.json.tmp<pid> a killed writer may have left
-        markers[int(f.stem.removeprefix("part_"))] = json.loads(f.read_text())
-    return markers
+    found = {int(m.group(1)): name for name in out.names(DONE_DIR) if (m := MARKER.fullmatch(name))}
+    return dict(zip(found, out.read_jsons(list(found.values()))))
 
 
 def deal(done: dict[int, dict], num_parts: int, world: int) -> tuple[int, list[int]]:
@@ -83,24 +80,33 @@ def deal(done: dict[int, dict], num_parts: int, world: int) -> tuple[int, list[i
     return latest + 1, [i for i in range(num_parts) if i not in done]
 
 
-def my_parts(out: Path, num_parts: int, rank: int, world: int) -> tuple[int, list[int], int]:
+def my_parts(out: Location, num_parts: int, rank: int, world: int) -> tuple[int, list[int], int]:
     """(round, the unfinished parts this rank encodes in order, how many parts are done already)."""
     done = read_done(out)
     round_, dealt = deal(done, num_parts, world)
     return round_, [i for p, i in enumerate(dealt) if p % world == rank and i not in done], len(done)
 
 
-def part_folders(out: Path, index: int, buckets: list[tuple[int, int]] | None) -> list[Path]:
-    """Part `index`'s MDS folders: out/part_<index>, or with buckets one in each bucket's folder."""
+def part_folders(index: int, buckets: list[tuple[int, int]] | None) -> list[str]:
+    """The names of part `index`'s MDS folders: part_<index>, or with buckets one in each bucket's folder."""
     from data_prep.buckets import bucket_dir
 
-    return [out / part_name(index)] if buckets is None else [out / bucket_dir(b) / part_name(index) for b in buckets]
+    return [part_name(index)] if buckets is None else [f"{bucket_dir(b)}/{part_name(index)}" for b in buckets]
 
 
-def remove_partial(out: Path, index: int, buckets: list[tuple[int, int]] | None) -> None:
-    """Delete what an interrupted run left of part `index` (its MDS folder, or one per bucket) before encoding it."""
-    for folder in part_folders(out, index, buckets):
-        shutil.rmtree(folder, ignore_errors=True)
+def part_indexes(index: int, buckets: list[tuple[int, int]] | None, bucket_rows: dict[str, int]) -> list[str]:
+    """The index.json names of those of part `index`'s MDS folders that hold rows (its marker's `bucket_rows`: the
+    rows per bucket, -1 without buckets)."""
+    folders = part_folders(index, buckets)
+    rows = [bucket_rows.get("-1", 0)] if buckets is None else [bucket_rows.get(str(b), 0) for b in range(len(buckets))]
+    return [f"{folder}/index.json" for folder, n in zip(folders, rows) if n]
+
+
+def remove_partial(out: Location, index: int, buckets: list[tuple[int, int]] | None) -> None:
+    """Delete what an interrupted run left of part `index` on this machine (its MDS folder, or one per bucket) before
+    encoding it. What it left in a bucket is overwritten: the part's shards get the same names again."""
+    for folder in part_folders(index, buckets):
+        shutil.rmtree(out.local(folder), ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,31 +114,37 @@ def remove_partial(out: Path, index: int, buckets: list[tuple[int, int]] | None)
 # ---------------------------------------------------------------------------------------------
 
 
-def wait_for_parts(out: Path, num_parts: int, timeout: float) -> list[dict]:
+def wait_for_parts(out: Location, num_parts: int, timeout: float) -> list[dict]:
     """Every part's marker, in part order, once all are there."""
     deadline = time.monotonic() + timeout
-    wanted = {f"{part_name(i)}.json" for i in range(num_parts)}
+    wanted = {done_name(i) for i in range(num_parts)}
     while True:
-        missing = wanted - set(os.listdir(out / DONE_DIR)) if (out / DONE_DIR).is_dir() else wanted
+        missing = wanted - set(out.names(DONE_DIR))
         if not missing:
-            return [json.loads(done_file(out, i).read_text()) for i in range(num_parts)]
+            return out.read_jsons([done_name(i) for i in range(num_parts)])
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"{len(missing)} of {num_parts} parts were not finished within merge_timeout_s={timeout} (e.g. "
-                f"{sorted(missing)[:3]} in {out / DONE_DIR}): a rank encoding them may have died. Run the same command "
-                "again, on any number of ranks: the finished parts are kept and the others encoded.")
+                f"{sorted(missing)[:3]} in {out}): a rank encoding them may have died. Run the same command again, on "
+                "any number of ranks: the finished parts are kept and the others encoded.")
         time.sleep(1.0)
 
 
-def merge(root: Path, indices: list[int]) -> None:
-    """root/index.json from the index.json of parts `indices` (those that hold rows here), in that order."""
+def merge(out: Location, root: str, indices: list[int]) -> None:
+    """out/root/index.json (root: "" or a bucket's folder) from the index.json of parts `indices` (those that hold rows
+    there), in that order. Each part's index.json is fetched to this machine first (a no-op for a local out), where
+    it stays for the size count in dataset.json (precompute.finish)."""
     from streaming.base.util import merge_index
 
-    (root / "index.json").unlink(missing_ok=True)  # a stale merge from an interrupted run; merge_index won't overwrite
-    parts = [root / part_name(i) / "index.json" for i in indices]
-    lost = [part_name(i) for i, p in zip(indices, parts) if not p.is_file()]
+    names = [posixpath.join(root, part_name(i), "index.json") for i in indices]
+    present = set(out.names(root))
+    lost = [part_name(i) for i, name in zip(indices, names) if name not in present]
     if lost:
-        raise FileNotFoundError(f"{root}: no index.json in {lost[:3]} although those parts are marked done. Delete "
-                                f"their markers ({DONE_DIR}/<part>.json in the dataset folder) and run the same command "
-                                "again to encode them anew.")
-    merge_index([str(p) for p in parts], str(root))
+        raise FileNotFoundError(f"{out.join(root)}: no index.json in {lost[:3]} although those parts are marked done. "
+                                f"Delete their markers ({DONE_DIR}/<part>.json in the dataset folder) and run the same "
+                                "command again to encode them anew.")
+    merged = posixpath.join(root, "index.json")
+    out.local(merged).unlink(missing_ok=True)  # a stale merge from an interrupted run; merge_index won't overwrite
+    parts = [out.fetch(name) for name in names]
+    merge_index([str(p) for p in parts], str(out.local(root)))
+    out.push(merged)

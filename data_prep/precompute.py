@@ -17,6 +17,11 @@ a part of the output, encoded by one rank that opens only its own inputs (data_p
 A killed run is resumed by running the same command again, on any number of ranks: parts with a done marker are
 kept, the others are encoded again from scratch. Each part's rows are in the source's order, so the dataset is the
 same whatever the number of ranks and however often it was resumed.
+
+`out` may be an object store's prefix (out=s3://bucket/prefix, data_prep/location.py): every file above then lives
+in the bucket, each written on this machine under `staging` first and uploaded from there (Streaming's MDSWriter
+uploads the shards), and the markers in the bucket decide what is done. A webdataset's tars may be remote too
+(source.path=s3://bucket/tars/{00000..00099}.tar); a rank downloads those of its own parts only, one at a time.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import io
 import json
 import math
 import os
+import shutil
 import time
 from collections import OrderedDict
 from dataclasses import asdict
@@ -39,10 +45,11 @@ from data_prep import storage
 from data_prep.config import PrecomputeConfig, SourceConfig, register_configs
 from data_prep.encoders import ImageCodec, TextEncoder, load_image_codec, load_text_encoder
 from data_prep.filters import RecordFilter, check_source
+from data_prep.location import Location, RemoteLocation, open_output
 from data_prep.parts import (
-    DONE_DIR, check_parts, done_file, merge, my_parts, part_folders, part_name, remove_partial, wait_for_parts,
+    check_parts, done_name, merge, my_parts, part_folders, part_indexes, remove_partial, wait_for_parts,
 )
-from data_prep.record import DATASET_FILE, DatasetRecord, record_version, write_json_atomic
+from data_prep.record import DATASET_FILE, DatasetRecord, record_version
 from data_prep.sources import Record, get_source
 
 FINGERPRINT_FILE = "precompute.json"
@@ -251,7 +258,7 @@ def _pixels(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tuple[int
 
 
 def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, captions: CaptionCache, mode: str,
-                out: Path, index: int, buckets: list[tuple[int, int]] | None, bar, dealt: dict,
+                out: Location, index: int, buckets: list[tuple[int, int]] | None, bar, dealt: dict,
                 keep: RecordFilter) -> dict:
     """Encode input shard `shard` into part `index` (out/part_<index>, or with buckets each bucket's
     out/bucket_<h>x<w>/part_<index>), rows in the source's order; then mark the part done with its stats."""
@@ -259,8 +266,7 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
 
     from streaming import MDSWriter
 
-    from data_prep.buckets import bucket_dir
-
+    folders = part_folders(index, buckets)
     columns = _columns(source, buckets, cfg.text_storage)
     stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": [],
              "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0), "column_bytes": {"latents": 0, "text": 0}}
@@ -269,10 +275,10 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
         writers: dict[int, Any] = {}
 
         def writer(b: int):  # one per bucket (b = -1 without buckets), opened at its first row
-            if b not in writers:
-                folder = (out if b < 0 else out / bucket_dir(buckets[b])) / part_name(index)
-                writers[b] = stack.enter_context(MDSWriter(out=str(folder), columns=columns, compression=cfg.compression,
-                                                           hashes=["xxh64"], size_limit=cfg.shard_size))
+            if b not in writers:  # a remote out: (staging folder, remote folder), each shard uploaded once written
+                writers[b] = stack.enter_context(MDSWriter(out=out.writer_out(folders[max(b, 0)]), columns=columns,
+                                                           compression=cfg.compression, hashes=["xxh64"],
+                                                           size_limit=cfg.shard_size))
             return writers[b]
 
         for batch in _batches(source.shard_records(shard), cfg.batch_size):
@@ -301,17 +307,17 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
                 stats.setdefault("latent_shape", list(latents.shape[1:]))
         stats["seconds"] = time.perf_counter() - start
     stats["examples"] = stats["examples"][:20]
-    # Only now have the writers closed (the last shard and the index.json are on disk): the part may be marked done.
-    write_json_atomic(done_file(out, index), {**stats, **dealt})
+    # Only now have the writers closed (the last shard and the index.json are on disk, or uploaded): the part may be
+    # marked done.
+    out.write_json(done_name(index), {**stats, **dealt})
     return stats
 
 
 def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int], codec: ImageCodec,
-                text: TextEncoder, mode: str, out: Path, round_: int, rank: int, world: int,
+                text: TextEncoder, mode: str, out: Location, round_: int, rank: int, world: int,
                 buckets: list[tuple[int, int]] | None = None) -> dict:
     """Encode this rank's parts `mine` one after the other, each marked done as it finishes; returns the totals."""
     from tqdm import tqdm
-
 
     captions = CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)  # shared by the rank's parts
     captions.store = lambda emb: storage.encode_text(emb, cfg.text_storage)  # kept as the rows hold it
@@ -320,17 +326,16 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
     bar = tqdm(total=None if total is None else round(total * len(mine) / len(shards)), disable=not cfg.progress,
                desc=f"encode rank {rank}", unit="img")
     totals = {"images": 0, "rows": 0, "seconds": 0.0}
-    (out / DONE_DIR).mkdir(exist_ok=True)
     for i in mine:
         remove_partial(out, i, buckets)
         stats = encode_part(cfg, source, shards[i], codec, captions, mode, out, i, buckets, bar,
                             {"part": i, "shard": shards[i], "rank": rank, "round": round_, "world": world}, keep)
         totals = {k: v + stats[k] for k, v in totals.items()}
         if rank == 0 and i == mine[0] and stats["rows"]:  # the size of the whole output, seen after one part
-            estimate = storage.projection(stats, storage.part_bytes(part_folders(out, i, buckets)), source.size(),
-                                          len(shards))
+            folders = [out.fetch(name).parent for name in part_indexes(i, buckets, stats["bucket_rows"])]
+            estimate = storage.projection(stats, storage.part_bytes(folders), source.size(), len(shards))
             estimate.update(from_part=i, text_storage=cfg.text_storage, compression=cfg.compression)
-            write_json_atomic(out / PROJECTION_FILE, estimate)
+            out.write_json(PROJECTION_FILE, estimate)
             log(storage.describe(estimate))
     bar.close()
     return totals
@@ -382,7 +387,7 @@ def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: 
 
 
 def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
-           out: Path, world: int, num_parts: int, buckets: list[tuple[int, int]] | None = None) -> DatasetRecord:
+           out: Location, world: int, num_parts: int, buckets: list[tuple[int, int]] | None = None) -> DatasetRecord:
     from safetensors.torch import save_file
 
     from data_prep.buckets import nearest_bucket
@@ -390,17 +395,19 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
     stats = wait_for_parts(out, num_parts, cfg.merge_timeout_s)
     total = usable_totals(cfg, stats)
     if buckets is None:
-        merge(out, [i for i, s in enumerate(stats) if s["rows"]])
+        merge(out, "", [i for i, s in enumerate(stats) if s["rows"]])
     else:
         table = bucket_table(stats, buckets, codec.downsample)
         for b, row in enumerate(table):
             if row["num_samples"]:
-                merge(out / row["dir"], [i for i, s in enumerate(stats) if s["bucket_rows"].get(str(b))])
+                merge(out, row["dir"], [i for i, s in enumerate(stats) if s["bucket_rows"].get(str(b))])
     empty = text.encode([""])[0].to(torch.float16).contiguous()  # (L0, D)
-    save_file({"text_embeds": empty}, str(out / EMPTY_CAPTION_FILE))
+    save_file({"text_embeds": empty}, str(out.local(EMPTY_CAPTION_FILE)))
+    out.push(EMPTY_CAPTION_FILE)
     prompts = list(cfg.prompts or source.grid_prompts() or first_captions(stats))
     save_file({str(i): e.to(torch.float16).contiguous() for i, e in enumerate(text.encode(prompts))},
-              str(out / PROMPTS_FILE))
+              str(out.local(PROMPTS_FILE)))
+    out.push(PROMPTS_FILE)
     latent_shape = next(s["latent_shape"] for s in stats if "latent_shape" in s)
     skipped = {"bad_images": total["bad_images"], "missing_captions": total["missing_captions"]}
     extra: dict[str, Any] = {"skipped": {**skipped, "filtered": total["filtered"]} if total["filtered"] else skipped}
@@ -435,13 +442,15 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         prompts={"file": PROMPTS_FILE, "texts": prompts},
         columns=list(_columns(source, buckets, cfg.text_storage)),
         text_storage=cfg.text_storage,
-        size=storage.dataset_size([part_folders(out, i, buckets) for i, s in enumerate(stats) if s["rows"]], stats),
+        # every part's index.json is on this machine: the merges fetched them
+        size=storage.dataset_size([[out.local(f) for f in part_folders(i, buckets)] for i, s in enumerate(stats)
+                                   if s["rows"]], stats),
         latents_scaled=False,  # the trainer applies (x - shift_factor) * scaling_factor exactly once
         source={"name": cfg.source.name, "path": cfg.source.path, **source.metadata()},
         world_size=world,
         **extra,
     )
-    record.write(out)  # LAST: marks the dataset complete
+    out.write_json(DATASET_FILE, record.to_json())  # LAST: marks the dataset complete
     return record
 
 
@@ -450,54 +459,34 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_existing(out: Path, fp: dict) -> bool:
+def _check_existing(out: Location, fp: dict) -> bool:
     """True when a finished dataset with this config exists; raises when `out` holds a different one. An unfinished
     one with this config is resumed, on any number of ranks."""
-    marker = out / FINGERPRINT_FILE
-    if not marker.is_file():
-        if out.is_dir() and any(out.iterdir()):
+    if not out.exists(FINGERPRINT_FILE):
+        if not out.is_empty():
             raise FileExistsError(f"out={out} exists, is not empty and was not written by data_prep.precompute "
                                   "(no precompute.json). Pick an empty or new folder.")
         return False
-    old = json.loads(marker.read_text())
+    old = out.read_json(FINGERPRINT_FILE)
     if old["fingerprint"] != fp["fingerprint"]:
         diff = {k: (old["config"].get(k), v) for k, v in fp["config"].items() if old["config"].get(k) != v}
         raise FileExistsError(f"out={out} holds a dataset made with a different configuration "
                               f"(differences as (existing, requested): {diff}). Use another out= or delete it.")
-    return (out / DATASET_FILE).is_file()
+    return out.exists(DATASET_FILE)
 
 
-def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None) -> Path:
-    """Build the dataset at cfg.out (or do nothing if it is already there, or finish what a killed run began);
-    returns its path.
+def _scratch(cfg: PrecomputeConfig, rank: int) -> Path | None:
+    """This rank's own folder under `staging` (the ranks of a node may share one staging folder), emptied first: what
+    a killed run left there (half a part, a downloaded tar) is of no use, since the bucket says what is done."""
+    if cfg.staging is None:
+        return None
+    scratch = Path(cfg.staging).expanduser().resolve() / f"rank_{rank}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    return scratch
 
-    rank/world_size default to the launcher's environment (`_world`); pass 0/1 to force one process
-    (the data module does, since its prepare_data runs on one rank inside a DDP job).
-    """
-    cfg = as_config(cfg)
-    out = Path(cfg.out).expanduser().resolve()
-    env_rank, env_world, local_rank = _world()
-    rank = env_rank if rank is None else rank
-    world = env_world if world_size is None else world_size
-    fp = fingerprint(cfg)
-    if _check_existing(out, fp):
-        log(f"{out} is already complete (dataset.json present, same config); nothing to do.")
-        return out
-    source = get_source(cfg.source)
-    check_source(cfg, source)  # before anything is written: a refused config leaves no folder behind
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / FINGERPRINT_FILE).is_file():  # written first; every rank writes the same content
-        write_json_atomic(out / FINGERPRINT_FILE, fp)
 
-    shards = source.shards(cfg.records_per_part)
-    check_parts(out, shards)
-    round_, mine, done = my_parts(out, len(shards), rank, world)
-    log(f"rank {rank} of {world}: {done} of {len(shards)} parts already done, {len(mine)} to encode here "
-        f"(round {round_})")
-    if not mine and rank != 0:
-        return out
-    # cuda:<local rank>, or the one GPU Slurm left visible to this task (--gpus-per-task=1 binds one to each)
-    device = cfg.device or (f"cuda:{local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+def _encoders(cfg: PrecomputeConfig, source, device: str) -> tuple[ImageCodec, TextEncoder, str, list | None]:
+    """(image codec, text encoder, image mode, resolved buckets or None)."""
     mode = cfg.image_mode or (source.default_image_mode if cfg.vae == "pixel" else "RGB")
     codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior)
     for key, side in (("resolution", cfg.resolution), ("width", cfg.width)):
@@ -508,18 +497,60 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
         from data_prep.buckets import resolve_buckets
 
         buckets = resolve_buckets(cfg.buckets, 2 * codec.downsample)
-    text = load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens)
+    return codec, load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens), mode, buckets
 
+
+def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None) -> Path | str:
+    """Build the dataset at cfg.out (or do nothing if it is already there, or finish what a killed run began);
+    returns its path (its URL when out is remote).
+
+    rank/world_size default to the launcher's environment (`_world`); pass 0/1 to force one process
+    (the data module does, since its prepare_data runs on one rank inside a DDP job).
+    """
+    cfg = as_config(cfg)
+    env_rank, env_world, local_rank = _world()
+    rank = env_rank if rank is None else rank
+    world = env_world if world_size is None else world_size
+    scratch = _scratch(cfg, rank)
+    try:
+        out = open_output(cfg.out, None if scratch is None else scratch / "out")
+        _build(cfg, out, rank, world, local_rank, None if scratch is None else scratch / "in")
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)  # what passed through is uploaded, encoded or of no more use
+    return out.url if isinstance(out, RemoteLocation) else out.root
+
+
+def _build(cfg: PrecomputeConfig, out: Location, rank: int, world: int, local_rank: int, inputs: Path | None) -> None:
+    """precompute's work on this rank; `inputs`: where remote input shards are downloaded."""
+    fp = fingerprint(cfg)
+    if _check_existing(out, fp):
+        log(f"{out} is already complete (dataset.json present, same config); nothing to do.")
+        return
+    source = get_source(cfg.source)
+    source.staging = inputs
+    check_source(cfg, source)  # before anything is written: a refused config leaves no folder behind
+    shards = source.shards(cfg.records_per_part)  # likewise: a missing input tar is refused before
+    if not out.exists(FINGERPRINT_FILE):  # written first; every rank writes the same content
+        out.write_json(FINGERPRINT_FILE, fp)
+    check_parts(out, shards)
+    round_, mine, done = my_parts(out, len(shards), rank, world)
+    log(f"rank {rank} of {world}: {done} of {len(shards)} parts already done, {len(mine)} to encode here "
+        f"(round {round_})")
+    if not mine and rank != 0:
+        return
+    # cuda:<local rank>, or the one GPU Slurm left visible to this task (--gpus-per-task=1 binds one to each)
+    device = cfg.device or (f"cuda:{local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+    codec, text, mode, buckets = _encoders(cfg, source, device)
     if mine:
         t = encode_rank(cfg, source, shards, mine, codec, text, mode, out, round_, rank, world, buckets)
         log(f"rank {rank}: {len(mine)} parts, {t['images']} images -> {t['rows']} rows in {t['seconds']:.1f}s "
             f"({t['images'] / max(t['seconds'], 1e-9):.1f} images/s, {device})")
     if rank != 0:
-        return out
+        return
     record = finish(cfg, fp, source, codec, text, mode, out, world, len(shards), buckets)
     log(f"wrote {record.num_samples} samples to {out} (latents {record.latent_channels}x"
         f"{record.latent_size[0]}x{record.latent_size[1]}, text dim {record.text_dim})")
-    return out
 
 
 def main() -> None:

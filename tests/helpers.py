@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import csv
 import gc
+import io
 import json
 import os
 import shutil
 import struct
 import subprocess
 import sys
+import tarfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -125,6 +128,30 @@ def make_image_folder(root: Path, n: int = 6, size: int = 20, seed: int = 0) -> 
     return root
 
 
+def write_tars(pngs: list[Path], folder: Path, per_tar: int, metas: list[dict] | None = None) -> list[Path]:
+    """img2dataset-style tars of `per_tar` images each: <i>.jpg, <i>.txt (the png's caption) and <i>.json (metas[i],
+    default {})."""
+    folder.mkdir(parents=True)
+    tars = []
+    for t in range(0, len(pngs), per_tar):
+        tars.append(folder / f"{t // per_tar:05d}.tar")
+        with tarfile.open(tars[-1], "w") as tar:
+            for i, png in enumerate(pngs[t:t + per_tar], t):
+                meta = json.dumps(metas[i] if metas else {}).encode()
+                for ext, data in (("jpg", as_jpeg(png)), ("txt", png.with_suffix(".txt").read_bytes()),
+                                  ("json", meta)):
+                    info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return tars
+
+
+def as_jpeg(png: Path) -> bytes:
+    buf = io.BytesIO()
+    Image.open(png).convert("RGB").save(buf, format="JPEG")
+    return buf.getvalue()
+
+
 def digits_config(out: Path, text_encoder: str = "minilm", **overrides) -> dict:
     """A precompute config (plain dict) for the digits source at resolution 8 with the pixel codec."""
     cfg = {"source": {"name": "digits"}, "vae": "pixel", "text_encoder": text_encoder, "resolution": 8,
@@ -134,6 +161,62 @@ def digits_config(out: Path, text_encoder: str = "minilm", **overrides) -> dict:
 
 
 S3_BUCKET = "latents"
+
+
+class S3Server:
+    """A real S3-compatible server on loopback (moto's server mode, as Streaming's own tests use) with one bucket, and
+    every request it has served, so that a test can count what was read or written: `env` holds its address and
+    credentials for the code under test, `client` is a boto3 client of it, `requests` the (method, path) of each
+    request in order. A context manager. moto keeps its buckets per process, so each user names a bucket of its own."""
+
+    def __init__(self, bucket: str) -> None:
+        self.bucket = bucket
+        self.requests: list[tuple[str, str]] = []
+
+    def __enter__(self) -> "S3Server":
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        wsgi = self._server._server  # werkzeug's server: each request is logged on its way to moto (moto logs none)
+        serve = wsgi.app
+
+        def logged(environ, start_response):
+            self.requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")))
+            return serve(environ, start_response)
+
+        wsgi.app = logged
+        host, port = self._server.get_host_and_port()
+        credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        self.env = {**credentials, "S3_ENDPOINT_URL": f"http://{host}:{port}"}
+        self.client = boto3.client("s3", endpoint_url=self.env["S3_ENDPOINT_URL"], aws_access_key_id="testing",
+                                   aws_secret_access_key="testing", region_name="us-east-1")
+        self.client.create_bucket(Bucket=self.bucket)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._server.stop()
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def keys(self, prefix: str) -> list[str]:
+        """The objects under the folder `prefix` of the bucket, as names relative to it."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{prefix}/")
+        return sorted(o["Key"][len(prefix) + 1:] for page in pages for o in page.get("Contents", []))
+
+    def download(self, prefix: str, dest: Path) -> Path:
+        """Every object under `prefix` into the folder `dest`."""
+        for name in self.keys(prefix):
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            self.client.download_file(self.bucket, f"{prefix}/{name}", str(dest / name))
+        return dest
+
+    def served(self, method: str, since: int = 0) -> Counter:
+        """How often each key of the bucket was requested with `method` (GET, PUT, ...) from request `since` on."""
+        head = f"/{self.bucket}/"
+        return Counter(p[len(head):] for m, p in self.requests[since:] if m == method and p.startswith(head) and p != head)
 
 
 ROOT = Path(__file__).resolve().parents[1]

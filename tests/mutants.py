@@ -42,6 +42,7 @@ class Mutant:
 
 
 DIST = "tests/test_distributed.py::"
+REMOTE = "tests/test_data_prep_remote.py::"
 MUTANTS = [
     Mutant("caption_dropout_inverted", "90% of captions dropped instead of 10%",
            (("framework/training/module.py", "< self.objective.cfg.caption_dropout", "> self.objective.cfg.caption_dropout"),),
@@ -133,7 +134,7 @@ MUTANTS = [
            (("framework/training/callbacks.py", "decode_on_rank0=True", "decode_on_rank0=False"),),
            (DIST + "test_the_final_grid_is_decoded_on_rank_zero_only",)),
     Mutant("gradient_norm_not_checked", "only the losses are checked for finiteness, not the gradient norm",
-           (("framework/training/module.py", "        ok = torch.isfinite(whole.detach().float()).reshape(())\n",
+           (("framework/training/finite.py", "        ok = torch.isfinite(whole.detach().float()).reshape(())\n",
              "        ok = torch.ones((), dtype=torch.bool, device=whole.device)\n"),),
            ("tests/test_train.py::test_a_nonfinite_gradient_with_a_finite_loss_is_skipped",)),
     Mutant("nonfinite_weights_saved", "a non-finite step found late is not checked before the next checkpoint save",
@@ -289,23 +290,24 @@ MUTANTS = [
            "open (a kill then leaves a done part without its last shard or index.json)",
            (("data_prep/precompute.py",
              '        stats["seconds"] = time.perf_counter() - start\n    stats["examples"] = stats["examples"][:20]\n'
-             '    # Only now have the writers closed (the last shard and the index.json are on disk): the part may be '
-             'marked done.\n    write_json_atomic(done_file(out, index), {**stats, **dealt})\n',
+             '    # Only now have the writers closed (the last shard and the index.json are on disk, or uploaded): the '
+             'part may be\n    # marked done.\n    out.write_json(done_name(index), {**stats, **dealt})\n',
              '        stats["seconds"] = time.perf_counter() - start\n        stats["examples"] = stats["examples"][:20]\n'
-             '        write_json_atomic(done_file(out, index), {**stats, **dealt})\n'),),
-           ("tests/test_data_prep.py::test_interrupted_run_restarts_cleanly",)),
+             '        out.write_json(done_name(index), {**stats, **dealt})\n'),),
+           ("tests/test_data_prep.py::test_interrupted_run_restarts_cleanly",
+            "tests/test_data_prep_remote.py::test_each_rank_downloads_only_its_own_tars_through_staging")),
     Mutant("precompute_done_parts_encoded_again", "a resumed precompute ignores the done markers and encodes every part "
            "again", (("data_prep/parts.py", "    done = read_done(out)\n", "    done = {}\n"),),
            ("tests/test_data_prep.py::test_a_killed_run_resumes_on_another_number_of_ranks",)),
     Mutant("precompute_parts_merged_out_of_order", "the parts' indexes are merged in reverse order (the rows no longer "
            "follow the source)",
-           (("data_prep/parts.py", "merge_index([str(p) for p in parts], str(root))",
-             "merge_index([str(p) for p in reversed(parts)], str(root))"),),
+           (("data_prep/parts.py", "merge_index([str(p) for p in parts], str(out.local(root)))",
+             "merge_index([str(p) for p in reversed(parts)], str(out.local(root)))"),),
            ("tests/test_data_prep.py::test_two_ranks_merge[args]",
             "tests/test_data_prep.py::test_a_killed_run_resumes_on_another_number_of_ranks")),
     Mutant("precompute_merge_skips_a_part", "the merge leaves out the last part that holds rows",
-           (("data_prep/precompute.py", 'merge(out, [i for i, s in enumerate(stats) if s["rows"]])',
-             'merge(out, [i for i, s in enumerate(stats) if s["rows"]][:-1])'),),
+           (("data_prep/precompute.py", 'merge(out, "", [i for i, s in enumerate(stats) if s["rows"]])',
+             'merge(out, "", [i for i, s in enumerate(stats) if s["rows"]][:-1])'),),
            ("tests/test_data_prep.py::test_two_ranks_merge[args]",)),
     Mutant("precompute_records_per_part_ignored", "precompute cuts the source with the default records_per_part "
            "whatever the config says",
@@ -351,6 +353,26 @@ MUTANTS = [
     Mutant("projection_counts_tars_as_records", "a webdataset's projection takes one record per tar",
            (("data_prep/storage.py", "else num_parts * seen", "else num_parts"),),
            ("tests/test_data_prep.py::test_the_size_projected_from_the_first_part_matches_the_output[webdataset]",)),
+    # Precompute with object storage both ways (issue 41):
+    Mutant("remote_rank_downloads_every_tar", "a precompute rank downloads every tar of a remote pattern and reads its "
+           "own (the output is right; every rank fetches every tar)",
+           (("data_prep/sources/webdataset.py", "        local = self.store.fetch(shard)\n",
+             "        local = [self.store.fetch(n) for n in self.names][self.names.index(shard)]\n"),),
+           (REMOTE + "test_each_rank_downloads_only_its_own_tars_through_staging",)),
+    Mutant("remote_done_read_from_staging", "the done markers of a remote out are looked up in this machine's staging "
+           "folder, not the bucket (a resume elsewhere encodes every part again)",
+           (("data_prep/parts.py", "name for name in out.names(DONE_DIR)",
+             "name for name in Location.names(out, DONE_DIR)"),),
+           (REMOTE + "test_a_resume_elsewhere_redoes_nothing_the_bucket_marks_done",)),
+    Mutant("staging_ignored", "staging= is ignored: remote inputs and parts pass through a temporary folder instead",
+           (("data_prep/precompute.py", 'scratch = Path(cfg.staging).expanduser().resolve() / f"rank_{rank}"',
+             'scratch = Path(__import__("tempfile").mkdtemp()) / f"rank_{rank}"'),),
+           (REMOTE + "test_each_rank_downloads_only_its_own_tars_through_staging",)),
+    Mutant("staged_parts_kept", "a remote out's parts stay in staging once uploaded (the local disk fills with the "
+           "whole output)",
+           (("data_prep/precompute.py", "MDSWriter(out=out.writer_out(folders[max(b, 0)]), columns=columns,",
+             "MDSWriter(out=out.writer_out(folders[max(b, 0)]), keep_local=True, columns=columns,"),),
+           (REMOTE + "test_each_rank_downloads_only_its_own_tars_through_staging",)),
 ]
 
 

@@ -1,10 +1,8 @@
 """data_prep: sources, encoders, the precompute app's guarantees (no-op re-run, refusal, restart, bad input)."""
 from __future__ import annotations
 
-import io
 import json
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -14,7 +12,10 @@ import pytest
 
 from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import digit_captions, load_digits
-from tests.helpers import BUCKETS, MIXED_SIZES, digits_config, folder_config, make_image_folder, make_mixed_folder, read_rows
+from tests.helpers import (
+    BUCKETS, MIXED_SIZES, as_jpeg, digits_config, folder_config, make_image_folder, make_mixed_folder, read_rows,
+    write_tars,
+)
 from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,34 +144,8 @@ def test_webdataset(tmp_path, tiny_text_encoder_dir):
     for row in read_rows(out):
         i = int(row["key"].split(":")[-1].split("#")[0])  # "00000.tar:000000003"
         assert row["caption"] == pngs[i].with_suffix(".txt").read_text(), row["key"]
-        pixels = load_pixels(_as_jpeg(pngs[i]), "RGB", 8).numpy()
+        pixels = load_pixels(as_jpeg(pngs[i]), "RGB", 8).numpy()
         np.testing.assert_allclose(row["latents"].astype(np.float32), pixels, atol=1e-3)
-
-
-def write_tars(pngs: list[Path], folder: Path, per_tar: int, metas: list[dict] | None = None) -> list[Path]:
-    """img2dataset-style tars of `per_tar` images each: <i>.jpg, <i>.txt (the png's caption) and <i>.json (metas[i],
-    default {})."""
-    folder.mkdir(parents=True)
-    tars = []
-    for t in range(0, len(pngs), per_tar):
-        tars.append(folder / f"{t // per_tar:05d}.tar")
-        with tarfile.open(tars[-1], "w") as tar:
-            for i, png in enumerate(pngs[t:t + per_tar], t):
-                meta = json.dumps(metas[i] if metas else {}).encode()
-                for ext, data in (("jpg", _as_jpeg(png)), ("txt", png.with_suffix(".txt").read_bytes()),
-                                  ("json", meta)):
-                    info = tarfile.TarInfo(f"{i:09d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    return tars
-
-
-def _as_jpeg(png: Path) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.open(png).convert("RGB").save(buf, format="JPEG")
-    return buf.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,19 +187,20 @@ def test_wrong_encoder_paths(tmp_path, tiny_vae_dir, tiny_text_encoder_dir):
 def marked_done_only_when_written(monkeypatch) -> list[Path]:
     """Check, as each done marker is written, that its part is already complete on disk: the part's index.json
     (which MDSWriter writes last, when it closes) counts the rows the marker claims. Returns the markers written."""
-    import data_prep.precompute as pre
+    from data_prep.location import Location
 
-    written, write = [], pre.write_json_atomic
+    written, write = [], Location.write_json
 
-    def checked(path: Path, obj: dict) -> None:
+    def checked(self: Location, name: str, obj: dict) -> None:
+        path = self.local(name)
         if path.parent.name == "done":
             index = path.parent.parent / path.stem / "index.json"
             assert index.is_file(), f"{path.name} written while its part has no index.json yet (writer still open)"
             assert sum(s["samples"] for s in json.loads(index.read_text())["shards"]) == obj["rows"]
             written.append(path)
-        write(path, obj)
+        write(self, name, obj)
 
-    monkeypatch.setattr(pre, "write_json_atomic", checked)
+    monkeypatch.setattr(Location, "write_json", checked)
     return written
 
 

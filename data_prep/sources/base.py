@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from data_prep.location import is_remote
+
 # ---------------------------------------------------------------------------------------------
 # Records
 # ---------------------------------------------------------------------------------------------
@@ -42,6 +44,9 @@ class ImageCaptionSource:
     default_image_mode: str = "RGB"  # what the pixel codec keeps when `image_mode` is None
     num_classes: int | None = None  # set by labelled sources; stored in dataset.json
     has_meta: bool = False  # its records carry per-sample metadata (Record.meta) that `filters=` thresholds read
+    # Where remote input shards are downloaded, one at a time: this rank's folder under precompute's `staging`, set by
+    # precompute before it asks for the shards (None: no staging given).
+    staging: Path | None = None
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -85,6 +90,9 @@ def require_path(cfg: Any, source: str) -> Path:
     """`source.path` as an existing Path, or one clear message."""
     if not cfg.path:
         raise ValueError(f"source={source} needs source.path=... (got nothing).")
+    if is_remote(cfg.path):
+        raise ValueError(f"source.path={cfg.path}: source={source} reads files on this machine only (source=webdataset "
+                         "reads tars from an object store too); copy them here first.")
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"source.path={cfg.path} does not exist (source={source}).")
