@@ -59,3 +59,20 @@ def test_every_listed_mutant_is_in_the_mutants_table():
     known = {m.name for m in MUTANTS}
     unknown = {k: e["mutant"] for k, e in KEYS.items() if e["mutant"] and e["mutant"] not in known}
     assert not unknown, f"mutants not in tests/mutants.py MUTANTS: {unknown}"
+
+
+def test_every_mutant_still_applies_and_names_tests_that_exist():
+    """A mutant whose text moved (a refactor) is reported stale only when someone runs the whole table; here it fails
+    at once, as does one whose test was renamed: each edit's text occurs exactly once in its file."""
+    stale, missing = {}, {}
+    for m in MUTANTS:
+        for rel, old, _ in m.edits:
+            count = (ROOT / rel).read_text().count(old) if (ROOT / rel).is_file() else 0
+            if count != 1:
+                stale.setdefault(m.name, []).append(f"{rel}: {count} times")
+        for test_id in m.tests:
+            path, _, name = re.sub(r"\[.*\]$", "", test_id).partition("::")
+            if not (ROOT / path).is_file() or (name and name not in defined_tests(ROOT / path)):  # a file: all of it
+                missing.setdefault(m.name, []).append(test_id)
+    assert not stale, f"mutants whose text is not in the code exactly once (retarget them): {stale}"
+    assert not missing, f"mutants naming tests that do not exist: {missing}"
