@@ -57,10 +57,12 @@ pytestmark = [pytest.mark.skipif(_REASON is not None, reason=_REASON or ""), pyt
 def tiny(run_dir: Path | str, data: Path, cache: str, paced: bool = False) -> list[str]:
     """tests/test_distributed.py::run_train's tiny CPU training (without its probe), STEPS steps.
 
-    paced: a 50-step sample grid after every step. The losses are the same (grids draw from their own seeds), but the
+    paced: a 10-step sample grid after every step. The losses are the same (grids draw from their own seeds), but the
     40 steps take seconds rather than about one, so a test that warns the job once it has logged a step warns it
-    mid-run on a fast idle machine too (unpaced, the job could finish between two polls of the test)."""
-    grids = ["sample.every_n_steps=1", "sample.steps=50"] if paced else ["sample.every_n_steps=0", "sample.steps=1"]
+    mid-run on a fast idle machine too (unpaced, the job could finish between two polls of the test). Measured on 2 cores
+    beside another test process: the warned one-task job saved at step 2 of 40. (50-step grids gave
+    more margin than that needs and cost about a minute of the suite: the requeued run draws them too.)"""
+    grids = ["sample.every_n_steps=1", "sample.steps=10"] if paced else ["sample.every_n_steps=0", "sample.steps=1"]
     return [
         f"run.dir={run_dir}", f"data.path={data}", f"data.local={cache}", "model=pixart_debug",
         "model.in_channels=1", "model.sample_size=8", "model.text_dim=384", "trainer.accelerator=cpu",
