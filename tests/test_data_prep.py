@@ -484,6 +484,42 @@ def test_the_caption_cache_keeps_the_most_recently_used_within_its_bytes():
     assert peak <= 3 * 64 and len(cache.table) == 3 and cache.encoded == 5 + 100_000
 
 
+CACHE_RSS = """
+import sys
+import torch
+from data_prep import storage
+from data_prep.precompute import CaptionCache
+
+def peak_mib():  # the process's peak resident set so far (Linux)
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) // 1024
+
+class Encoder:  # per-token embeddings of 8 tokens x 512, as a rank's text encoder returns them
+    def encode(self, captions):
+        return [torch.full((8, 512), float(len(c) % 7 + 1)) for c in captions]
+
+cache = CaptionCache(Encoder(), 256, 8 * 2**20)
+cache.store = lambda emb: storage.encode_text(emb, sys.argv[1])  # as precompute keeps them
+peaks = []
+for i in range(0, 100_000, 1000):
+    cache([f"caption {j}" for j in range(i, i + 1000)])
+    if i + 1000 in (20_000, 100_000):
+        peaks.append(peak_mib())
+print(peaks[0], peaks[1], cache.encoded)
+"""
+
+
+@pytest.mark.parametrize("text_storage", ["fp16", "int8"])
+def test_a_ranks_peak_memory_stays_flat_over_100k_distinct_captions(text_storage):
+    """The caption cache in its own process, with the rows' text columns as precompute keeps them, over 100,000
+    distinct captions of 8 x 512 tokens (8 KiB each in fp16, 800 MB kept without a bound): with 8 MiB of room, the
+    process's peak resident memory after 100k captions is within 16 MiB of its peak after 20k."""
+    res = zygote.run([sys.executable, "-c", CACHE_RSS, text_storage], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    at_20k, at_100k, encoded = map(int, res.stdout.split()[-3:])
+    assert encoded == 100_000
+    assert at_100k - at_20k <= 16, f"peak RSS grew {at_100k - at_20k} MiB between 20k and 100k captions"
+
+
 def test_precompute_bounds_its_caption_cache_by_caption_cache_mb(tmp_path, tiny_text_encoder_dir, monkeypatch):
     """caption_cache_mb reaches the rank's cache: 8 images with 2 distinct captions are 2 encoder inputs by default
     and 8 at caption_cache_mb=0 (nothing kept)."""

@@ -291,6 +291,8 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 6
     forked from the zygote unless LATENTFORGE_TEST_FORK=0 (then that very call)."""
     if not enabled() or cmd[0] != sys.executable or cmd[1] not in ("-m", "-c"):
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if cmd[1] == "-c":  # python -c CODE ARGS
+        return run_module("-c", *cmd[2:], env=env, timeout=timeout)
     return run_module(cmd[2], *cmd[3:], env=env, timeout=timeout)
 
 
