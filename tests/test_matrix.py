@@ -228,15 +228,18 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert not (run_dir / "wandb").exists()
 
 
-def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards):
+@pytest.mark.parametrize("storage", ["fp16", "int8-filtered"])
+def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards, storage):
     """`python -m data_prep.precompute` as two srun tasks would start it (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID,
-    no RANK or WORLD_SIZE), each encoding one of the digits' two parts; then two training steps on the result. The
-    config is digits_shards' own, so the dataset must be that one-process dataset: same fingerprint, same parts."""
+    no RANK or WORLD_SIZE), each encoding one of the digits' two parts; then two training steps on the result. fp16: the
+    config is digits_shards' own, so the dataset must be that one-process dataset: same fingerprint, same parts.
+    int8-filtered: int8 text with its scale column, through filters that keep every digit (8 x 8, square)."""
     tmp, out = tmp_path / "tmp", tmp_path / "digits"
     tmp.mkdir()
+    extra = ["text_storage=int8", "min_size=8", "max_aspect=1.5"] if storage == "int8-filtered" else []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     ranks = [zygote.popen([sys.executable, "-m", "data_prep.precompute", "source=digits", "vae=pixel",
-                           "text_encoder=minilm", "resolution=8", f"out={out}", "progress=false",
+                           "text_encoder=minilm", "resolution=8", f"out={out}", "progress=false", *extra,
                            f"hydra.run.dir={tmp / f'hydra{r}'}"],
                           env={**env, "TMPDIR": str(tmp), "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
                                "SLURM_LOCALID": str(r)}) for r in range(2)]
@@ -245,7 +248,9 @@ def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards):
     for r, log in enumerate(logs):
         assert f"rank {r} of 2: " in log and ", 1 to encode here" in log, log[-3000:]
     got, want = (json.loads((d / "dataset.json").read_text()) for d in (out, digits_shards))
-    assert (got["fingerprint"], got["num_samples"], got["world_size"]) == (want["fingerprint"], want["num_samples"], 2)
+    assert (got["num_samples"], got["world_size"]) == (want["num_samples"], 2)
+    assert (got["fingerprint"] == want["fingerprint"]) is not extra
+    assert got.get("text_storage", "fp16") == storage.split("-")[0]
     parts = lambda d: [(s["raw_data"]["basename"], s["samples"]) for s in json.loads((d / "index.json").read_text())["shards"]]
     assert parts(out) == parts(digits_shards) and {b.split("/")[0] for b, _ in parts(out)} == {"part_000000", "part_000001"}
 
