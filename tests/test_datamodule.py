@@ -339,7 +339,7 @@ def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_p
     if not shm_dir.is_dir():
         pytest.skip("no /dev/shm on this system")
 
-    def taken(i: int, name: str) -> bool:
+    def taken(i: int, name: str) -> bool:  # as Streaming's search sees prefix i for the segment `name`
         locks = [Path(tempfile.gettempdir(), f"{i:06d}_{k}_filelock") for k in ("barrier", "cache")]
         return (shm_dir / f"{i:06d}_{name}").exists() or any(p.exists() for p in locks)
 
@@ -351,17 +351,26 @@ def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_p
 
     # The node's prefix lock is held from the choice of q to the dataset's registration, as a job of this
     # framework holds it: another xdist worker opening a dataset meanwhile would take q itself, or remove the
-    # leftovers as orphans and take q + 1. The data module's own take of the lock is the one held here.
+    # leftovers as orphans and take q + 1. The data module's own take of the lock is the one held here. Streaming's
+    # file locks go to a fresh temporary folder: this worker's earlier datasets left theirs in its TMPDIR, and a lock
+    # at q + 1 would send the search past it.
+    (tmp_path / "locks").mkdir()
     with framework.data.shards.prefix_lock(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(framework.data.shards, "prefix_lock", contextlib.nullcontext)
+        mp.setattr(tempfile, "tempdir", str(tmp_path / "locks"))
         q = max(next(i for i in range(10**6) if not taken(i, n)) for n in SHM_TO_CLEAN)
         dead = [leftover(f"{q:06d}_locals", 64), leftover(f"{q + 1:06d}_barrier", 4096)]  # a real barrier: bytes
+        # With the dead barrier removed, the search takes q + 1 unless another live dataset holds a segment there.
+        want = max(next(i for i in range(10**6) if not taken(i, n) or f"{i:06d}_{n}" == dead[1]) for n in SHM_TO_CLEAN)
         try:
             dm = module(digits_shards, tmp_path, batch_size=16)
         finally:
             (shm_dir / dead[0]).unlink(missing_ok=True)
-    assert dm.dataset._shm_prefix_int == q + 1
-    assert (shm_dir / dead[1]).stat().st_size < 4096, "the dataset made its own barrier"
+    assert dm.dataset._shm_prefix_int == want
+    if want == q + 1:
+        assert (shm_dir / dead[1]).stat().st_size < 4096, "the dataset made its own barrier"
+    else:
+        assert not (shm_dir / dead[1]).exists(), "the dead barrier was removed"
     assert next(iter(dm.train_dataloader()))["latents"].shape == (16, 1, 8, 8)
 
 
@@ -611,3 +620,13 @@ def test_a_temp_folder_too_deep_for_the_workers_socket_is_refused(tmp_path, digi
     monkeypatch.delitem(multiprocessing.current_process()._config, "tempdir", raising=False)  # not the cached one
     batch = next(iter(dm.train_dataloader()))
     assert batch["latents"].shape[0] == 8
+
+
+def test_shuffle_seed_predownload_cache_limit_and_persistent_workers_reach_the_loader(digits_shards, tmp_path):
+    """data.shuffle_seed (null: the run's seed), data.predownload, data.cache_limit reach the Streaming dataset and
+    data.persistent_workers the DataLoader (built, never iterated: no worker starts)."""
+    ds = module(digits_shards, tmp_path, batch_size=8, shuffle_seed=11, predownload=16, cache_limit="1gb").dataset
+    assert (ds.shuffle_seed, ds.predownload, ds.cache_limit) == (11, 16, 1 << 30)
+    assert module(digits_shards, tmp_path, name="c2", batch_size=8).dataset.shuffle_seed == 0  # the module's seed
+    dm = module(digits_shards, tmp_path, name="c3", batch_size=8, num_workers=1, persistent_workers=True)
+    assert dm.train_dataloader().persistent_workers
