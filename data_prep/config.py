@@ -61,6 +61,10 @@ class PrecomputeConfig:
     prompts: Optional[list[str]] = None  # grid prompts encoded with the data (training never loads the text
     # encoder for them); null: the source's own (digits: the ten digits), else the first 8 distinct captions
     batch_size: int = 64  # images per encoder call
+    # Processes that read and decode the images (PIL decode, resize, crop) while this one encodes: a DataLoader's
+    # workers over the part being encoded, each taking every decode_workers-th batch, the rows kept in the source's
+    # order (docs/data.md "Decoding in worker processes"). 0: decode in the encoding process, between encoder calls.
+    decode_workers: int = 2
     caption_cache_mb: float = 1024.0  # caption embeddings kept for reuse, least recently used dropped beyond this
     device: Optional[str] = None  # null = cuda:<LOCAL_RANK> when a GPU is present, else cpu
     dtype: Optional[str] = None  # null = bf16/fp16 on GPU, fp32 on CPU
@@ -100,6 +104,9 @@ class PrecomputeConfig:
             raise ValueError(f"records_per_part={self.records_per_part}: must be >= 1.")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1.")
+        if isinstance(self.decode_workers, bool) or not isinstance(self.decode_workers, int) or self.decode_workers < 0:
+            raise ValueError(f"decode_workers={self.decode_workers!r}: the number of decoding processes, >= 0 (0 decodes "
+                             "in the encoding process itself).")
         if self.caption_cache_mb < 0:
             raise ValueError(f"caption_cache_mb={self.caption_cache_mb}: must be >= 0 (0 encodes every caption anew).")
         self._check_storage_and_filters()

@@ -33,7 +33,8 @@ import os
 import shutil
 import time
 from collections import OrderedDict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -56,6 +57,7 @@ FINGERPRINT_FILE = "precompute.json"
 PROJECTION_FILE = "projection.json"
 EMPTY_CAPTION_FILE = "empty_caption.safetensors"
 PROMPTS_FILE = "prompts.safetensors"  # the grid prompts' embeddings, one tensor per prompt (keys "0", "1", ...)
+PHASES = ("decode", "wait", "encode", "write")  # the timed phases of a part (encode_part), in its done marker
 GRID_PROMPTS = 8  # captions kept as grid prompts when neither the config nor the source names any
 
 
@@ -150,9 +152,10 @@ def cover_crop(img: Image.Image, out_h: int, out_w: int) -> tuple[Image.Image, i
     return img.crop((left, top, left + out_w, top + out_h)), top, left
 
 
-def to_tensor(img: Image.Image) -> torch.Tensor:
-    """(C, H, W) float32 in [-1, 1]."""
-    arr = np.asarray(img, dtype=np.float32).reshape(img.size[1], img.size[0], -1)  # (H, W, C)
+def to_tensor(img: Image.Image | np.ndarray) -> torch.Tensor:
+    """(C, H, W) float32 in [-1, 1], from a PIL image or its uint8 pixels (H, W) / (H, W, C)."""
+    arr = np.asarray(img, dtype=np.float32)
+    arr = arr.reshape(arr.shape[0], arr.shape[1], -1)  # (H, W, C)
     return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0
 
 
@@ -224,24 +227,41 @@ def _columns(source, buckets: list[tuple[int, int]] | None, text_storage: str) -
     return columns
 
 
-def _pixels(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tuple[int, int]] | None,
-            stats: dict, keep: RecordFilter) -> tuple[int, torch.Tensor, dict] | None:
-    """(bucket, or -1 without buckets; pixels (C, h, w); micro-conditioning) of a record, or None when it is filtered
-    out or unusable (counted in stats)."""
+# ---------------------------------------------------------------------------------------------
+# Decoding: in the encoding process, or in DataLoader workers while it encodes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Decoded:
+    """One record after decoding: what the encoder needs of it (its pixels at the output size, uint8 (h, w, C), and
+    the micro-conditioning), or why it is skipped: ("filtered", filter name), ("bad_images" or "missing_captions",
+    the example message). The record travels without its image, back from a worker."""
+
+    record: Record
+    bucket: int = -1
+    # (h, w, C) uint8: a quarter of float32's bytes through the workers' queue. A numpy array, pickled into the queue:
+    # a tensor would pass as a file descriptor over a Unix socket under TMPDIR (framework.data.datamodule's
+    # check_socket_room says what a long TMPDIR does to that), one descriptor per image in flight.
+    pixels: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+    skip: tuple[str, str] | None = None
+
+
+def decode_record(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tuple[int, int]] | None,
+                  keep: RecordFilter) -> Decoded:
+    """Read, decode, filter, resize and crop one record: all that happens to it before the encoder."""
     from data_prep.buckets import nearest_bucket
 
+    bare = Record(key=r.key, image=None, captions=r.captions, label=r.label, meta=r.meta)
     if (dropped := keep.check_meta(r.meta)) is not None:  # before the caption: a dropped record is not a bad one
-        stats["filtered"][dropped] += 1
-        return None
+        return Decoded(bare, skip=("filtered", dropped))
     if not r.captions:
-        stats["missing_captions"] += 1
-        stats["examples"].append(f"{r.key}: missing caption")
-        return None
+        return Decoded(bare, skip=("missing_captions", f"{r.key}: missing caption"))
     try:
         img = open_image(r.image, mode)
         if (dropped := keep.check_decoded(r.meta, img.size[1], img.size[0])) is not None:
-            stats["filtered"][dropped] += 1
-            return None
+            return Decoded(bare, skip=("filtered", dropped))
         if buckets is None:
             b, (h, w) = -1, (cfg.resolution, cfg.width or cfg.resolution)
         else:
@@ -250,11 +270,88 @@ def _pixels(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tuple[int
         extra = {"bucket": b, "original_size": np.array([img.size[1], img.size[0]], dtype=np.int32)}
         img, top, left = cover_crop(img, h, w)
         extra["crop_top_left"] = np.array([top, left], dtype=np.int32)
-        return b, to_tensor(img), extra
+        return Decoded(bare, b, np.array(img, dtype=np.uint8).reshape(h, w, -1), extra)
     except Exception as err:  # unreadable/truncated: skip, count, report
-        stats["bad_images"] += 1
-        stats["examples"].append(f"{r.key}: unreadable image ({type(err).__name__}: {err})")
-        return None
+        return Decoded(bare, skip=("bad_images", f"{r.key}: unreadable image ({type(err).__name__}: {err})"))
+
+
+def _pixels(d: Decoded, stats: dict) -> tuple[int, torch.Tensor, dict] | None:
+    """(bucket, or -1 without buckets; pixels (C, h, w) in [-1, 1]; micro-conditioning) of a decoded record, or None
+    when it was filtered out or unusable (counted in stats, here in the encoding process and in the source's order)."""
+    if d.skip is None:
+        return d.bucket, to_tensor(d.pixels), d.extra
+    kind, what = d.skip
+    if kind == "filtered":
+        stats["filtered"][what] += 1
+    else:
+        stats[kind] += 1
+        stats["examples"].append(what)
+    return None
+
+
+class DecodedBatches(torch.utils.data.IterableDataset):
+    """One part's records, `batch_size` at a time as the encoder takes them, each batch decoded: (its Decoded records,
+    the seconds spent decoding it).
+
+    In a DataLoader with W workers, worker w decodes batches w, w + W, w + 2W, ... and the loader, which asks its
+    workers in turn and returns their answers in the order asked, hands them back in the source's order. That holds
+    because every batch is answered, skipped records and all, and worker w has at most one batch more than any
+    worker after it: no worker runs dry while another still owes a batch that comes before one of its own.
+    Each worker reads the whole part (records are cheap to list; the images it decodes are its own only)."""
+
+    def __init__(self, batches: Callable[[], Iterator[list[Record]]], decode: Callable[[Record], Decoded]) -> None:
+        self.batches, self.decode = batches, decode  # the part's records in batches, read anew by each process
+
+    def __iter__(self) -> Iterator[tuple[list[Decoded], float]]:
+        info = torch.utils.data.get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        for c, batch in enumerate(self.batches()):
+            if c % n == w:
+                start = time.perf_counter()
+                yield [self.decode(r) for r in batch], time.perf_counter() - start
+
+
+def _as_is(item: Any) -> Any:
+    return item  # the loader's default would turn the numpy arrays of `extra` into tensors
+
+
+def decoded_batches(data: DecodedBatches, workers: int) -> Iterator[tuple[list[Decoded], float]]:
+    """The batches of `data`, decoded here (workers=0) or by `workers` DataLoader worker processes."""
+    if workers == 0:
+        return iter(data)
+    # fork: the workers inherit the source and the decode settings as they are, nothing pickled (Python 3.14 makes
+    # forkserver the default, which would pickle the dataset and its closures)
+    return iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, collate_fn=_as_is,
+                                            prefetch_factor=2, multiprocessing_context="fork"))
+
+
+def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCodec, captions: CaptionCache,
+                  write: Callable[[dict], None], b: int, columns: dict[str, str], stats: dict, clock: dict) -> None:
+    """Encode one batch's images of bucket `b` (b = -1 without buckets) and their captions; write their rows."""
+    tick = time.perf_counter()
+    latents = codec.encode(torch.stack([g[1] for g in group])).cpu().numpy().astype(np.float16)  # (B, c, h, w)
+    clock["encode"] += time.perf_counter() - tick  # the latents copied off the device: the work is done
+    for (r, _, extra), lat in zip(group, latents):
+        if len(stats["first_captions"]) < GRID_PROMPTS and r.captions[0] not in stats["first_captions"]:
+            stats["first_captions"].append(r.captions[0])
+        tick = time.perf_counter()
+        embs = captions(r.captions)
+        clock["encode"] += time.perf_counter() - tick
+        for j, (caption, emb) in enumerate(zip(r.captions, embs)):
+            row = {"latents": lat, **emb, "caption": caption, "key": f"{r.key}#{j}"}
+            if "label" in columns:
+                row["label"] = int(r.label)
+            if "bucket" in columns:
+                row.update(extra)
+            tick = time.perf_counter()
+            write(row)
+            clock["write"] += time.perf_counter() - tick
+            stats["rows"] += 1
+            stats["column_bytes"]["latents"] += lat.nbytes
+            stats["column_bytes"]["text"] += storage.nbytes(emb)
+            stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
+    stats["images"] += len(group)
+    stats.setdefault("latent_shape", list(latents.shape[1:]))
 
 
 def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, captions: CaptionCache, mode: str,
@@ -268,11 +365,25 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
 
     folders = part_folders(index, buckets)
     columns = _columns(source, buckets, cfg.text_storage)
-    stats = {"images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [], "first_captions": [],
-             "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0), "column_bytes": {"latents": 0, "text": 0}}
+    stats = {"records": 0, "images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [],
+             "first_captions": [], "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0),
+             "column_bytes": {"latents": 0, "text": 0}}
+    # Where the part's time goes (perf_counter sums, in the done marker; python -m framework.bench precompute reads
+    # them): decode (the decoding processes' own time), wait (this process waiting for decoded batches), encode (the
+    # image codec and text encoder calls, results copied off the device) and write (the MDS writers, closing
+    # included). They cost a clock read per call.
+    clock = dict.fromkeys(PHASES, 0.0)
+    closing: list[float] = []
     start = time.perf_counter()
     with ExitStack() as stack:
         writers: dict[int, Any] = {}
+
+        @stack.callback  # registered first, so it runs last: once every writer has closed (their last shard written)
+        def _closed() -> None:
+            if closing:
+                clock["write"] += time.perf_counter() - closing[0]
+                stats["seconds"] += time.perf_counter() - closing[0]
+                stats.update({f"seconds_{k}": v for k, v in clock.items()})
 
         def writer(b: int):  # one per bucket (b = -1 without buckets), opened at its first row
             if b not in writers:  # a remote out: (staging folder, remote folder), each shard uploaded once written
@@ -281,30 +392,31 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
                                                            size_limit=cfg.shard_size))
             return writers[b]
 
-        for batch in _batches(source.shard_records(shard), cfg.batch_size):
-            groups: dict[int, list[tuple[Record, torch.Tensor, dict]]] = {}
-            for r in batch:
-                if (got := _pixels(r, cfg, mode, buckets, stats, keep)) is not None:
-                    groups.setdefault(got[0], []).append((r, got[1], got[2]))
-            bar.update(len(batch))
-            for b, group in sorted(groups.items()):
-                latents = codec.encode(torch.stack([g[1] for g in group])).cpu().numpy().astype(np.float16)  # (B, c, h, w)
-                for (r, _, extra), lat in zip(group, latents):
-                    if len(stats["first_captions"]) < GRID_PROMPTS and r.captions[0] not in stats["first_captions"]:
-                        stats["first_captions"].append(r.captions[0])
-                    for j, (caption, emb) in enumerate(zip(r.captions, captions(r.captions))):
-                        row = {"latents": lat, **emb, "caption": caption, "key": f"{r.key}#{j}"}
-                        if "label" in columns:
-                            row["label"] = int(r.label)
-                        if buckets is not None:
-                            row.update(extra)
-                        writer(b).write(row)
-                        stats["rows"] += 1
-                        stats["column_bytes"]["latents"] += lat.nbytes
-                        stats["column_bytes"]["text"] += storage.nbytes(emb)
-                        stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
-                stats["images"] += len(group)
-                stats.setdefault("latent_shape", list(latents.shape[1:]))
+        decode = partial(decode_record, cfg=cfg, mode=mode, buckets=buckets, keep=keep)
+        with source.local_shard(shard) as local:  # a remote tar: downloaded once, here, for every worker to read
+            data = DecodedBatches(lambda: _batches(source.shard_records(local), cfg.batch_size), decode)
+            tick = time.perf_counter()
+            batches = decoded_batches(data, cfg.decode_workers)  # the workers start
+            clock["wait"] += time.perf_counter() - tick
+            while True:
+                tick = time.perf_counter()
+                if (got := next(batches, None)) is None:
+                    break
+                decoded, seconds = got
+                clock["wait"] += time.perf_counter() - tick  # without workers: the decoding itself
+                clock["decode"] += seconds
+                groups: dict[int, list[tuple[Record, torch.Tensor, dict]]] = {}
+                for d in decoded:
+                    if (px := _pixels(d, stats)) is not None:
+                        groups.setdefault(px[0], []).append((d.record, px[1], px[2]))
+                bar.update(len(decoded))
+                stats["records"] += len(decoded)  # usable or not, filtered or not
+                for b, group in sorted(groups.items()):
+                    _encode_group(group, codec, captions, lambda row, b=b: writer(b).write(row), b, columns, stats,
+                                  clock)
+            del batches  # the workers exit before the shard's download is deleted
+        stats["decode_workers"] = cfg.decode_workers
+        closing.append(time.perf_counter())
         stats["seconds"] = time.perf_counter() - start
     stats["examples"] = stats["examples"][:20]
     # Only now have the writers closed (the last shard and the index.json are on disk, or uploaded): the part may be
@@ -325,7 +437,7 @@ def encode_rank(cfg: PrecomputeConfig, source, shards: list[Any], mine: list[int
     total = source.size()
     bar = tqdm(total=None if total is None else round(total * len(mine) / len(shards)), disable=not cfg.progress,
                desc=f"encode rank {rank}", unit="img")
-    totals = {"images": 0, "rows": 0, "seconds": 0.0}
+    totals = {"images": 0, "rows": 0, "seconds": 0.0, **{f"seconds_{k}": 0.0 for k in PHASES}}
     for i in mine:
         remove_partial(out, i, buckets)
         stats = encode_part(cfg, source, shards[i], codec, captions, mode, out, i, buckets, bar,
@@ -545,7 +657,10 @@ def _build(cfg: PrecomputeConfig, out: Location, rank: int, world: int, local_ra
     if mine:
         t = encode_rank(cfg, source, shards, mine, codec, text, mode, out, round_, rank, world, buckets)
         log(f"rank {rank}: {len(mine)} parts, {t['images']} images -> {t['rows']} rows in {t['seconds']:.1f}s "
-            f"({t['images'] / max(t['seconds'], 1e-9):.1f} images/s, {device})")
+            f"({t['images'] / max(t['seconds'], 1e-9):.1f} images/s, {device}, decode_workers={cfg.decode_workers}; "
+            + ", ".join(f"{what} {t[f'seconds_{k}'] / max(t['seconds'], 1e-9):.0%}" for k, what in
+                        (("encode", "encoding"), ("wait", "waiting for decoded images"), ("write", "writing")))
+            + " of the time)")
     if rank != 0:
         return
     record = finish(cfg, fp, source, codec, text, mode, out, world, len(shards), buckets)

@@ -186,3 +186,26 @@ def test_overlap_without_overlap_waits_where_each_collective_is_issued():
     waits = lambda evs: sorted((e.key, e.t) for e in evs if e.kind == "wait")  # noqa: E731
     assert waits(without_overlap(events)) == [(1, 0.0), (2, 5.0)]
     assert waits(without_overlap(events, backward_from=4.0)) == [(1, 2.0), (2, 5.0)]  # forward kept as recorded
+
+
+def test_bench_precompute_writes_a_row_per_rank_and_worker_count(tmp_path, tiny_text_encoder_dir, monkeypatch, capsys):
+    """The real precompute command per (ranks, decode_workers) on synthetic JPEGs: a row each, whose phase figures
+    come from every image (records = images = rows = the source's size) and whose shares are fractions of the time.
+    The bench runs here; its rank processes are forked from the test zygote (fresh interpreters took a minute)."""
+    import types
+
+    import framework.bench.suite_precompute as bench
+
+    shim = types.SimpleNamespace(PIPE=None, STDOUT=None, Popen=lambda cmd, env=None, **_: zygote.popen(cmd, env=env))
+    monkeypatch.setattr(bench, "subprocess", shim)
+    rows = bench.run(bench.PrecomputeBench(images=6, image_size=24, resolution=16, batch_size=2, workers=[0, 2],
+                                           ranks=[1, 2], text_encoder=str(tiny_text_encoder_dir), dir=str(tmp_path / "w"),
+                                           out=str(tmp_path / "bench.json")))
+    assert [(r["ranks"], r["decode_workers"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    for r in rows:
+        assert r["records"] == r["images"] == r["rows"] == 6 and r["parts"] == 3  # records_per_part: 6 / (2 ranks x 2) rounded up
+        for key in ("images_per_s", "decode_img_s", "encode_img_s", "write_img_s", "wall_s"):
+            assert r[key] > 0, key
+        assert 0 < r["encoder_busy"] < 1 and 0 < r["waiting"] < 1
+        assert r["seconds_encode"] + r["seconds_wait"] + r["seconds_write"] <= r["seconds"]
+    assert "encoder_busy" in capsys.readouterr().out  # the printed table

@@ -286,17 +286,26 @@ def test_a_rank_opens_only_its_own_input_shards(tmp_path, tiny_text_encoder_dir,
         inputs = [[f"{t:05d}.tar"] for t in range(4)]
     else:
         inputs = [sorted(f"{p.stem}{ext}" for p in pngs[2 * t:2 * t + 2] for ext in (".png", ".txt")) for t in range(4)]
-    opened: list[str] = []
+    log = tmp_path / "opened.txt"  # a file: the decode workers (other processes) open images and tars too
+
+    def note(name: str) -> None:
+        with open(log, "a") as f:
+            f.write(name + "\n")
+
+    def opened() -> set[str]:
+        names = set(log.read_text().split()) - {"bytes"}
+        log.unlink()
+        return names
+
     tar_open, read_caption, open_image = wds.tarfile.open, folder_source.read_caption, pre.open_image
-    monkeypatch.setattr(wds.tarfile, "open", lambda path, *a, **k: opened.append(Path(path).name) or tar_open(path, *a, **k))
-    monkeypatch.setattr(folder_source, "read_caption", lambda path: opened.append(path.name) or read_caption(path))
-    monkeypatch.setattr(pre, "open_image", lambda image, mode: opened.append(getattr(image, "name", "bytes"))
+    monkeypatch.setattr(wds.tarfile, "open", lambda path, *a, **k: note(Path(path).name) or tar_open(path, *a, **k))
+    monkeypatch.setattr(folder_source, "read_caption", lambda path: note(path.name) or read_caption(path))
+    monkeypatch.setattr(pre, "open_image", lambda image, mode: note(getattr(image, "name", "bytes"))
                         or open_image(image, mode))
     precompute(cfg, rank=1, world_size=2)
-    assert sorted(set(opened) - {"bytes"}) == sorted(inputs[1] + inputs[3])
-    opened.clear()
+    assert sorted(opened()) == sorted(inputs[1] + inputs[3])
     out = precompute(cfg, rank=0, world_size=2)
-    assert sorted(set(opened) - {"bytes"}) == sorted(inputs[0] + inputs[2])
+    assert sorted(opened()) == sorted(inputs[0] + inputs[2])
     assert len(read_rows(out)) == 8
 
 

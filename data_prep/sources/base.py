@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -63,6 +64,13 @@ class ImageCaptionSource:
         """The records of one input shard, in the source's order, reading nothing of the other shards."""
         start, stop = shard
         return (self.record(i) for i in range(start, stop))
+
+    @contextmanager
+    def local_shard(self, shard: Any) -> Iterator[Any]:
+        """`shard` as a descriptor that `shard_records` reads from this machine's files alone, for as long as the
+        `with` lasts: precompute's decode workers each read it so, and one download must serve them all. Here the
+        shard itself; a source whose shards may be remote (webdataset) fetches it first and deletes it after."""
+        yield shard
 
     def record(self, index: int) -> Record:
         """Record `index` (0 <= index < size()), for the default range shards."""

@@ -17,6 +17,7 @@ import json
 import os
 import posixpath
 import tarfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -130,16 +131,28 @@ class WebDatasetSource(ImageCaptionSource):
             self.store, self.names = self._remote_tars()
         return list(self.names)
 
-    def shard_records(self, shard: str) -> Iterator[Record]:
+    def shard_records(self, shard: str | Path) -> Iterator[Record]:
+        if isinstance(shard, Path):  # a tar local_shard downloaded
+            return self._samples(shard)
         return self._samples(self.root / shard) if self.root is not None else self._downloaded(shard)
 
     def _downloaded(self, shard: str) -> Iterator[Record]:
         """The records of the remote tar `shard`, downloaded into staging and deleted once read (or abandoned)."""
+        with self.local_shard(shard) as local:
+            yield from self._samples(local)
+
+    @contextmanager
+    def local_shard(self, shard: str) -> Iterator[str | Path]:
+        """A local tar's name as it is; a remote one downloaded into staging (its Path), deleted when the `with`
+        ends: precompute's decode workers then each read the one copy."""
+        if self.root is not None:
+            yield shard
+            return
         if self.store is None:
             self.shards(1)
         local = self.store.fetch(shard)
         try:
-            yield from self._samples(local)
+            yield local
         finally:
             local.unlink(missing_ok=True)
 
