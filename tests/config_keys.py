@@ -298,14 +298,20 @@ KEYS: dict[str, dict] = {
         "tests/test_datamodule.py::test_failed_shard_preparation_releases_the_shard",
         "tests/test_datamodule.py::test_vae_latents_scaled_exactly_once",
     ], "mutant": None},
-    "data.shuffle_seed": {"tests": [], "mutant": None},
+    "data.shuffle_seed": {"tests": [
+        "tests/test_datamodule.py::test_shuffle_seed_predownload_cache_limit_and_persistent_workers_reach_the_loader",
+    ], "mutant": "shuffle_seed_ignored"},
     # the default (true) leaves 3 samples one batch of 2; the two-rank script sets false to cover all
     "data.drop_last": {"tests": [
         "tests/test_datamodule.py::test_prepare_data_builds_missing_dataset",
         "tests/test_datamodule.py::test_two_ranks_read_disjoint_cover",
     ], "mutant": None},
-    "data.predownload": {"tests": [], "mutant": None},
-    "data.cache_limit": {"tests": [], "mutant": None},
+    "data.predownload": {"tests": [
+        "tests/test_datamodule.py::test_shuffle_seed_predownload_cache_limit_and_persistent_workers_reach_the_loader",
+    ], "mutant": "predownload_ignored"},
+    "data.cache_limit": {"tests": [
+        "tests/test_datamodule.py::test_shuffle_seed_predownload_cache_limit_and_persistent_workers_reach_the_loader",
+    ], "mutant": "cache_limit_ignored"},
     "data.num_canonical_nodes": {"tests": [
         "tests/test_datamodule.py::test_streaming_scale_keys_reach_the_dataset",
         "tests/test_datamodule.py::test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts",
@@ -322,7 +328,9 @@ KEYS: dict[str, dict] = {
     "data.download_timeout": {"tests": [
         "tests/test_datamodule.py::test_streaming_scale_keys_reach_the_dataset",
     ], "mutant": None},
-    "data.persistent_workers": {"tests": [], "mutant": None},
+    "data.persistent_workers": {"tests": [
+        "tests/test_datamodule.py::test_shuffle_seed_predownload_cache_limit_and_persistent_workers_reach_the_loader",
+    ], "mutant": "persistent_workers_ignored"},
     "data.validate": {"tests": [
         "tests/test_datamodule.py::test_missing_dataset_and_corrupt_shards",
         "tests/test_datamodule.py::test_size_check_reads_mds_header",
@@ -416,8 +424,9 @@ KEYS: dict[str, dict] = {
     "optimizer.betas": {"tests": [
         "tests/test_came.py::test_hydra_composes_came8bit",
     ], "mutant": None},
-    # test_gpu's AdamW reference reads it, but at torch's own default, so ignoring it would go unseen
-    "optimizer.eps": {"tests": [], "mutant": None},
+    "optimizer.eps": {"tests": [
+        "tests/test_train.py::test_optimizer_eps_reaches_adamw_and_its_step",
+    ], "mutant": "adamw_eps_ignored"},
     "optimizer.settings": {"tests": [
         "tests/test_came.py::test_hydra_composes_came8bit",
     ], "mutant": None},
@@ -805,12 +814,16 @@ KEYS: dict[str, dict] = {
         "tests/test_own_data.py::test_diffusers_export_of_a_class_conditional_dit_samples_like_framework_sample",
         "tests/test_own_data.py::test_diffusers_export_of_sana_with_a_dc_ae_samples_like_framework_sample",
     ], "mutant": None},
-    # no test sets it; the mutant's test samples with framework.sample at the plan's guidance
-    "sample.guidance": {"tests": [], "mutant": "plan_guidance_ignored"},
+    # the grid's plan; that the sampler uses a plan's guidance is mutant plan_guidance_ignored (test_own_data.py)
+    "sample.guidance": {"tests": [
+        "tests/test_train.py::test_sample_grid_draws_with_the_configured_seed_and_guidance",
+    ], "mutant": "sample_grid_guidance_ignored"},
     "sample.sampler": {"tests": [
         "tests/test_train.py::test_bad_config_fails_at_start_with_the_key",
     ], "mutant": None},
-    "sample.seed": {"tests": [], "mutant": None},
+    "sample.seed": {"tests": [
+        "tests/test_train.py::test_sample_grid_draws_with_the_configured_seed_and_guidance",
+    ], "mutant": "sample_grid_seed_ignored"},
     "sample.vae": {"tests": [
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_own_data.py::test_a_dataset_smaller_than_one_batch_is_refused",
@@ -840,9 +853,15 @@ KEYS: dict[str, dict] = {
         "tests/test_own_data.py::test_training_ends_with_the_own_data_evaluation",
     ], "mutant": None},
     # eval.*: only the training run's keys count here; `python -m framework.eval` fields of the same names (EvalCommand) are not
-    "eval.height": {"tests": [], "mutant": None},
-    "eval.width": {"tests": [], "mutant": None},
-    "eval.aspect": {"tests": [], "mutant": None},
+    "eval.height": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_height_ignored"},
+    "eval.width": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_width_ignored"},
+    "eval.aspect": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_aspect_ignored"},
     "eval.seeds": {"tests": [
         "tests/test_ema.py::test_an_ema_that_has_not_caught_up_is_not_used_silently",
         "tests/test_ema.py::test_grids_and_the_final_evaluation_use_the_averaged_weights",
@@ -867,20 +886,34 @@ KEYS: dict[str, dict] = {
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_own_data.py::test_training_ends_with_the_own_data_evaluation",
     ], "mutant": None},
-    # no test sets it; the mutant's test samples with framework.sample at the plan's guidance
-    "eval.guidance": {"tests": [], "mutant": "plan_guidance_ignored"},
-    "eval.sampler": {"tests": [], "mutant": None},
-    "eval.batch_size": {"tests": [], "mutant": None},
+    # the evaluation's plan; that the sampler uses a plan's guidance is mutant plan_guidance_ignored (test_own_data.py)
+    "eval.guidance": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_guidance_ignored"},
+    "eval.sampler": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_sampler_ignored"},
+    "eval.batch_size": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_batch_size_ignored"},
     "eval.best_of": {"tests": [
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
     ], "mutant": None},
-    "eval.judge": {"tests": [], "mutant": None},
-    "eval.judge_path": {"tests": [], "mutant": None},
+    "eval.judge": {"tests": [
+        "tests/test_evaluation.py::test_eval_pick_judge_and_judge_path_reach_the_selection",
+    ], "mutant": "eval_judge_ignored"},
+    "eval.judge_path": {"tests": [
+        "tests/test_evaluation.py::test_eval_pick_judge_and_judge_path_reach_the_selection",
+    ], "mutant": "eval_judge_path_ignored"},
     "eval.selection": {"tests": [
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
     ], "mutant": None},
-    "eval.pick": {"tests": [], "mutant": None},
-    "eval.cache_schedule": {"tests": [], "mutant": None},
+    "eval.pick": {"tests": [
+        "tests/test_evaluation.py::test_eval_pick_judge_and_judge_path_reach_the_selection",
+    ], "mutant": "eval_pick_ignored"},
+    "eval.cache_schedule": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_cache_schedule_ignored"},
     "eval.real": {"tests": [
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_own_data.py::test_training_ends_with_the_own_data_evaluation",
@@ -1004,7 +1037,9 @@ KEYS: dict[str, dict] = {
         "tests/test_ema.py::test_plugin_fields_compose_under_plugins_ema",
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
     ], "mutant": None},
-    "plugins.ema.buffers": {"tests": [], "mutant": None},
+    "plugins.ema.buffers": {"tests": [
+        "tests/test_ema.py::test_buffers_false_averages_only_the_parameters",
+    ], "mutant": "ema_buffers_ignored"},
     "plugins.growth.ckpt": {"tests": [
         "tests/test_distributed.py::test_growth_from_a_sharded_checkpoint_on_two_fsdp_ranks_equals_one_process",
         "tests/test_growth.py::test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks",
@@ -1025,10 +1060,16 @@ KEYS: dict[str, dict] = {
     "plugins.growth.drop_last": {"tests": [
         "tests/test_growth.py::test_growth_refuses_the_unet_and_mismatched_sources",
     ], "mutant": None},
-    # grow(zero_gate=...) is tested directly (test_growth.py), not through the key
-    "plugins.growth.zero_gate": {"tests": [], "mutant": "growth_leaves_one_projection"},
-    "plugins.growth.weights": {"tests": [], "mutant": None},
-    "plugins.growth.seed": {"tests": [], "mutant": None},
+    # grow(zero_gate=True) itself: mutant growth_leaves_one_projection (test_grown_model_computes_the_source_function)
+    "plugins.growth.zero_gate": {"tests": [
+        "tests/test_growth.py::test_growth_config_seed_weights_and_zero_gate_reach_the_grown_weights",
+    ], "mutant": "growth_zero_gate_ignored"},
+    "plugins.growth.weights": {"tests": [
+        "tests/test_growth.py::test_growth_config_seed_weights_and_zero_gate_reach_the_grown_weights",
+    ], "mutant": "growth_weights_ignored"},
+    "plugins.growth.seed": {"tests": [
+        "tests/test_growth.py::test_growth_config_seed_weights_and_zero_gate_reach_the_grown_weights",
+    ], "mutant": "growth_seed_ignored"},
     "plugins.growth.new_lr_scale": {"tests": [
         "tests/test_growth.py::test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks",
         "tests/test_growth.py::test_growth_study_gives_grown_only_overrides_to_tagged_grown_arms",
@@ -1040,8 +1081,12 @@ KEYS: dict[str, dict] = {
     "plugins.low_precision_norm.layer_norm": {"tests": [
         "tests/test_low_precision_norm.py::test_bf16_run_swaps_norms_before_the_optimizer_is_built",
     ], "mutant": "low_precision_norm_in_fp32"},
-    "plugins.low_precision_norm.group_norm": {"tests": [], "mutant": None},
-    "plugins.low_precision_norm.rms_norm": {"tests": [], "mutant": None},
+    "plugins.low_precision_norm.group_norm": {"tests": [
+        "tests/test_low_precision_norm.py::test_a_norm_kind_turned_off_is_left_as_it_is",
+    ], "mutant": "low_precision_group_norm_always"},
+    "plugins.low_precision_norm.rms_norm": {"tests": [
+        "tests/test_low_precision_norm.py::test_a_norm_kind_turned_off_is_left_as_it_is",
+    ], "mutant": "low_precision_rms_norm_always"},
     # also the tests that resume with the resume=auto of a shared helper (run_train, tiny, crash_and_resume)
     "resume": {"tests": [
         "tests/test_buckets.py::test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly",

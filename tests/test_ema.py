@@ -101,6 +101,18 @@ def test_the_ema_is_the_weight_averager_the_framework_asks_for():
         averaged_weights(trainer, None)
 
 
+def test_buffers_false_averages_only_the_parameters():
+    """plugins.ema.buffers: with it a BatchNorm's running statistics are averaged too, without it only the weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    kept = {}
+    for buffers in (True, False):
+        ema = EMA(EMAConfig(buffers=buffers))
+        ema._begin(model, step=0)
+        kept[buffers] = set(ema.ema)
+    assert kept[False] == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert kept[True] == kept[False] | {"1.running_mean", "1.running_var"}
+
+
 # --------------------------------------------------------------------------------------------
 # Values, schedule, checkpoint
 # --------------------------------------------------------------------------------------------

@@ -239,3 +239,70 @@ def test_clip_judge_scores_each_image_against_its_own_prompt(tmp_path):
         txt = model.get_text_features(**proc(text=prompts, return_tensors="pt", padding=True))
     ref = 100 * torch.nn.functional.cosine_similarity(img, txt, dim=-1)
     assert scores.shape == (3,) and np.allclose(scores, ref.numpy(), atol=1e-3)
+
+
+def test_eval_settings_reach_the_generation():
+    """eval.guidance, eval.sampler, eval.cache_schedule, eval.batch_size and the size keys (eval.height / width /
+    aspect) reach the plan and the generate call; the pipeline is a recorder here."""
+    from types import SimpleNamespace
+
+    from framework.evaluation.prompts import PromptSet
+    from framework.evaluation.scoring import generate_candidates
+    from framework.evaluation.settings import EvalSettings
+
+    class Recorder:
+        model = SimpleNamespace(cfg=SimpleNamespace(num_classes=None))
+
+        def __init__(self) -> None:
+            self.calls = []
+
+        def latent_size(self, height, width, aspect):
+            self.calls.append(("size", height, width, aspect))
+            return (4, 6)
+
+        def generate(self, prompts, plan, labels, ranks=None, batch_size=64, progress=False):
+            self.calls.append(("generate", plan.guidance, plan.sampler, plan.cache_schedule, plan.size, plan.candidates,
+                               batch_size))
+            return torch.zeros(len(prompts) * plan.candidates, 3, 4, 6)
+
+    pipe = Recorder()
+    ps = PromptSet("digits", ["a", "b"], [0, 1], np.zeros(2, dtype=bool), None)
+    settings = EvalSettings(guidance=2.5, sampler="ddim", batch_size=3, height=32, width=48, aspect="3:2",
+                            cache_schedule="uniform:2")
+    images, _ = generate_candidates(pipe, ps, settings, 2)
+    assert images.shape == (2, 2, 3, 4, 6)
+    assert pipe.calls == [("size", 32, 48, "3:2"), ("generate", 2.5, "ddim", "uniform:2", (4, 6), 2, 3)]
+
+
+def test_eval_pick_judge_and_judge_path_reach_the_selection(monkeypatch):
+    """eval.pick images per prompt are kept (the judge's best) and scored; eval.judge / eval.judge_path name the
+    judge that is loaded. Generation and scoring are recorders here: only the choice between them is run."""
+    from types import SimpleNamespace
+
+    import framework.evaluation.evaluate as evaluate_mod
+    import framework.evaluation.judge as judge_mod
+    from framework.evaluation.settings import EvalSettings
+
+    seen = {}
+
+    def candidates(pipe, ps, settings, n, ranks=None, progress=False):
+        value = torch.arange(n, dtype=torch.float32).view(1, n, 1, 1, 1) / n  # candidate j has quality j / n
+        return value.expand(len(ps.prompts), n, 1, 8, 8).clone(), 1.0
+
+    def judge(name, path):
+        seen["judge"] = (name, path)
+        return Oracle()
+
+    def score(ps, kept, pick):
+        seen["kept"], seen["pick"] = kept, pick
+        return {}
+
+    monkeypatch.setattr(evaluate_mod, "generate_candidates", candidates)
+    monkeypatch.setattr(evaluate_mod, "score_images", score)
+    monkeypatch.setattr(judge_mod, "get_judge", judge)
+    pipe = SimpleNamespace(info={"source": {"name": "digits"}, "num_classes": 10})
+    settings = EvalSettings(seeds=1, phrasings=1, best_of=3, pick=2, judge="pairs", judge_path="/judges/p.pt")
+    evaluate_mod.evaluate(pipe, settings, None)
+    assert seen["judge"] == ("pairs", "/judges/p.pt") and seen["pick"] == 2
+    kept = seen["kept"][:, 0, 0, 0].view(-1, 2)  # (P, pick): the two best candidates of each prompt, best first
+    assert kept.shape[0] > 0 and (kept == torch.tensor([2 / 3, 1 / 3])).all()

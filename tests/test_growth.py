@@ -103,6 +103,28 @@ def test_without_zero_gate_or_with_drop_last_the_function_changes(name):
         assert (_outputs(_grown_net(cfg, state, 4), cfg) - ref).abs().max() > 1e-3, kwargs
 
 
+def test_growth_config_seed_weights_and_zero_gate_reach_the_grown_weights(monkeypatch):
+    """plugins.growth.seed (null: the run's), .weights and .zero_gate reach grow(): the checkpoint reader is a stub
+    here, the grown weights are compared with grow() called by hand."""
+    from types import SimpleNamespace
+
+    import framework.inference.checkpoint as checkpoint
+    from plugins.growth import build
+
+    run = SimpleNamespace(init_from=None, seed=1)
+    assert (build(GrowthConfig(ckpt="x", seed=5), run).seed, build(GrowthConfig(ckpt="x"), run).seed) == (5, 1)
+    cfg, src = _source(FAMILIES[0])
+    asked = []
+    monkeypatch.setattr(checkpoint, "read_checkpoint",
+                        lambda path: {checkpoint.CKPT_KEY: {"config": {"model": dataclasses.asdict(cfg)}}})
+    monkeypatch.setattr(checkpoint, "weights_used", lambda ckpt, which: asked.append(which) or which)
+    monkeypatch.setattr(checkpoint, "model_weights", lambda ckpt, used: src.state_dict())
+    state, _, record = grow_checkpoint("x", 4, GrowthConfig(ckpt="x", weights="train", zero_gate=False), seed=3)
+    ref, _ = grow(src.state_dict(), cfg, 4, "constant", 0, False, 3)
+    assert asked == ["train"] and record["zero_gate"] is False and state.keys() == ref.keys()
+    assert all(torch.equal(state[k], ref[k]) for k in ref)
+
+
 def test_layer_plans_by_hand():
     assert layer_plan(3, 5, "constant") == [(0, False), (1, False), (2, False), (None, True), (None, True)]
     assert layer_plan(3, 5, "constant", drop_last=1) == [(0, False), (1, False), (None, True), (None, True), (None, True)]

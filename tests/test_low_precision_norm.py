@@ -109,3 +109,19 @@ def test_fp32_run_warns_and_is_bit_identical(tmp_path, digits_shards):
         lp = train_lib.train(compose_cfg(cheap(tmp_path, digits_shards, *fit, "plugins=[low_precision_norm]", steps=3, run="lp")))
     la, lb = losses(Path(plain["run_dir"])), losses(Path(lp["run_dir"]))
     assert len(la) == 3 and la == lb
+
+
+@pytest.mark.parametrize("off", ["group_norm", "rms_norm"])
+def test_a_norm_kind_turned_off_is_left_as_it_is(off):
+    """plugins.low_precision_norm.group_norm / rms_norm = false: that kind keeps its class, the others are swapped."""
+    from types import SimpleNamespace
+
+    from plugins.low_precision_norm import LowPrecisionNorm, LowPrecisionNormConfig
+
+    model = nn.Sequential(nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.RMSNorm(4))
+    callback = LowPrecisionNorm(LowPrecisionNormConfig(**{off: False}))
+    callback.setup(SimpleNamespace(precision="bf16-mixed"), SimpleNamespace(model=model), "fit")
+    expected = {"layer_norm": 1, "group_norm": 1, "rms_norm": 1, off: 0}
+    assert callback.swapped == expected
+    kept = {"group_norm": nn.GroupNorm, "rms_norm": nn.RMSNorm}[off]
+    assert [type(m) is kept for m in model] == [False, off == "group_norm", off == "rms_norm"]

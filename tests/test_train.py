@@ -438,3 +438,44 @@ def test_compiled_blocks_run_compiled_and_follow_the_eager_losses(tmp_path, digi
     le, lc = losses(Path(eager["run_dir"])), losses(Path(compiled["run_dir"]))
     # Inductor fuses and reorders fp32 arithmetic: equal up to float round-off.
     torch.testing.assert_close(torch.tensor(list(lc.values())), torch.tensor(list(le.values())), rtol=1e-4, atol=1e-5)
+
+
+def test_optimizer_eps_reaches_adamw_and_its_step():
+    """optimizer.eps is AdamW's denominator epsilon: at 1.0 the first step is lr * g / (|g| + 1), not lr * sign(g)."""
+    from framework.training.optim import OptimizerConfig, build_optimizer
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = build_optimizer([p], OptimizerConfig(lr=0.1, eps=1.0, weight_decay=0.0))
+    assert opt.param_groups[0]["eps"] == 1.0
+    g = torch.tensor([1.0, -2.0, 0.5])
+    p.grad = g.clone()
+    opt.step()
+    torch.testing.assert_close(p.detach(), -0.1 * g / (g.abs() + 1.0), rtol=1e-6, atol=1e-7)  # bias-corrected step 1
+
+
+def test_sample_grid_draws_with_the_configured_seed_and_guidance(tmp_path):
+    """sample.seed and sample.guidance reach the plan the grid is drawn with (the pipeline is a recorder here)."""
+    from types import SimpleNamespace
+
+    from framework.config import SampleConfig
+    from framework.training.callbacks import SampleGrid
+
+    class Recorder:
+        model = SimpleNamespace(cfg=SimpleNamespace(num_classes=None))
+        def __init__(self) -> None:
+            self.plans = []
+
+        def generate(self, prompts, plan, labels, ranks=None):
+            self.plans.append(plan)
+            return torch.zeros(len(prompts), 3, 4, 4)
+
+        def free_text_encoder(self):
+            pass
+
+    module = pl.LightningModule()
+    module.model = torch.nn.Linear(1, 1)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    grid = SampleGrid(SampleConfig(prompts=["a", "b"], per_prompt=1, seed=7, guidance=2.5), tmp_path)
+    grid._pipe = Recorder()
+    assert grid.draw(trainer, module).is_file()
+    assert [(p.seed, p.guidance) for p in grid._pipe.plans] == [(7, 2.5)]
