@@ -373,17 +373,9 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
     # image codec and text encoder calls, results copied off the device) and write (the MDS writers, closing
     # included). They cost a clock read per call.
     clock = dict.fromkeys(PHASES, 0.0)
-    closing: list[float] = []
     start = time.perf_counter()
     with ExitStack() as stack:
         writers: dict[int, Any] = {}
-
-        @stack.callback  # registered first, so it runs last: once every writer has closed (their last shard written)
-        def _closed() -> None:
-            if closing:
-                clock["write"] += time.perf_counter() - closing[0]
-                stats["seconds"] += time.perf_counter() - closing[0]
-                stats.update({f"seconds_{k}": v for k, v in clock.items()})
 
         def writer(b: int):  # one per bucket (b = -1 without buckets), opened at its first row
             if b not in writers:  # a remote out: (staging folder, remote folder), each shard uploaded once written
@@ -413,11 +405,13 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
                 stats["records"] += len(decoded)  # usable or not, filtered or not
                 for b, group in sorted(groups.items()):
                     _encode_group(group, codec, captions, lambda row, b=b: writer(b).write(row), b, columns, stats,
-                                  clock)
+                                  clock)  # the writer opens at its first row
             del batches  # the workers exit before the shard's download is deleted
         stats["decode_workers"] = cfg.decode_workers
-        closing.append(time.perf_counter())
-        stats["seconds"] = time.perf_counter() - start
+        closing = time.perf_counter()  # the writers close on leaving: their last shards and index.json written
+    closed = time.perf_counter()
+    clock["write"] += closed - closing
+    stats.update(seconds=closed - start, **{f"seconds_{k}": v for k, v in clock.items()})
     stats["examples"] = stats["examples"][:20]
     # Only now have the writers closed (the last shard and the index.json are on disk, or uploaded): the part may be
     # marked done.

@@ -362,10 +362,14 @@ MUTANTS = [
     Mutant("precompute_part_marked_done_before_close", "a part's done marker is written while its MDS writer is still "
            "open (a kill then leaves a done part without its last shard or index.json)",
            (("data_prep/precompute.py",
-             '        stats["seconds"] = time.perf_counter() - start\n    stats["examples"] = stats["examples"][:20]\n'
+             '    closed = time.perf_counter()\n    clock["write"] += closed - closing\n'
+             '    stats.update(seconds=closed - start, **{f"seconds_{k}": v for k, v in clock.items()})\n'
+             '    stats["examples"] = stats["examples"][:20]\n'
              '    # Only now have the writers closed (the last shard and the index.json are on disk, or uploaded): the '
              'part may be\n    # marked done.\n    out.write_json(done_name(index), {**stats, **dealt})\n',
-             '        stats["seconds"] = time.perf_counter() - start\n        stats["examples"] = stats["examples"][:20]\n'
+             '        closed = time.perf_counter()\n        clock["write"] += closed - closing\n'
+             '        stats.update(seconds=closed - start, **{f"seconds_{k}": v for k, v in clock.items()})\n'
+             '        stats["examples"] = stats["examples"][:20]\n'
              '        out.write_json(done_name(index), {**stats, **dealt})\n'),),
            ("tests/test_data_prep.py::test_interrupted_run_restarts_cleanly",
             "tests/test_data_prep_remote.py::test_each_rank_downloads_only_its_own_tars_through_staging")),
