@@ -14,7 +14,6 @@ the LightningModule calls `drop_captions` per step.
 from __future__ import annotations
 
 import os
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from data_prep.config import TEXT_STORAGES
+from data_prep.location import is_remote
 from data_prep.record import DATASET_FILE, DatasetRecord
 from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, open_streaming
@@ -83,7 +83,7 @@ class DataConfig:
             raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0.")
         if self.validate not in VALIDATE_MODES:
             raise ValueError(f"data.validate={self.validate!r}: use one of {', '.join(VALIDATE_MODES)}.")
-        if _is_remote(self.path) and not self.local:
+        if is_remote(self.path) and not self.local:
             raise ValueError(f"data.path={self.path} is remote: set data.local=DIR as the local cache.")
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("data.persistent_workers=true needs data.num_workers > 0.")
@@ -139,10 +139,6 @@ class DatasetInfo:
         }
 
 
-def _is_remote(path: str) -> bool:
-    return urllib.parse.urlparse(str(path)).scheme not in ("", "file")
-
-
 # ---------------------------------------------------------------------------------------------
 # dataset.json and compatibility
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +146,7 @@ def _is_remote(path: str) -> bool:
 
 def _fetch(path: str, name: str, local: Optional[str]) -> Path:
     """A file of the dataset as a local Path (downloaded into `local` for remote datasets)."""
-    if not _is_remote(path):
+    if not is_remote(path):
         return Path(path).expanduser() / name
     from streaming.base.storage.download import CloudDownloader
 
@@ -357,7 +353,7 @@ def canonical_nodes(setting: Any, num_samples: int) -> Optional[int]:
 
 
 def _is_complete(path: str) -> bool:
-    return _is_remote(path) or (Path(path).expanduser() / DATASET_FILE).is_file()
+    return is_remote(path) or (Path(path).expanduser() / DATASET_FILE).is_file()
 
 
 class LatentDataModule(L.LightningDataModule):
@@ -437,11 +433,11 @@ class LatentDataModule(L.LightningDataModule):
         from framework.data.shards import ShardDataset  # a StreamingDataset whose failures are raised
 
         cfg = self.cfg
-        if _is_remote(cfg.path) or cfg.local:
+        if is_remote(cfg.path) or cfg.local:
             remote, local = cfg.path, cfg.local  # Streaming copies/downloads shards into `local`
         else:
             remote, local = None, cfg.path
-        dataset = None if _is_remote(cfg.path) else Path(cfg.path).expanduser()
+        dataset = None if is_remote(cfg.path) else Path(cfg.path).expanduser()
         cache = Path(cfg.local).expanduser() if cfg.local else None
         if cache is not None and dataset is not None and cache.resolve() == dataset.resolve():
             cache = None  # data.local = data.path: read in place
