@@ -37,7 +37,7 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(max(1, _cores // _WORKERS))
 
 from tests.helpers import (  # noqa: E402  (after the environment above, which they read)
-    S3_BUCKET, TinyFeatures, digits_config, make_image_folder, make_tiny_clip, make_tiny_text_encoder, make_tiny_vae,
+    S3_BUCKET, S3Server, TinyFeatures, digits_config, make_image_folder, make_tiny_clip, make_tiny_text_encoder, make_tiny_vae,
 )
 
 
@@ -115,28 +115,15 @@ def _isolated_streaming_env():
     gc.collect()
 
 
-S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
 @pytest.fixture(scope="session")
 def s3(digits_shards) -> dict[str, str]:
-    """A real S3-compatible server on loopback (moto's server mode, as Streaming's own tests use), holding the digits
-    shards at s3://latents/digits; its environment (endpoint and credentials) for the processes that read them."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {**S3_CREDENTIALS, "S3_ENDPOINT_URL": f"http://{host}:{port}"}
-    client = boto3.client("s3", endpoint_url=env["S3_ENDPOINT_URL"], aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
-    client.create_bucket(Bucket=S3_BUCKET)
-    for f in sorted(digits_shards.rglob("*")):
-        if f.is_file():
-            client.upload_file(str(f), S3_BUCKET, f"digits/{f.relative_to(digits_shards).as_posix()}")
-    yield env
-    server.stop()
+    """A real S3-compatible server on loopback (tests/helpers.py S3Server), holding the digits shards at
+    s3://latents/digits; its environment (endpoint and credentials) for the processes that read them."""
+    with S3Server(S3_BUCKET) as server:
+        for f in sorted(digits_shards.rglob("*")):
+            if f.is_file():
+                server.client.upload_file(str(f), S3_BUCKET, f"digits/{f.relative_to(digits_shards).as_posix()}")
+        yield server.env
 
 
 @pytest.hookimpl(tryfirst=True)

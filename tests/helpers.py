@@ -161,6 +161,7 @@ def digits_config(out: Path, text_encoder: str = "minilm", **overrides) -> dict:
 
 
 S3_BUCKET = "latents"
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class S3Server:
@@ -188,8 +189,7 @@ class S3Server:
 
         wsgi.app = logged
         host, port = self._server.get_host_and_port()
-        credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-        self.env = {**credentials, "S3_ENDPOINT_URL": f"http://{host}:{port}"}
+        self.env = {**S3_CREDENTIALS, "S3_ENDPOINT_URL": f"http://{host}:{port}"}
         self.client = boto3.client("s3", endpoint_url=self.env["S3_ENDPOINT_URL"], aws_access_key_id="testing",
                                    aws_secret_access_key="testing", region_name="us-east-1")
         self.client.create_bucket(Bucket=self.bucket)
