@@ -8,6 +8,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 TEXT_STORAGES = ("fp16", "bf16", "int8")  # the rows' text formats (data_prep/storage.py)
+CAPTION_LAYOUTS = ("per_caption", "per_image")  # a row per caption, or a row per image with all its captions
 
 
 @dataclass
@@ -79,6 +80,10 @@ class PrecomputeConfig:
     # How the rows store text embeddings (data_prep/storage.py, docs/data.md): fp16; bf16 (as many bytes, float32's
     # range); int8 (half the bytes: per token a float32 scale max|x| / 127 and int8 values). The reader decodes each.
     text_storage: str = "fp16"
+    # A source that captions an image several times (digits' rows_per_image, a manifest's list of captions):
+    # per_caption writes a row per caption, each with the image's latents; per_image a row per image, its latents once
+    # and every caption's embedding, and training draws one of them per sample per step (docs/data.md).
+    caption_layout: str = "per_caption"
     # Filters (data_prep/filters.py), applied before encoding; what each drops is counted in dataset.json's
     # skipped.filtered. min_size: the shorter side of the original image in pixels (img2dataset's .json
     # original_width / original_height when the record has them, else the decoded image); null = no limit.
@@ -130,6 +135,9 @@ class PrecomputeConfig:
     def _check_storage_and_filters(self) -> None:
         if self.text_storage not in TEXT_STORAGES:
             raise ValueError(f"text_storage={self.text_storage!r}: use one of {', '.join(TEXT_STORAGES)}.")
+        if self.caption_layout not in CAPTION_LAYOUTS:
+            raise ValueError(f"caption_layout={self.caption_layout!r}: use per_caption (a row per caption) or "
+                             "per_image (a row per image with all its captions).")
         if self.min_size is not None and self.min_size < 1:
             raise ValueError(f"min_size={self.min_size}: a shorter side in pixels >= 1, or null (no limit).")
         if self.max_aspect is not None and not self.max_aspect >= 1.0:

@@ -96,11 +96,13 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
         "source": source, "vae": resolve(cfg.vae, "pixel"),
         "text_encoder": resolve(cfg.text_encoder, "minilm"), "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
-        "shard_size": cfg.shard_size, "compression": cfg.compression, "format_version": record_version(cfg.text_storage),
+        "shard_size": cfg.shard_size, "compression": cfg.compression,
+        "format_version": record_version(cfg.text_storage, cfg.caption_layout),
     }
     # Only when set, like the keys below: datasets built without them keep their fingerprints.
     optional = {"text_storage": cfg.text_storage if cfg.text_storage != "fp16" else None, "min_size": cfg.min_size,
-                "max_aspect": cfg.max_aspect, "filters": cfg.filters or None}
+                "max_aspect": cfg.max_aspect, "filters": cfg.filters or None,
+                "caption_layout": cfg.caption_layout if cfg.caption_layout != "per_caption" else None}
     content.update({k: v for k, v in optional.items() if v is not None})
     if cfg.width is not None:
         content["width"] = cfg.width
@@ -218,8 +220,14 @@ class CaptionCache:
             self.bytes -= storage.nbytes(self.table.popitem(last=False)[1])
 
 
-def _columns(source, buckets: list[tuple[int, int]] | None, text_storage: str) -> dict[str, str]:
-    columns = {"latents": "ndarray:float16", **storage.text_columns(text_storage), "caption": "str", "key": "str"}
+def _columns(source, buckets: list[tuple[int, int]] | None, text_storage: str,
+             caption_layout: str = "per_caption") -> dict[str, str]:
+    columns = {"latents": "ndarray:float16", **storage.text_columns(text_storage)}
+    if caption_layout == "per_image":  # every caption's tokens one after the other, and where each ends
+        columns.update({"text_lengths": "ndarray:int32", "captions": "json"})
+    else:
+        columns["caption"] = "str"
+    columns["key"] = "str"
     if source.num_classes is not None:
         columns["label"] = "int"
     if buckets is not None:  # SDXL-style micro-conditioning needs the source size and the crop
@@ -337,8 +345,15 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
         tick = time.perf_counter()
         embs = captions(r.captions)
         clock["encode"] += time.perf_counter() - tick
-        for j, (caption, emb) in enumerate(zip(r.captions, embs)):
-            row = {"latents": lat, **emb, "caption": caption, "key": f"{r.key}#{j}"}
+        stats["captions"] += len(embs)
+        if "captions" in columns:  # per_image: one row, its captions' tokens concatenated column by column
+            rows = [{**storage.concat_text(embs), "text_lengths": storage.token_counts(embs), "captions": r.captions,
+                     "key": r.key}]
+        else:
+            rows = [{**emb, "caption": caption, "key": f"{r.key}#{j}"} for j, (caption, emb) in
+                    enumerate(zip(r.captions, embs))]
+        for row in rows:
+            row["latents"] = lat
             if "label" in columns:
                 row["label"] = int(r.label)
             if "bucket" in columns:
@@ -348,7 +363,7 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
             clock["write"] += time.perf_counter() - tick
             stats["rows"] += 1
             stats["column_bytes"]["latents"] += lat.nbytes
-            stats["column_bytes"]["text"] += storage.nbytes(emb)
+            stats["column_bytes"]["text"] += storage.nbytes({k: v for k, v in row.items() if k in storage.TEXT_KEYS})
             stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
     stats["images"] += len(group)
     stats.setdefault("latent_shape", list(latents.shape[1:]))
@@ -364,8 +379,8 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
     from streaming import MDSWriter
 
     folders = part_folders(index, buckets)
-    columns = _columns(source, buckets, cfg.text_storage)
-    stats = {"records": 0, "images": 0, "rows": 0, "bad_images": 0, "missing_captions": 0, "examples": [],
+    columns = _columns(source, buckets, cfg.text_storage, cfg.caption_layout)
+    stats = {"records": 0, "images": 0, "rows": 0, "captions": 0, "bad_images": 0, "missing_captions": 0, "examples": [],
              "first_captions": [], "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0),
              "column_bytes": {"latents": 0, "text": 0}}
     # Where the part's time goes (perf_counter sums, in the done marker; python -m framework.bench precompute reads
@@ -527,7 +542,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     record = DatasetRecord(
-        format_version=record_version(cfg.text_storage),
+        format_version=record_version(cfg.text_storage, cfg.caption_layout),
         fingerprint=fp["fingerprint"],
         image_codec={"name": cfg.vae, "class": codec.class_name},
         text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens},
@@ -546,8 +561,10 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         num_classes=source.num_classes,
         empty_caption=EMPTY_CAPTION_FILE,
         prompts={"file": PROMPTS_FILE, "texts": prompts},
-        columns=list(_columns(source, buckets, cfg.text_storage)),
+        columns=list(_columns(source, buckets, cfg.text_storage, cfg.caption_layout)),
         text_storage=cfg.text_storage,
+        caption_layout=cfg.caption_layout,
+        num_captions=sum(s.get("captions", s["rows"]) for s in stats),  # a part of an older run: a row per caption
         # every part's index.json is on this machine: the merges fetched them
         size=storage.dataset_size([[out.local(f) for f in part_folders(i, buckets)] for i, s in enumerate(stats)
                                    if s["rows"]], stats),

@@ -16,9 +16,10 @@ DATASET_FILE = "dataset.json"
 # Raised when a field is added, removed or changes meaning; a reader refuses a record newer than itself.
 #   1  text_embeds float16 rows
 #   2  text_storage: the rows' text may also be bf16 bits (uint16) or int8 with a text_scale column
+#   3  caption_layout per_image: a row per image holding all its captions (text_lengths, captions columns)
 # A record says the oldest version that describes it (`record_version`), so an fp16 dataset stays readable by a
 # LatentForge that knows version 1 only, and one of another storage is refused by it instead of misread.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec")  # present only for datasets that have them
 
 
@@ -29,8 +30,10 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def record_version(text_storage: str) -> int:
-    """The oldest format version that describes a dataset of this text storage."""
+def record_version(text_storage: str, caption_layout: str = "per_caption") -> int:
+    """The oldest format version that describes a dataset of this text storage and caption layout."""
+    if caption_layout != "per_caption":
+        return 3
     return 1 if text_storage == "fp16" else 2
 
 
@@ -45,7 +48,7 @@ class DatasetRecord:
     text_dim: int
     scaling_factor: float
     shift_factor: float
-    num_samples: int  # rows (a source may caption an image several times)
+    num_samples: int  # rows: one per caption, or one per image with caption_layout per_image
     resolution: int
     empty_caption: str  # the file holding the empty caption's embedding (L0, D)
     downsample: int = 1  # pixels per latent cell
@@ -68,6 +71,10 @@ class DatasetRecord:
     # the parts' bytes on disk and uncompressed, and per sample (data_prep/storage.py dataset_size):
     # {"bytes", "raw_bytes", "per_sample": {"latents", "text", "other", "disk"}}
     size: dict[str, Any] = field(default_factory=dict)
+    # per_caption: a row per caption, the image's latents in each; per_image: a row per image with all its captions
+    # (docs/data.md "Several captions per image"); records older than it are per_caption
+    caption_layout: str = "per_caption"
+    num_captions: Optional[int] = None  # the captions encoded, in all
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

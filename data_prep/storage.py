@@ -61,6 +61,20 @@ def encode_text(emb: torch.Tensor, storage: str) -> dict[str, np.ndarray]:
     raise ValueError(f"text_storage={storage!r}: use one of {', '.join(TEXT_STORAGES)}.")
 
 
+TEXT_KEYS = ("text_embeds", "text_scale")  # every column any storage holds text in, each with a row per token
+
+
+def concat_text(embs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Several captions' text columns (encode_text's) as one row's: each column's tokens, caption after caption
+    (caption_layout per_image; `token_counts` says where each caption ends)."""
+    return {k: np.concatenate([e[k] for e in embs]) for k in embs[0]}
+
+
+def token_counts(embs: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """(K,) int32: the tokens of each caption in `concat_text(embs)`."""
+    return np.array([len(e["text_embeds"]) for e in embs], dtype=np.int32)
+
+
 def nbytes(value: Any) -> int:
     """Bytes of the arrays in an encoded row (one array, or a dict of the row's columns)."""
     if isinstance(value, dict):

@@ -228,15 +228,17 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert not (run_dir / "wandb").exists()
 
 
-@pytest.mark.parametrize("storage", ["fp16", "int8-filtered"])
+@pytest.mark.parametrize("storage", ["fp16", "int8-filtered-per_image"])
 def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards, storage):
     """`python -m data_prep.precompute` as two srun tasks would start it (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID,
     no RANK or WORLD_SIZE), each encoding one of the digits' two parts; then two training steps on the result. fp16: the
     config is digits_shards' own, so the dataset must be that one-process dataset: same fingerprint, same parts.
-    int8-filtered: int8 text with its scale column, through filters that keep every digit (8 x 8, square)."""
+    int8-filtered-per_image: int8 text with its scale column, through filters that keep every digit (8 x 8, square),
+    a row per image with its 3 captions (training draws one per sample and step)."""
     tmp, out = tmp_path / "tmp", tmp_path / "digits"
     tmp.mkdir()
-    extra = ["text_storage=int8", "min_size=8", "max_aspect=1.5"] if storage == "int8-filtered" else []
+    per_image = storage.endswith("per_image")
+    extra = ["text_storage=int8", "min_size=8", "max_aspect=1.5", "caption_layout=per_image"] if per_image else []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     ranks = [zygote.popen([sys.executable, "-m", "data_prep.precompute", "source=digits", "vae=pixel",
                            "text_encoder=minilm", "resolution=8", f"out={out}", "progress=false", *extra,
@@ -248,11 +250,14 @@ def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards, stora
     for r, log in enumerate(logs):
         assert f"rank {r} of 2: " in log and ", 1 to encode here" in log, log[-3000:]
     got, want = (json.loads((d / "dataset.json").read_text()) for d in (out, digits_shards))
-    assert (got["num_samples"], got["world_size"]) == (want["num_samples"], 2)
-    assert (got["fingerprint"] == want["fingerprint"]) is not extra
-    assert got.get("text_storage", "fp16") == storage.split("-")[0]
+    assert (got["num_samples"], got["world_size"]) == (want["num_images" if per_image else "num_samples"], 2)
+    assert (got["fingerprint"] == want["fingerprint"]) is not per_image
+    assert (got.get("text_storage", "fp16"), got["caption_layout"]) == (("int8", "per_image") if per_image else
+                                                                         ("fp16", "per_caption"))
     parts = lambda d: [(s["raw_data"]["basename"], s["samples"]) for s in json.loads((d / "index.json").read_text())["shards"]]
-    assert parts(out) == parts(digits_shards) and {b.split("/")[0] for b, _ in parts(out)} == {"part_000000", "part_000001"}
+    per_part = [(b.split("/")[0], n) for b, n in parts(out)]
+    assert per_part == [(b.split("/")[0], n // 3 if per_image else n) for b, n in parts(digits_shards)]
+    assert {b for b, _ in per_part} == {"part_000000", "part_000001"}
 
     run_dir = tmp_path / "run"
     run_command(run_dir, out, "single", 1, "csv", ["trainer.max_steps=2", "eval.at_end=false", "sample.every_n_steps=0"])

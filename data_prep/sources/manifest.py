@@ -1,5 +1,8 @@
 """A parquet or jsonl manifest: one row per image with a local path and a caption (optional label).
 
+The caption column may hold a list of captions per image (COCO's five: `"caption": ["a dog", "a brown dog"]`, or a
+parquet list column): each becomes a row with caption_layout=per_caption, or all of them one row with per_image.
+
 Relative image paths are resolved against the manifest's own directory. Its input shards are ranges of
 `records_per_part` rows.
 """
@@ -9,14 +12,18 @@ import math
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pandas as pd
 
 from data_prep.sources.base import ImageCaptionSource, Record, require_path
 
 
 def _clean_caption(value) -> list[str]:
+    """The non-blank captions of a cell: one string, or a list of them (a parquet list column comes as an array)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return []
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [c for v in value for c in _clean_caption(v)]
     text = str(value).strip()
     return [text] if text else []
 

@@ -8,6 +8,11 @@ The trainer never runs a VAE or a text encoder. Each batch is a dict:
     text_mask    bool    (B, L)        True on real tokens
     label        int64   (B,)          only when the dataset has a `label` column
     caption, key list[str]
+A dataset of caption_layout per_image (a row per image with all its captions) gives every caption instead of
+text_embeds / text_mask / caption: caption_embeds (N, L, D) and caption_mask (N, L) over the batch's N captions,
+sample after sample, caption_counts int64 (B,) and captions list[str] (N); on_before_batch_transfer keeps the caption
+the LightningModule draws for each sample in this step (DiffusionModule.draw_captions): the training step gets the
+batch above.
 Caption dropout is not done here (it would freeze the dropped rows into the loader's shuffle);
 the LightningModule calls `drop_captions` per step.
 """
@@ -27,7 +32,7 @@ from data_prep.location import is_remote
 from data_prep.record import DATASET_FILE, DatasetRecord
 from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, open_streaming
-from framework.data.text_storage import decode_text
+from framework.data.text_storage import decode_captions, decode_text
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # streaming.base.shuffle's algorithms
 
@@ -126,6 +131,7 @@ class DatasetInfo:
     buckets: list = field(default_factory=list)
     prompt_embeds: dict[str, torch.Tensor] = field(default_factory=dict)  # grid prompt -> (L, D) fp16, precomputed
     text_storage: str = "fp16"  # how the rows hold text (framework/data/text_storage.py)
+    caption_layout: str = "per_caption"  # per_image: a row per image with all its captions
 
     def summary(self) -> dict:
         """What generation needs to know (the Pipeline's `info`); plain values, so checkpoints load with weights_only."""
@@ -217,6 +223,7 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         num_samples=int(rec.num_samples), empty_text_embeds=empty, downsample=int(rec.downsample),
         posterior=rec.posterior, record=rec, prompt_embeds=prompt_embeds,
         buckets=[b for b in rec.buckets or [] if b["num_samples"] > 0], text_storage=rec.text_storage,
+        caption_layout=rec.caption_layout,
     )
 
 
@@ -290,19 +297,25 @@ class LatentCollate:
     aspect-ratio buckets also give `size_ids` (B, 6): their original size and crop corner (over the codec's
     `downsample`) and the latents' size, what a size-conditioned UNet is fed (framework.models.backbones.SIZE_IDS)."""
 
-    def __init__(self, scaling_factor: float, shift_factor: float, downsample: int = 1, text_storage: str = "fp16") -> None:
+    def __init__(self, scaling_factor: float, shift_factor: float, downsample: int = 1, text_storage: str = "fp16",
+                 caption_layout: str = "per_caption") -> None:
         self.scaling_factor, self.shift_factor, self.downsample = scaling_factor, shift_factor, downsample
-        self.text_storage = text_storage
+        self.text_storage, self.caption_layout = text_storage, caption_layout
 
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
         latents = torch.from_numpy(np.stack([s["latents"] for s in samples])).float()  # (B, C, h, w)
         latents = (latents - self.shift_factor) * self.scaling_factor
         # fp16 and bf16 as stored: half the bytes of float32 through the loader's queue and the host-to-device copy;
         # the training step converts them on the device. int8 rows come dequantized, in float32.
-        embeds = [decode_text(s, self.text_storage) for s in samples]  # (L_i, D)
-        text, mask = pad_and_stack(embeds)  # (B, L, D), (B, L)
-        batch = {"latents": latents, "text_embeds": text, "text_mask": mask,
-                 "caption": [s["caption"] for s in samples], "key": [s.get("key", "") for s in samples]}
+        batch: dict[str, Any] = {"latents": latents, "key": [s.get("key", "") for s in samples]}
+        if self.caption_layout == "per_image":  # every caption; the module draws one per sample and step
+            embeds = [decode_captions(s, self.text_storage) for s in samples]  # [[(L_k, D), ...], ...]
+            batch["caption_embeds"], batch["caption_mask"] = pad_and_stack([e for each in embeds for e in each])
+            batch["caption_counts"] = torch.tensor([len(each) for each in embeds], dtype=torch.long)
+            batch["captions"] = [c for s in samples for c in s["captions"]]
+        else:
+            text, mask = pad_and_stack([decode_text(s, self.text_storage) for s in samples])  # (B, L, D), (B, L)
+            batch.update(text_embeds=text, text_mask=mask, caption=[s["caption"] for s in samples])
         if "label" in samples[0]:
             batch["label"] = torch.tensor([int(s["label"]) for s in samples], dtype=torch.long)
         if "original_size" in samples[0]:
@@ -310,6 +323,21 @@ class LatentCollate:
             target = torch.tensor(latents.shape[-2:], dtype=torch.float32).expand(len(samples), 2)
             batch["size_ids"] = torch.cat([torch.from_numpy(corner).float() / self.downsample, target], dim=1)
         return batch
+
+
+def choose_captions(batch: dict[str, Any], chosen: torch.Tensor) -> dict[str, Any]:
+    """The batch of a per_image dataset with one caption per sample, its `chosen` (B,)-th: text_embeds (B, L, D) and
+    text_mask (B, L), padded to the longest chosen caption, and caption (B); the other keys as they were."""
+    counts = batch["caption_counts"]  # (B,)
+    if bool((chosen < 0).any() or (chosen >= counts).any()):
+        raise ValueError(f"caption choice {chosen.tolist()} out of range for samples of {counts.tolist()} captions")
+    rows = torch.cumsum(counts, 0) - counts + chosen  # (B,) each chosen caption's row in caption_embeds
+    mask = batch["caption_mask"][rows]  # (B, L)
+    length = int(mask.sum(1).max())
+    out = {k: v for k, v in batch.items() if k not in ("caption_embeds", "caption_mask", "caption_counts", "captions")}
+    out.update(text_embeds=batch["caption_embeds"][rows, :length], text_mask=mask[:, :length],
+               caption=[batch["captions"][i] for i in rows.tolist()])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,10 +510,21 @@ class LatentDataModule(L.LightningDataModule):
         return StreamingDataLoader(
             self.dataset, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers,
             collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor, self.info.downsample,
-                                     self.info.text_storage),
+                                     self.info.text_storage, self.info.caption_layout),
             drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
             pin_memory=torch.cuda.is_available(),  # lets Lightning copy batches to the GPU asynchronously
         )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """A per_image dataset's batch carries every caption of each sample: keep the one the LightningModule draws
+        for this step (DiffusionModule.draw_captions), here on the host, before the copy to the device."""
+        if not (isinstance(batch, dict) and "caption_counts" in batch):
+            return batch
+        module = self.trainer.lightning_module
+        if not hasattr(module, "draw_captions"):
+            raise TypeError(f"{type(module).__name__} has no draw_captions(counts): it cannot train on {self.cfg.path}, "
+                            "whose rows hold several captions each (caption_layout per_image)")
+        return choose_captions(batch, module.draw_captions(batch["caption_counts"]))
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """The batch's tensors to the device; its captions and keys (lists of strings) stay as they are, without

@@ -6,6 +6,7 @@ the training step computes in float32 (`.float()`), which changes none of their 
     fp16  float16 as stored
     bf16  bfloat16: the stored uint16 bits reinterpreted (numpy has no bfloat16)
     int8  float32: q * scale, each token's int8 values times its scale, multiplied in float32
+A row of caption_layout per_image holds several captions' tokens one after the other (`decode_captions`).
 """
 from __future__ import annotations
 
@@ -29,3 +30,8 @@ def decode_text(row: dict[str, Any], storage: str = "fp16") -> torch.Tensor:
         return torch.from_numpy(values).float() * scale[:, None]  # (L, D) float32
     raise ValueError(f"text_storage={storage!r} in dataset.json: this LatentForge reads {', '.join(TEXT_STORAGES)}; "
                      "upgrade it, or precompute the dataset again with one of these.")
+
+
+def decode_captions(row: dict[str, Any], storage: str = "fp16") -> list[torch.Tensor]:
+    """The embeddings [(L_k, D), ...] of every caption of a per_image row: its tokens split at `text_lengths`."""
+    return list(decode_text(row, storage).split([int(n) for n in row["text_lengths"]]))

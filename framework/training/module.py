@@ -4,7 +4,8 @@ Everything random in a step (noise, noise level, caption dropout) is drawn per s
 seeded by (seed, micro-batch counter, the sample's row in the *global* batch), and each rank draws its
 own rows only. So a run is reproducible, resumes exactly from any checkpoint, and a 2-rank run draws the
 same numbers for the same samples as a 1-rank run with the same global batch (Streaming gives the rank
-at position r the global rows r, r+W, r+2W, ... and _draw draws the same rows).
+at position r the global rows r, r+W, r+2W, ... and _draw draws the same rows). The caption a sample of a
+per_image dataset trains on in a step is drawn the same way (draw_captions).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from framework.distributed.config import StrategyConfig
 from framework.distributed.mesh import ParallelDims
 
 LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
+CAPTION_DRAW = 1  # the caption draw's generators are keyed by (seed, micro-batch, row, CAPTION_DRAW): apart from _draw's
 
 
 class DiffusionModule(pl.LightningModule):
@@ -192,9 +194,19 @@ class DiffusionModule(pl.LightningModule):
     # ---- the training step --------------------------------------------------------------
 
     def _micro_batch(self) -> int:
-        """The index of this micro-batch in the run, the same on every rank and after a resume."""
+        """The index of this micro-batch in the run, the same on every rank and after a resume. (Read before the loop
+        counts the batch as ready, in draw_captions, it numbers the micro-batches of a step otherwise, as uniquely.)"""
         accumulate = self.trainer.accumulate_grad_batches
         return self.global_step * accumulate + self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
+
+    def _stream_slots(self) -> tuple[int, int]:
+        """(r, W): this rank holds rows r, r + W, r + 2W, ... of the global batch (see _draw)."""
+        t = self.trainer
+        dims = getattr(t.strategy, "mesh", None)  # the job's mesh (ddp, fsdp); a single process has none
+        if dims is None:
+            dims = ParallelDims.of(t.world_size, t.num_devices, 1)
+            return dims.stream_position(t.global_rank), dims.data_parallel
+        return dims.stream_position, dims.dims.data_parallel
 
     def step_generator(self) -> torch.Generator:
         """CPU generator for this micro-batch, independent of rank count and of restarts."""
@@ -211,15 +223,8 @@ class DiffusionModule(pl.LightningModule):
         rows r, r+W, r+2W, ... (tests/test_distributed.py checks this against a 1-process run with the same global
         batch, on 1 node and on 2); a sequence-parallel group of P ranks draws as one rank (Streaming's replication).
         """
-        t = self.trainer
-        dims = getattr(t.strategy, "mesh", None)  # the job's mesh (ddp, fsdp); a single process has none
-        if dims is None:
-            dims = ParallelDims.of(t.world_size, t.num_devices, 1)
-            r = dims.stream_position(t.global_rank)
-        else:
-            dims, r = dims.dims, dims.stream_position
-        B, W = x0.shape[0], dims.data_parallel
-        micro, n = self._micro_batch(), x0[0].numel()
+        r, W = self._stream_slots()
+        B, micro, n = x0.shape[0], self._micro_batch(), x0[0].numel()
         # One call per sample: its noise, then the normals behind its noise level and its caption-drop flag.
         z = torch.empty(B, n + 2, pin_memory=x0.is_cuda)  # pinned: the copy below does not wait for the GPU
         g = torch.Generator()
@@ -230,6 +235,19 @@ class DiffusionModule(pl.LightningModule):
         drop = torch.special.ndtr(z[:, n + 1]) < self.objective.cfg.caption_dropout
         z = z.to(x0.device, non_blocking=True)
         return z[:, :n].reshape(x0.shape), self.objective.levels(z[:, n]), drop
+
+    def draw_captions(self, counts: torch.Tensor) -> torch.Tensor:
+        """For a batch of a caption_layout per_image dataset, whose samples have counts (B,) captions: which one each
+        trains on in this step, (B,) int64. Drawn from (seed, micro-batch, the sample's index in the global batch) as
+        _draw draws, so the same on any world size and after a resume. The data module calls it on the host, before
+        the batch's copy to the device (LatentDataModule.on_before_batch_transfer), which then moves one caption a
+        sample."""
+        (r, W), micro, g = self._stream_slots(), self._micro_batch(), torch.Generator()
+        chosen = torch.empty(len(counts), dtype=torch.long)
+        for i, k in enumerate(counts.tolist()):
+            g.manual_seed(hash((self.seed, micro, r + i * W, CAPTION_DRAW)) & 0x7FFF_FFFF_FFFF)
+            chosen[i] = torch.randint(k, (), generator=g)
+        return chosen
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         x0 = batch["latents"]  # (B, C, h, w), already scaled by the data module
