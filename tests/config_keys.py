@@ -179,6 +179,11 @@ KEYS: dict[str, dict] = {
         "tests/test_models.py::test_bad_pixart_config_names_the_key",
         "tests/test_models.py::test_xformers_without_gpu_or_package_raises_naming_the_key",
     ], "mutant": None},
+    "model.init": {"tests": [
+        "tests/test_fsdp_init.py::test_fresh_shards_are_rows_of_the_ordinary_build",
+        "tests/test_init.py::test_an_unknown_init_is_refused_naming_the_choices",
+        "tests/test_init.py::test_the_reference_init_follows_the_reference_code",
+    ], "mutant": "reference_init_never_applied"},
     "model.size_conditioning": {"tests": [
         "tests/test_buckets.py::test_pixart_size_conditioning_feeds_each_batch_its_own_shape",
         "tests/test_buckets.py::test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop",
@@ -924,7 +929,9 @@ KEYS: dict[str, dict] = {
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_own_data.py::test_training_ends_with_the_own_data_evaluation",
     ], "mutant": None},
-    "eval.prompts": {"tests": [], "mutant": None},
+    "eval.prompts": {"tests": [
+        "tests/test_own_data.py::test_training_ends_with_the_own_data_evaluation",
+    ], "mutant": "eval_prompts_ignored"},
     "eval.inception": {"tests": [
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_own_data.py::test_training_ends_with_the_own_data_evaluation",
@@ -998,7 +1005,9 @@ KEYS: dict[str, dict] = {
         "tests/test_cache_router.py::test_the_router_trained_under_sequence_parallelism_follows_one_process",
     ], "mutant": None},
     # the mutant's test sets the router's costs by hand: the penalty is proven, not the key
-    "plugins.cache_router.cost": {"tests": [], "mutant": "cache_penalty_ignores_cost"},
+    "plugins.cache_router.cost": {"tests": [
+        "tests/test_cache_router.py::test_the_schedule_goes_where_out_says_and_the_penalty_weighs_branches_as_cost_says",
+    ], "mutant": "router_cost_setting_ignored"},
     "plugins.cache_router.guidance": {"tests": [
         "tests/test_cache_router.py::test_straight_through_trains_on_the_forward_that_sampling_runs",
         "tests/test_cache_router.py::test_the_distillation_starts_where_guided_sampling_is_and_distils_the_guided_prediction",
@@ -1009,7 +1018,9 @@ KEYS: dict[str, dict] = {
     "plugins.cache_router.hard": {"tests": [
         "tests/test_cache_router.py::test_straight_through_trains_on_the_forward_that_sampling_runs",
     ], "mutant": None},
-    "plugins.cache_router.out": {"tests": [], "mutant": None},
+    "plugins.cache_router.out": {"tests": [
+        "tests/test_cache_router.py::test_the_schedule_goes_where_out_says_and_the_penalty_weighs_branches_as_cost_says",
+    ], "mutant": "router_schedule_out_ignored"},
     "plugins.ema.decay": {"tests": [
         "tests/test_ema.py::test_an_ema_that_has_not_caught_up_is_not_used_silently",
         "tests/test_ema.py::test_bad_fields_name_the_key",

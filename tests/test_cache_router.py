@@ -281,6 +281,26 @@ def test_the_stage_resumes_after_a_kill_like_an_uninterrupted_run(tmp_path, digi
         json.loads((Path(resumed["run_dir"]) / "cache_schedule.json").read_text())
 
 
+def test_the_schedule_goes_where_out_says_and_the_penalty_weighs_branches_as_cost_says(tmp_path, digits_shards, sources):
+    """plugins.cache_router.out: the schedule and its picture are written there, not in run.dir. cost=none: every
+    branch weighs 1 in the sparsity penalty (the checkpoint's router.cost); the default, flops, weighs PixArt's MLP
+    above its cross-attention."""
+    from framework.train import train
+
+    weights = {}
+    for cost in ("none", "flops"):
+        out = tmp_path / f"schedules_{cost}" / "mine.json"
+        run = train(compose_cfg(cheap(tmp_path, digits_shards, *stage_args(
+            "pixart_debug", sources["pixart_debug"], f"plugins.cache_router.out={out}",
+            f"plugins.cache_router.cost={cost}"), steps=1, run=f"cost_{cost}")))
+        assert out.is_file() and out.with_suffix(".png").is_file(), sorted(out.parent.parent.rglob("*.json"))
+        assert CacheSchedule.load(out).steps == 4
+        assert not (Path(run["run_dir"]) / "cache_schedule.json").exists()
+        weights[cost] = torch.load(run["checkpoint"], weights_only=True)["state_dict"]["router.cost"]  # (blocks, 3)
+    assert torch.equal(weights["none"], torch.ones_like(weights["none"]))
+    assert (weights["flops"][:, 2] > weights["flops"][:, 1]).all()  # branches: self_attn, cross_attn, mlp
+
+
 def test_the_stage_refuses_what_it_cannot_do(tmp_path, digits_shards, sources):
     from framework.train import train
 

@@ -34,7 +34,8 @@ MATRIX = [
     # One sequence-parallel group of both ranks (framework/distributed/sequence.py): grids and evaluations sample split too.
     ("ddp-2-none-sequence_parallel", "ddp", 2, "none",
      ["trainer.accumulate_grad_batches=2", "eval.every_n_steps=2", "strategy.sequence_parallel=2"]),
-    ("fsdp-1-none", "fsdp", 1, "none", []),
+    # The reference code's initialisation, drawn on the sharded meta-device build.
+    ("fsdp-1-none", "fsdp", 1, "none", ["model.init=reference"]),
     # Checkpoints saved in the background; the W&B run named, grouped and tagged from the config; then exported.
     ("fsdp-2-wandb", "fsdp", 2, "wandb", ["strategy.sharding=FULL_SHARD", "eval.best_of=2", "eval.selection=tournament",
                                           "strategy.async_save=true", "logger.name=matrix-fsdp", "logger.group=matrix",

@@ -308,13 +308,19 @@ def test_eval_command_scores_own_data_against_held_out_images(own_data, trained,
     assert (tmp_path / "eval" / "samples.png").is_file()
 
 
-def test_training_ends_with_the_own_data_evaluation(own_data, metric_nets):
+def test_training_ends_with_the_own_data_evaluation(own_data, metric_nets, tmp_path):
+    """The final evaluation against held-out images, drawing the prompts of eval.prompts (a file, one per line, blank
+    lines skipped) instead of the images' captions; a missing feature network is refused before training."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\n\nthree blue dots\n a green stripe \n")
     out = train(compose_cfg([a for a in _run(own_data, "own_eval", f"sample.vae={own_data['vae']}",
                                              f"sample.text_encoder={own_data['text']}")
                              if a != "eval.at_end=false"]
-                            + ["eval.at_end=true", "eval.seeds=1", "eval.steps=2", "eval.bootstrap=10",
-                               f"eval.real={metric_nets['real']}", f"eval.inception={metric_nets['inception']}"]))
+                            + ["eval.at_end=true", "eval.seeds=2", "eval.steps=2", "eval.bootstrap=10",
+                               f"eval.real={metric_nets['real']}", f"eval.inception={metric_nets['inception']}",
+                               f"eval.prompts={prompts}"]))
     assert out["eval"]["num_real"] == 10 and out["eval"]["fid"] >= 0 and "clip_score" not in out["eval"]
+    assert (out["eval"]["num_prompts"], out["eval"]["num_images"]) == (3, 6)
     with pytest.raises(FileNotFoundError, match=r"eval\.inception="):  # checked before training, not at its end
         train(compose_cfg(_run(own_data, "own_eval_missing", f"sample.vae={own_data['vae']}",
                                f"sample.text_encoder={own_data['text']}", "eval.every_n_steps=2",

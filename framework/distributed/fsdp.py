@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from framework.models import init as reference_init
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, check_fits, open_weights
 
 TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
@@ -172,7 +173,9 @@ def _trim_heap() -> None:
 
 def fresh_shards(cfg: ModelConfig, rank: int, world: int,
                  keep_params: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(this rank's rows of every parameter, every buffer whole) of `build_denoiser(cfg)` with the current RNG.
+    """(this rank's rows of every parameter, every buffer whole) of `build_denoiser(cfg)` with the current RNG, then
+    model.init's reference init (framework/models/init.py) when it is on and the parameters are kept, as the regular
+    from-scratch build does.
 
     Draws the same random numbers as `build_denoiser(cfg)` and leaves the RNG where it would, but
     never holds more than one layer's parameters whole. keep_params=False drops the rows (init_from
@@ -200,6 +203,11 @@ def fresh_shards(cfg: ModelConfig, rank: int, world: int,
         handle.remove()
     for m in model.modules():  # the root's own parameters were never registered in a parent
         cut(m)
+    if keep_params and cfg.init == "reference":  # as init_weights does after the regular build, a tensor at a time
+        seed, stand_ins = reference_init.draw_seed(), dict(model.named_parameters())
+        for name, rule in reference_init.rules(model, cfg.family).items():
+            p = stand_ins[name]
+            rows[p] = local_rows(reference_init.value(rule, name, p.shape, seed, p.dtype), rank, world).clone()
     _trim_heap()
     params = {name: rows[p] for name, p in model.named_parameters()} if keep_params else {}
     return params, dict(model.named_buffers())

@@ -25,6 +25,8 @@ from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from framework.models.init import INITS
+
 FAMILIES: dict[str, type[nn.Module]] = {
     "pixart": PixArtTransformer2DModel,
     "sana": SanaTransformer2DModel,
@@ -92,10 +94,17 @@ class ModelConfig:
     # units), embedded with the masked mean of the caption's tokens (the pooled text) and added to the timestep's
     kwargs: dict[str, Any] = field(default_factory=dict)
     # extra diffusers constructor arguments of the family's class (e.g. sana's mlp_ratio, unet block types)
+    init: str = "diffusers"
+    # from-scratch weights: "diffusers" (the constructor's PyTorch defaults) | "reference" (the family's reference code:
+    # xavier linears, N(0, 0.02) embeddings, adaLN-Zero and zeroed output layers; framework/models/init.py). Not used
+    # when init_from gives the weights.
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r} is unknown; choose one of {sorted(FAMILIES)}.")
+        if self.init not in INITS:
+            raise ValueError(f"model.init={self.init!r} is unknown; choose one of {INITS} (the constructor's defaults, or "
+                             "the family's reference code's initialisation).")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention={self.attention!r} is unknown; choose one of {ATTENTION_BACKENDS}.")
         for key in ("in_channels", "sample_size", "patch_size", "num_layers", "head_dim"):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from framework.inference.checkpoint import CKPT_KEY
 from framework.models.conditioning import drop_captions
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
+from framework.models.init import init_weights
 from framework.models.objectives import Objective, ObjectiveConfig
 from framework.training.finite import FiniteGuard, NonFiniteLossError  # noqa: F401  (the module's error)
 from framework.training.optim import OptimizerConfig, build_optimizer, group_lambda, lr_lambda
@@ -62,6 +63,8 @@ class DiffusionModule(pl.LightningModule):
             self.model = build_denoiser(model)
             if init_from:
                 load_weights(self.model, init_from)
+            else:
+                init_weights(self.model)  # model.init=reference: as the family's reference code initialises
         self.objective = Objective(objective)
         self.max_steps, self.seed = max_steps, seed
         self.finite = FiniteGuard(skip_nonfinite)  # trainer.skip_nonfinite: the non-finite checks of every step
