@@ -448,6 +448,12 @@ MUTANTS = [
            "project=cfg.project,", "project=\"latentforge\","),), ("tests/test_loggers.py::test_the_run_name_project_and_entity_reach_wandb",)),
     Mutant("wandb_entity_ignored", "every run goes to the default entity", (("framework/training/loggers.py",
            "entity=cfg.entity,", "entity=None,"),), ("tests/test_loggers.py::test_the_run_name_project_and_entity_reach_wandb",)),
+    Mutant("remote_prepared_dataset_never_complete", "data.prepare rebuilds a remote dataset the bucket already holds",
+           (("framework/data/datamodule.py", 'return RemoteLocation(path, Path(staging), key="data.path").exists(DATASET_FILE)',
+             "return False"),), ("tests/test_data_prep_remote.py::test_data_prepare_builds_a_missing_remote_dataset_once",)),
+    Mutant("remote_prepare_without_staging_unnamed", "data.prepare of a remote data.path without staging fails with "
+           "precompute's message about `staging=`, not the data.prepare key", (("framework/data/datamodule.py",
+           'if builds_here and is_remote(cfg.path) and not prep.get("staging"):', "if False:"),), ("tests/test_data_prep_remote.py::test_data_prepare_builds_a_missing_remote_dataset_once",)),
     # Several captions per image (issue 41):
     Mutant("caption_layout_ignored", "precompute writes a row per caption whatever caption_layout says",
            (("data_prep/config.py", "        self._check_storage_and_filters()\n",

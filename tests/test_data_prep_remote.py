@@ -206,3 +206,28 @@ def test_a_pattern_names_only_its_tars_and_a_missing_one_is_refused_before_anyth
     assert s3.keys("missing") == []
     with pytest.raises(FileNotFoundError, match="out: s3://no-such-bucket/x does not exist .* check out="):
         precompute({**cfg, "out": "s3://no-such-bucket/x"}, rank=0, world_size=1)
+
+
+def test_data_prepare_builds_a_missing_remote_dataset_once(data, tmp_path, monkeypatch):
+    """data.prepare with data.path=s3://...: refused without its staging folder, naming the key; with it, the bucket
+    gets the local reference's rows; a second start finds the bucket's dataset.json and builds nothing."""
+    import data_prep.precompute as precompute_module
+    from framework.data.datamodule import DataConfig, build_missing
+
+    s3, url = data["s3"], data["s3"].url("prepared")
+    recipe = {k: v for k, v in data["config"].items() if k != "out"}  # the reference's: the local brace pattern
+    cfg = lambda **extra: DataConfig(path=url, local=str(tmp_path / "cache"), prepare={**recipe, **extra})  # noqa: E731
+    with pytest.raises(ValueError, match=r"data.prepare.staging=DIR"):
+        build_missing(cfg())
+    assert not s3.keys("prepared")
+    build_missing(cfg(staging=str(tmp_path / "staging")))
+    assert set(s3.keys("prepared")) == set(data["files"])
+    rows, ref = read_rows(s3.download("prepared", tmp_path / "copy")), read_rows(data["reference"])
+    assert [(r["key"], r["latents"].tobytes(), r["text_embeds"].tobytes()) for r in rows] == \
+        [(r["key"], r["latents"].tobytes(), r["text_embeds"].tobytes()) for r in ref]
+
+    def again(*args, **kwargs):
+        raise AssertionError("precompute ran for a dataset the bucket already holds")
+
+    monkeypatch.setattr(precompute_module, "precompute", again)
+    build_missing(cfg(staging=str(tmp_path / "staging")))

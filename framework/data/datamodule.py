@@ -234,13 +234,17 @@ def build_missing(cfg: DataConfig, rank: int = 0, timeout_s: float = 3600.0) -> 
     dataset.json), so it cannot wait for Lightning's prepare_data: global rank 0 builds, the other ranks wait
     for dataset.json.
     A recipe builds only the folder it names (`prepare.out`): a mistyped data.path fails here instead of
-    silently training on the built-in digits.
+    silently training on the built-in digits. A remote data.path (s3://bucket/prefix) is built in the bucket, through
+    the recipe's `staging` folder, and counts as missing while the bucket has no dataset.json.
     """
     import time
 
     prep = cfg.prepare
     target = (prep or {}).get("out")
-    builds_here = bool(prep) and (target is None or Path(target).expanduser().resolve() == Path(cfg.path).expanduser().resolve())
+    builds_here = bool(prep) and (target is None or _same_place(target, cfg.path))
+    if builds_here and is_remote(cfg.path) and not prep.get("staging"):
+        raise ValueError(f"data.path={cfg.path} is remote: data.prepare builds it through a local folder, "
+                         "data.prepare.staging=DIR (e.g. +data.prepare.staging=/scratch/staging)")
     if builds_here and not _is_complete(cfg.path):
         if rank == 0:
             from data_prep.precompute import precompute
@@ -381,7 +385,22 @@ def canonical_nodes(setting: Any, num_samples: int) -> Optional[int]:
 
 
 def _is_complete(path: str) -> bool:
-    return is_remote(path) or (Path(path).expanduser() / DATASET_FILE).is_file()
+    """The dataset at `path` is finished: its dataset.json is in the folder, or in the bucket (asked of the store)."""
+    if not is_remote(path):
+        return (Path(path).expanduser() / DATASET_FILE).is_file()
+    import tempfile
+
+    from data_prep.location import RemoteLocation
+
+    with tempfile.TemporaryDirectory() as staging:  # nothing is staged: the store is only asked what it holds
+        return RemoteLocation(path, Path(staging), key="data.path").exists(DATASET_FILE)
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Two dataset paths name the same folder or the same prefix of a bucket."""
+    if is_remote(a) or is_remote(b):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 class LatentDataModule(L.LightningDataModule):

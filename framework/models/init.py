@@ -11,11 +11,14 @@ not what the papers trained from. Each family's reference code re-initialises af
             zero_module on each ResBlock's last conv, each SpatialTransformer's proj_out and the output conv
 
 The rules, on diffusers' parameter names (`rules`): every nn.Linear xavier-uniform with zero bias (the transformers'
-`_basic_init`); the patch embedding's conv xavier-uniform over its flattened (out, in * k * k) view, zero bias; the
-timestep MLP, the caption projection, PixArt's t_block and DiT's label table N(0, 0.02); zeros where the reference
-zeroes: DiT's adaLN modulation and final layer (adaLN-Zero), PixArt's and SANA's cross-attention output projection
-and final linear. What no rule names keeps its constructor init (the scale-shift tables, randn / sqrt(width) in the
-reference too; norms; SANA's convolutions). The position embeddings are fixed sin-cos buffers in diffusers already.
+`_basic_init`), its bound that of the fused projection the reference has where diffusers splits one (self-attention's
+qkv, 3 x width out; cross-attention's kv, 2 x width out); the patch embedding's conv xavier-uniform over its flattened
+(out, in * k * k) view (its bias zeroed by DiT only); the timestep MLP, the caption projection, PixArt's t_block and
+size embedders, SANA's guidance MLP's first layer and DiT's label table N(0, 0.02); zeros where the reference zeroes:
+DiT's adaLN modulation and final layer (adaLN-Zero), PixArt's cross-attention output projection and final linear,
+SANA's guidance MLP's last layer. What no rule names keeps its constructor init (the scale-shift tables,
+randn / sqrt(width) in the reference too; norms; SANA's convolutions). The position embeddings are fixed sin-cos
+buffers in diffusers already.
 
 Each parameter is drawn from its own generator, seeded by a number drawn once from the global RNG after construction
 and by the parameter's name, so a parameter's values do not depend on the order tensors are visited: the sharded
@@ -35,11 +38,17 @@ INITS = ("diffusers", "reference")
 Rule = Callable[[torch.Size, torch.Generator], torch.Tensor]
 
 
-def xavier(shape: torch.Size, g: torch.Generator) -> torch.Tensor:
-    """xavier_uniform over (out, everything else): a linear's weight, or a conv's flattened as the references do."""
-    fan_out, fan_in = shape[0], max(1, int(torch.Size(shape[1:]).numel()))
-    bound = (6.0 / (fan_in + fan_out)) ** 0.5
-    return (torch.rand(shape, generator=g, dtype=torch.float32) * 2 - 1) * bound
+def fused_xavier(parts: int) -> Rule:
+    """xavier_uniform over (out, everything else), a linear's weight or a conv's flattened as the references do, for a
+    slice of a projection fused from `parts` such slices (the bound of the fused (parts * out, in) weight)."""
+    def rule(shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+        fan_out, fan_in = parts * shape[0], max(1, int(torch.Size(shape[1:]).numel()))
+        bound = (6.0 / (fan_in + fan_out)) ** 0.5
+        return (torch.rand(shape, generator=g, dtype=torch.float32) * 2 - 1) * bound
+    return rule
+
+
+xavier = fused_xavier(1)
 
 
 def normal(std: float) -> Rule:
@@ -57,22 +66,28 @@ N002 = normal(0.02)
 # to the basic init (xavier weight, zero bias). Names are those of the diffusers class inside a Denoiser (`net.`).
 SPECIFIC: dict[str, list[tuple[str, Rule]]] = {
     "dit": [
+        (r"net\.transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),  # timm Attention's qkv
+        (r"net\.pos_embed\.proj\.bias", ZERO),
         (r"net\.transformer_blocks\.\d+\.norm1\.linear\.(weight|bias)", ZERO),  # adaLN modulation: adaLN-Zero
         (r"net\.proj_out_[12]\.(weight|bias)", ZERO),  # final layer's modulation and linear
         (r"net\.transformer_blocks\.\d+\.norm1\.emb\.timestep_embedder\.linear_[12]\.weight", N002),
         (r"net\.transformer_blocks\.\d+\.norm1\.emb\.class_embedder\.embedding_table\.weight", N002),
     ],
     "pixart": [
+        (r"net\.transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),  # its attention's qkv
+        (r"net\.transformer_blocks\.\d+\.attn2\.to_[kv]\.weight", fused_xavier(2)),  # cross-attention's kv_linear
         (r"net\.transformer_blocks\.\d+\.attn2\.to_out\.0\.(weight|bias)", ZERO),  # cross-attention output
         (r"net\.proj_out\.(weight|bias)", ZERO),  # final layer's linear
-        (r"net\.adaln_single\.emb\.timestep_embedder\.linear_[12]\.weight", N002),
+        (r"net\.adaln_single\.emb\.(timestep|resolution|aspect_ratio)_embedder\.linear_[12]\.weight", N002),
         (r"net\.adaln_single\.linear\.weight", N002),  # t_block
         (r"net\.caption_projection\.linear_[12]\.weight", N002),  # y_embedder
     ],
-    "sana": [
-        (r"net\.transformer_blocks\.\d+\.attn2\.to_out\.0\.(weight|bias)", ZERO),
-        (r"net\.proj_out\.(weight|bias)", ZERO),
-        (r"net\.time_embed\.emb\.timestep_embedder\.linear_[12]\.weight", N002),
+    "sana": [  # no zeroed cross-attention output or final layer: SANA's init drops those of PixArt
+        (r"net\.transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),  # LiteLA's qkv
+        (r"net\.transformer_blocks\.\d+\.attn2\.to_[kv]\.weight", fused_xavier(2)),
+        (r"net\.time_embed\.guidance_embedder\.linear_1\.weight", N002),  # cfg_embedder (guidance_embeds)
+        (r"net\.time_embed\.guidance_embedder\.linear_2\.(weight|bias)", ZERO),
+        (r"net\.time_embed\.(emb\.)?timestep_embedder\.linear_[12]\.weight", N002),  # (emb. without guidance)
         (r"net\.time_embed\.linear\.weight", N002),
         (r"net\.caption_projection\.linear_[12]\.weight", N002),
         (r"net\.caption_norm\.weight", constant(0.01)),  # attention_y_norm, scale_factor 0.01
@@ -97,8 +112,8 @@ def rules(model: nn.Module, family: str) -> dict[str, Rule]:
         for short, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{short}" if module_name else short
             rule = next((r for p, r in specific if p.fullmatch(name)), None)
-            if rule is None and basic:
-                rule = xavier if short == "weight" else ZERO
+            if rule is None and basic and (short == "weight" or isinstance(module, nn.Linear)):
+                rule = xavier if short == "weight" else ZERO  # a patch conv's bias: only DiT's is zeroed (above)
             if rule is not None:
                 out[name] = rule
     return out
