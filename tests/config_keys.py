@@ -67,7 +67,7 @@ def config_keys() -> list[str]:
 
 KEYS: dict[str, dict] = {
     "name": {"tests": [
-        "tests/test_loggers.py::test_the_run_name_project_and_entity_reach_wandb",
+        "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
     ], "mutant": "wandb_run_not_named_by_name"},
     "model.name": {"tests": [
         "tests/test_models.py::test_every_preset_file_loads_into_model_config",
@@ -780,10 +780,10 @@ KEYS: dict[str, dict] = {
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
     ], "mutant": None},
     "logger.project": {"tests": [
-        "tests/test_loggers.py::test_the_run_name_project_and_entity_reach_wandb",
+        "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
     ], "mutant": "wandb_project_ignored"},
     "logger.entity": {"tests": [
-        "tests/test_loggers.py::test_the_run_name_project_and_entity_reach_wandb",
+        "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
     ], "mutant": "wandb_entity_ignored"},
     "run.dir": {"tests": [
         "tests/test_came.py::test_short_training_run_with_came8bit",

@@ -72,11 +72,3 @@ def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_ru
     steps2 = sorted(r["trainer/global_step"] for r in history(log2) if "train/loss" in r)
     assert steps2 == list(range(24, 30))
 
-
-def test_the_run_name_project_and_entity_reach_wandb(tmp_path, digits_shards, offline_wandb):
-    """Without logger.name the W&B run is named by the run's top-level `name`; logger.project and logger.entity are the
-    project and entity W&B records for it."""
-    args = ["logger=wandb", "name=fox-night", "logger.project=lf-digits", "logger.entity=lf-team"]
-    out = train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=1)))
-    run = run_record(_log_file(Path(out["run_dir"]), 0))
-    assert (run.display_name, run.project, run.entity) == ("fox-night", "lf-digits", "lf-team")

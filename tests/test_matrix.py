@@ -26,7 +26,8 @@ STEPS = 4
 # (id, strategy, devices, logger, extra overrides)
 MATRIX = [
     ("single-1-csv", "single", 1, "csv", []),
-    ("single-1-wandb", "single", 1, "wandb", []),
+    # The W&B run named by the run's top-level name (no logger.name), in the project and entity given.
+    ("single-1-wandb", "single", 1, "wandb", ["name=matrix-single", "logger.project=lf-matrix", "logger.entity=lf-team"]),
     ("single-1-none", "single", 1, "none", []),
     ("ddp-1-wandb", "ddp", 1, "wandb", []),
     # The digit-pairs benchmark (8x16 latents): the 2-rank evaluation picks best-of-3 by the pair judge.
@@ -221,6 +222,9 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         # the gradient norm (DTensor shards under fsdp, a frozen backbone's router alone, ...) at every logged step
         assert sorted(r["trainer/global_step"] for r in rows if r.get("train/grad_norm", 0) > 0) == list(range(STEPS))
         assert any("eval/prompt_accuracy" in r for r in rows)
+        if "name=matrix-single" in extra:
+            run = run_record(log)
+            assert (run.display_name, run.project, run.entity) == ("matrix-single", "lf-matrix", "lf-team")
         if "logger.name=matrix-fsdp" in extra:
             run = run_record(log)
             assert (run.display_name, run.run_group, list(run.tags)) == ("matrix-fsdp", "matrix", ["fsdp", "async"])
