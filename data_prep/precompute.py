@@ -346,14 +346,16 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
         embs = captions(r.captions)
         clock["encode"] += time.perf_counter() - tick
         stats["captions"] += len(embs)
-        if "captions" in columns:  # per_image: one row, its captions' tokens concatenated column by column
-            rows = [{**storage.concat_text(embs), "text_lengths": storage.token_counts(embs), "captions": r.captions,
-                     "key": r.key}]
+        # (the row's text columns, its other caption columns): per_image one row, its captions' tokens concatenated
+        # column by column; per_caption a row per caption
+        if "captions" in columns:
+            rows = [(storage.concat_text(embs), {"text_lengths": storage.token_counts(embs), "captions": r.captions,
+                                                 "key": r.key})]
         else:
-            rows = [{**emb, "caption": caption, "key": f"{r.key}#{j}"} for j, (caption, emb) in
+            rows = [(emb, {"caption": caption, "key": f"{r.key}#{j}"}) for j, (caption, emb) in
                     enumerate(zip(r.captions, embs))]
-        for row in rows:
-            row["latents"] = lat
+        for text, rest in rows:
+            row = {"latents": lat, **text, **rest}
             if "label" in columns:
                 row["label"] = int(r.label)
             if "bucket" in columns:
@@ -363,7 +365,7 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
             clock["write"] += time.perf_counter() - tick
             stats["rows"] += 1
             stats["column_bytes"]["latents"] += lat.nbytes
-            stats["column_bytes"]["text"] += storage.nbytes({k: v for k, v in row.items() if k in storage.TEXT_KEYS})
+            stats["column_bytes"]["text"] += storage.nbytes(text)
             stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
     stats["images"] += len(group)
     stats.setdefault("latent_shape", list(latents.shape[1:]))

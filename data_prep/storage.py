@@ -61,9 +61,6 @@ def encode_text(emb: torch.Tensor, storage: str) -> dict[str, np.ndarray]:
     raise ValueError(f"text_storage={storage!r}: use one of {', '.join(TEXT_STORAGES)}.")
 
 
-TEXT_KEYS = ("text_embeds", "text_scale")  # every column any storage holds text in, each with a row per token
-
-
 def concat_text(embs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Several captions' text columns (encode_text's) as one row's: each column's tokens, caption after caption
     (caption_layout per_image; `token_counts` says where each caption ends)."""
