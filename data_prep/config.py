@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 
 TEXT_STORAGES = ("fp16", "bf16", "int8")  # the rows' text formats (data_prep/storage.py)
 CAPTION_LAYOUTS = ("per_caption", "per_image")  # a row per caption, or a row per image with all its captions
+POSTERIORS = ("mean", "sample", "distribution")  # what a KL VAE's rows store (PrecomputeConfig.posterior)
 
 
 @dataclass
@@ -57,7 +58,10 @@ class PrecomputeConfig:
     # input tar it is encoding (deleted once encoded); emptied when the rank starts and when it ends. null: none.
     staging: Optional[str] = None
     image_mode: Optional[str] = None  # pixel codec: "L" or "RGB"; null = the source's own (digits: L)
-    posterior: str = "mean"  # KL VAEs: store the posterior "mean" or a "sample" (recorded in dataset.json)
+    # KL VAEs: store the posterior's "mean", one "sample" of it, or its "distribution" (the mean, and its std in a
+    # latents_std column: training draws a new sample each step, as the reference trainers that encode on the fly do;
+    # twice the latent bytes). Recorded in dataset.json. A DC-AE and the pixel codec have no posterior.
+    posterior: str = "mean"
     max_tokens: int = 128  # caption token limit (also capped by the tokenizer's model_max_length)
     prompts: Optional[list[str]] = None  # grid prompts encoded with the data (training never loads the text
     # encoder for them); null: the source's own (digits: the ten digits), else the first 8 distinct captions
@@ -101,8 +105,8 @@ class PrecomputeConfig:
             raise ValueError(f"width={self.width}: must be a positive image width in pixels, or null (square).")
         if self.image_mode not in (None, "L", "RGB"):
             raise ValueError(f"image_mode={self.image_mode!r}: use L, RGB or null (the source's default).")
-        if self.posterior not in ("mean", "sample"):
-            raise ValueError(f"posterior={self.posterior!r}: use 'mean' or 'sample'.")
+        if self.posterior not in POSTERIORS:
+            raise ValueError(f"posterior={self.posterior!r}: use one of {', '.join(POSTERIORS)}.")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ValueError(f"max_bad_fraction={self.max_bad_fraction}: must be in [0, 1].")
         if self.records_per_part < 1:

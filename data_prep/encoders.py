@@ -64,6 +64,11 @@ class ImageCodec:
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def encode_distribution(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the posterior of each image, unscaled: for codecs that have one (posterior=distribution)."""
+        raise ValueError(f"posterior=distribution: the {self.class_name} codec has no posterior to store (a KL VAE "
+                         "has; a DC-AE and the pixel codec are deterministic): use posterior=mean")
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -87,8 +92,8 @@ class VAECodec(ImageCodec):
     def __init__(self, path: Path, device: str, dtype: torch.dtype, posterior: str = "mean") -> None:
         import diffusers
 
-        if posterior not in ("mean", "sample"):
-            raise ValueError(f"posterior={posterior!r}: use 'mean' or 'sample'.")
+        if posterior not in ("mean", "sample", "distribution"):
+            raise ValueError(f"posterior={posterior!r}: use 'mean', 'sample' or 'distribution'.")
         class_name = _read_config(path).get("_class_name")
         if class_name not in ("AutoencoderKL", "AutoencoderDC"):
             raise ValueError(f"vae={path}: config.json says {class_name or 'no _class_name'}, not a diffusers "
@@ -102,6 +107,9 @@ class VAECodec(ImageCodec):
             self.downsample = 2 ** (len(cfg.block_out_channels) - 1)
         else:  # AutoencoderDC is deterministic: there is no posterior to sample
             self.downsample = int(self.vae.spatial_compression_ratio)
+            if posterior == "distribution":
+                raise ValueError(f"posterior=distribution: vae={path} is an AutoencoderDC, which is deterministic "
+                                 "(no posterior to sample); use posterior=mean")
             self.posterior = "deterministic"
         self.scaling_factor = float(cfg.scaling_factor if cfg.scaling_factor is not None else 1.0)
         self.shift_factor = float(getattr(cfg, "shift_factor", None) or 0.0)
@@ -112,7 +120,14 @@ class VAECodec(ImageCodec):
         if self.class_name == "AutoencoderDC":
             return out.latent.float()
         dist = out.latent_dist
-        return (dist.mean if self.posterior == "mean" else dist.sample()).float()  # (B, c, h, w), unscaled
+        return (dist.mean if self.posterior in ("mean", "distribution") else dist.sample()).float()  # (B, c, h, w)
+
+    @torch.inference_mode()
+    def encode_distribution(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.class_name == "AutoencoderDC":
+            return super().encode_distribution(pixels)
+        dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
+        return dist.mean.float(), dist.std.float()  # (B, c, h, w) each, unscaled
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -123,6 +138,9 @@ def load_image_codec(spec: str, device: str = "cpu", dtype: str | torch.dtype | 
                      image_mode: str = "RGB", posterior: str = "mean") -> ImageCodec:
     """"pixel" or a local diffusers VAE folder (a full pipeline folder works too: its vae/ is used)."""
     if spec == "pixel":
+        if posterior == "distribution":
+            raise ValueError("posterior=distribution: vae=pixel stores the image itself, which has no posterior to "
+                             "sample; use a KL VAE folder, or posterior=mean")
         return PixelCodec(image_mode)
     path = Path(spec).expanduser()
     if not path.is_dir():

@@ -97,7 +97,7 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
         "text_encoder": resolve(cfg.text_encoder, "minilm"), "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
         "shard_size": cfg.shard_size, "compression": cfg.compression,
-        "format_version": record_version(cfg.text_storage, cfg.caption_layout),
+        "format_version": record_version(cfg.text_storage, cfg.caption_layout, cfg.posterior),
     }
     # Only when set, like the keys below: datasets built without them keep their fingerprints.
     optional = {"text_storage": cfg.text_storage if cfg.text_storage != "fp16" else None, "min_size": cfg.min_size,
@@ -221,8 +221,10 @@ class CaptionCache:
 
 
 def _columns(source, buckets: list[tuple[int, int]] | None, text_storage: str,
-             caption_layout: str = "per_caption") -> dict[str, str]:
+             caption_layout: str = "per_caption", posterior: str = "mean") -> dict[str, str]:
     columns = {"latents": "ndarray:float16", **storage.text_columns(text_storage)}
+    if posterior == "distribution":  # the posterior's std beside its mean (latents): training samples it
+        columns["latents_std"] = "ndarray:float16"
     if caption_layout == "per_image":  # every caption's tokens one after the other, and where each ends
         columns.update({"text_lengths": "ndarray:int32", "captions": "json"})
     else:
@@ -337,9 +339,14 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
                   write: Callable[[dict], None], b: int, columns: dict[str, str], stats: dict, clock: dict) -> None:
     """Encode one batch's images of bucket `b` (b = -1 without buckets) and their captions; write their rows."""
     tick = time.perf_counter()
-    latents = codec.encode(torch.stack([g[1] for g in group])).cpu().numpy().astype(np.float16)  # (B, c, h, w)
+    pixels = torch.stack([g[1] for g in group])
+    if "latents_std" in columns:
+        latents, stds = (t.cpu().numpy().astype(np.float16) for t in codec.encode_distribution(pixels))
+    else:
+        latents, stds = codec.encode(pixels).cpu().numpy().astype(np.float16), None  # (B, c, h, w)
     clock["encode"] += time.perf_counter() - tick  # the latents copied off the device: the work is done
-    for (r, _, extra), lat in zip(group, latents):
+    for i, ((r, _, extra), lat) in enumerate(zip(group, latents)):
+        spread = {} if stds is None else {"latents_std": stds[i]}
         if len(stats["first_captions"]) < GRID_PROMPTS and r.captions[0] not in stats["first_captions"]:
             stats["first_captions"].append(r.captions[0])
         tick = time.perf_counter()
@@ -355,7 +362,7 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
             rows = [(emb, {"caption": caption, "key": f"{r.key}#{j}"}) for j, (caption, emb) in
                     enumerate(zip(r.captions, embs))]
         for text, rest in rows:
-            row = {"latents": lat, **text, **rest}
+            row = {"latents": lat, **spread, **text, **rest}
             if "label" in columns:
                 row["label"] = int(r.label)
             if "bucket" in columns:
@@ -364,7 +371,7 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
             write(row)
             clock["write"] += time.perf_counter() - tick
             stats["rows"] += 1
-            stats["column_bytes"]["latents"] += lat.nbytes
+            stats["column_bytes"]["latents"] += lat.nbytes * (1 + len(spread))
             stats["column_bytes"]["text"] += storage.nbytes(text)
             stats["bucket_rows"][str(b)] = stats["bucket_rows"].get(str(b), 0) + 1
     stats["images"] += len(group)
@@ -381,7 +388,7 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
     from streaming import MDSWriter
 
     folders = part_folders(index, buckets)
-    columns = _columns(source, buckets, cfg.text_storage, cfg.caption_layout)
+    columns = _columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior)
     stats = {"records": 0, "images": 0, "rows": 0, "captions": 0, "bad_images": 0, "missing_captions": 0, "examples": [],
              "first_captions": [], "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0),
              "column_bytes": {"latents": 0, "text": 0}}
@@ -544,7 +551,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     record = DatasetRecord(
-        format_version=record_version(cfg.text_storage, cfg.caption_layout),
+        format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior),
         fingerprint=fp["fingerprint"],
         image_codec={"name": cfg.vae, "class": codec.class_name},
         text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens},
@@ -563,7 +570,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         num_classes=source.num_classes,
         empty_caption=EMPTY_CAPTION_FILE,
         prompts={"file": PROMPTS_FILE, "texts": prompts},
-        columns=list(_columns(source, buckets, cfg.text_storage, cfg.caption_layout)),
+        columns=list(_columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior)),
         text_storage=cfg.text_storage,
         caption_layout=cfg.caption_layout,
         num_captions=sum(s.get("captions", s["rows"]) for s in stats),  # a part of an older run: a row per caption

@@ -17,9 +17,10 @@ DATASET_FILE = "dataset.json"
 #   1  text_embeds float16 rows
 #   2  text_storage: the rows' text may also be bf16 bits (uint16) or int8 with a text_scale column
 #   3  caption_layout per_image: a row per image holding all its captions (text_lengths, captions columns)
+#   4  posterior distribution: the KL VAE's posterior std beside its mean (latents_std column), sampled in training
 # A record says the oldest version that describes it (`record_version`), so an fp16 dataset stays readable by a
 # LatentForge that knows version 1 only, and one of another storage is refused by it instead of misread.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 _OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec")  # present only for datasets that have them
 
 
@@ -30,8 +31,10 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def record_version(text_storage: str, caption_layout: str = "per_caption") -> int:
-    """The oldest format version that describes a dataset of this text storage and caption layout."""
+def record_version(text_storage: str, caption_layout: str = "per_caption", posterior: str = "mean") -> int:
+    """The oldest format version that describes a dataset of this text storage, caption layout and posterior."""
+    if posterior == "distribution":
+        return 4
     if caption_layout != "per_caption":
         return 3
     return 1 if text_storage == "fp16" else 2
@@ -52,7 +55,7 @@ class DatasetRecord:
     resolution: int
     empty_caption: str  # the file holding the empty caption's embedding (L0, D)
     downsample: int = 1  # pixels per latent cell
-    posterior: str = "none"  # KL VAEs: "mean" or "sample"
+    posterior: str = "none"  # KL VAEs: "mean", "sample", or "distribution" (mean and std; sampled in training)
     image_mode: str = "RGB"
     num_classes: Optional[int] = None
     prompts: Optional[dict[str, Any]] = None  # {"file", "texts"}: the grid prompts' embeddings

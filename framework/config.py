@@ -235,6 +235,15 @@ def validate(cfg: TrainConfig) -> None:
             from framework.distributed.mesh import ParallelDims
 
             ParallelDims.of(world, n_devices, sp)  # refuses a sequence group that would span nodes
+    if cfg.data.global_batch_size is not None:
+        if t.accumulate_grad_batches != 1:
+            raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} and trainer.accumulate_grad_batches="
+                             f"{t.accumulate_grad_batches} are both set: the global batch derives the accumulation "
+                             "from the device count; drop trainer.accumulate_grad_batches")
+        if isinstance(n_devices, int) and n_devices > 0:  # known now: refuse before any data is read
+            from framework.data.datamodule import split_global_batch
+
+            split_global_batch(cfg.data.global_batch_size, n_devices * t.num_nodes // sp, cfg.data.batch_size)
     if cfg.sample.sampler is not None:
         check_sampler(cfg.objective.name, cfg.sample.sampler)
     if cfg.eval.sampler is not None:

@@ -7,6 +7,7 @@ framework.train runs these between composing the config and building the data mo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -47,6 +48,7 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     except Exception:
         return None  # config_lib.to_object reports what is wrong with the data config
     rank = launch_rank()
+    weights = fit_model_to_weights(dcfg, rank)
     build_missing(data, rank)
     info = read_dataset_info(data.path, data.local)
     chosen, changed = chosen_model_keys(dcfg), []
@@ -54,6 +56,10 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
         current = dcfg.model.get(key)
         if current == value:
             continue
+        if key in weights:
+            raise ValueError(f"init_from={dcfg.init_from} does not fit the dataset at data.path={data.path}: "
+                             f"{weights[key]} gives model.{key}={current}, {info.path} has {key}={value}. Precompute the "
+                             "data with the encoders these weights were trained with")
         if key in chosen:
             raise ValueError(f"model.{key}={current} does not fit the dataset at data.path={data.path}: {info.path} "
                              f"has {key}={value}. Drop model.{key} (the dataset sets it) or point data.path at a "
@@ -63,6 +69,69 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     if changed and rank == 0:
         print(f"model={dcfg.model.name} fitted to {info.path}: " + ", ".join(changed))
     return info
+
+
+def fit_model_to_weights(dcfg: DictConfig, rank: int = 0) -> dict[str, Path]:
+    """init_from= a diffusers folder: set the model keys its config.json fixes (framework/models/released.py), so
+    released weights load with the configuration they were trained with. A value the preset file or the user set
+    that contradicts the file is refused, naming both (the dataset-decided keys excepted: a preset's value for them is
+    a placeholder). Returns {key: config.json} for the keys the file fixed."""
+    from framework.models.backbones import PRESET_DIR
+    from framework.models.released import DATA_DECIDED, constructor_default, read_model_fields
+
+    found = read_model_fields(dcfg.init_from, dcfg.model.family) if dcfg.get("init_from") else None
+    if found is None:
+        return {}
+    file, fields = found
+    name, family = dcfg.model.name, dcfg.model.family
+    preset_file = PRESET_DIR / f"{name}.yaml"
+    preset = OmegaConf.to_container(OmegaConf.load(preset_file)) if preset_file.is_file() else {}
+    chosen, changed = chosen_model_keys(dcfg), []
+
+    def refuse(key: str, current: Any, value: Any, by: str) -> None:
+        raise ValueError(f"init_from={dcfg.init_from}: {file} has {key}={value!r}, but {by} sets model.{key}="
+                         f"{current!r}. These weights were trained with {value!r}: drop model.{key}, or choose the "
+                         f"model= preset of these weights{matching_preset(fields, family)}")
+
+    kwargs = fields.pop("kwargs")
+    for key, value in fields.items():
+        current = dcfg.model.get(key)
+        if current == value:
+            continue
+        if key in chosen:
+            refuse(key, current, value, "your config (command line or experiment file)")
+        if key in preset and key not in DATA_DECIDED:
+            refuse(key, current, value, f"model={name} (conf/model/{name}.yaml)")
+        dcfg.model[key] = value
+        changed.append(f"model.{key}: {current} -> {value}")
+    own = OmegaConf.to_container(dcfg.model.kwargs) if dcfg.model.get("kwargs") else {}
+    for key in sorted(set(kwargs) | set(own)):
+        value = kwargs.get(key, constructor_default(family, key))
+        if key not in own:
+            own[key] = value
+            changed.append(f"model.kwargs.{key}: -> {value}")
+        elif own[key] != value:
+            by = f"model={name} (conf/model/{name}.yaml)" if key in preset.get("kwargs", {}) and "kwargs" not in chosen \
+                else "your config (command line or experiment file)"
+            refuse(f"kwargs.{key}", own[key], value, by)
+    dcfg.model.kwargs = own
+    if changed and rank == 0:
+        print(f"model={name} set from {file}: " + ", ".join(changed))
+    return {key: file for key in fields if key in DATA_DECIDED}
+
+
+def matching_preset(fields: dict[str, Any], family: str) -> str:
+    """' (model=NAME matches them)' for the shipped presets whose architecture equals `fields`, else ''."""
+    from framework.models.backbones import PRESET_DIR
+    from framework.models.released import DATA_DECIDED
+
+    names = []
+    for file in sorted(PRESET_DIR.glob("*.yaml")):
+        values = OmegaConf.to_container(OmegaConf.load(file))
+        if values.get("family") == family and all(values.get(k) == v for k, v in fields.items()
+                                                  if k in values and k not in DATA_DECIDED):
+            names.append(file.stem)
+    return f" (model={' or model='.join(names)} matches them)" if names else ""
 
 
 def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:

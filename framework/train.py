@@ -21,7 +21,7 @@ from framework import config as config_lib
 from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, SampleGrid, evaluate_module, module_pipeline
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu
 from framework.config import TrainConfig
-from framework.data.datamodule import LatentDataModule
+from framework.data.datamodule import LatentDataModule, split_global_batch
 from framework.training.loggers import RunCSVLogger, wandb_logger
 from framework.training.module import DiffusionModule
 from framework.preflight import check_buckets, check_encoders, fit_model_to_data
@@ -124,6 +124,20 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
     )
 
 
+def apply_global_batch(cfg: TrainConfig, trainer: pl.Trainer) -> None:
+    """data.global_batch_size on this job: each device's micro-batch (data.batch_size, which the data module reads
+    in setup) and the trainer's accumulation, from the data-parallel ranks the trainer resolved."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    data_parallel = trainer.world_size // cfg.strategy.sequence_parallel
+    asked = cfg.data.batch_size
+    cfg.data.batch_size, trainer.accumulate_grad_batches = split_global_batch(
+        cfg.data.global_batch_size, data_parallel, asked)
+    rank_zero_info(f"data.global_batch_size={cfg.data.global_batch_size} on {data_parallel} data-parallel rank(s): "
+                   f"{cfg.data.batch_size} per device x {trainer.accumulate_grad_batches} micro-batch(es) per step "
+                   f"(data.batch_size={asked} is the most a device takes)")
+
+
 def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     if cfg.resume in (None, "", "null"):
         return None
@@ -191,6 +205,8 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     )
     callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
     trainer = build_trainer(cfg, run_dir, callbacks)
+    if cfg.data.global_batch_size is not None:
+        apply_global_batch(cfg, trainer)
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)
     # Checkpoints land every N steps; FinalCheckpoint (added by build_trainer) writes the final state too.

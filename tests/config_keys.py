@@ -286,6 +286,15 @@ KEYS: dict[str, dict] = {
         "tests/test_train.py::test_a_resume_with_another_global_batch_is_refused_unless_asked_for",
         "tests/test_train.py::test_loss_goes_down_on_digits",
     ], "mutant": None},
+    "data.global_batch_size": {"tests": [
+        "tests/test_distributed.py::test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step",
+        "tests/test_recipes.py::test_a_global_batch_splits_into_the_fewest_even_micro_batches",
+        "tests/test_recipes.py::test_a_global_batch_the_ranks_do_not_divide_is_refused_naming_the_key",
+        "tests/test_train.py::test_bad_config_fails_at_start_with_the_key",
+    ], "mutant": "global_batch_ignored"},
+    "data.hflip": {"tests": [
+        "tests/test_recipes.py::test_training_mirrors_the_samples_it_draws",
+    ], "mutant": "hflip_ignored"},
     "data.num_workers": {"tests": [
         "tests/test_buckets.py::test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly",
         "tests/test_buckets.py::test_pixart_size_conditioning_feeds_each_batch_its_own_shape",
@@ -473,6 +482,15 @@ KEYS: dict[str, dict] = {
     "optimizer.schedule_start": {"tests": [
         "tests/test_growth.py::test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks",
     ], "mutant": None},
+    "optimizer.lr_scaling": {"tests": [
+        "tests/test_growth.py::test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks",
+        "tests/test_recipes.py::test_the_lr_scales_with_the_global_batch_as_the_rule_says",
+        "tests/test_train.py::test_bad_config_fails_at_start_with_the_key",
+    ], "mutant": "lr_scaling_ignored"},
+    "optimizer.lr_reference_batch": {"tests": [
+        "tests/test_growth.py::test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks",
+        "tests/test_recipes.py::test_the_lr_scales_with_the_global_batch_as_the_rule_says",
+    ], "mutant": "lr_reference_batch_ignored"},
     "strategy.name": {"tests": [
         "tests/test_buckets.py::test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly",
         "tests/test_cache_router.py::test_the_router_trained_under_sequence_parallelism_follows_one_process",
@@ -1133,7 +1151,10 @@ KEYS: dict[str, dict] = {
         "tests/test_growth.py::test_grown_and_pruned_checkpoints_work_in_every_command",
         "tests/test_growth.py::test_grown_run_starts_at_the_source_models_loss_and_its_ema_at_the_grown_weights",
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
-    ], "mutant": None},
+        "tests/test_recipes.py::test_a_diffusers_folder_builds_the_model_its_config_json_describes",
+        "tests/test_recipes.py::test_a_folder_of_another_family_is_refused_naming_the_class",
+        "tests/test_recipes.py::test_a_preset_or_key_that_contradicts_the_folder_is_refused_naming_both",
+    ], "mutant": "released_kwargs_ignored"},
     # the default seed, twice: the losses must be bit-identical (no test sets another seed)
     "seed": {"tests": [
         "tests/test_train.py::test_same_seed_gives_identical_losses",

@@ -470,14 +470,17 @@ MUTANTS = [
     Mutant("caption_draw_always_first", "training always takes a sample's first caption",
            (("framework/training/module.py", "chosen[i] = torch.randint(k, (), generator=g)", "chosen[i] = 0"),),
            ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",)),
-    Mutant("caption_draw_ignores_the_step", "each sample draws the same caption at every step",
-           (("framework/training/module.py", "hash((self.seed, micro, r + i * W, CAPTION_DRAW))",
-             "hash((self.seed, 0, r + i * W, CAPTION_DRAW))"),),
-           ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",)),
-    Mutant("caption_draw_by_local_row", "the caption draw is keyed by the sample's row on its rank: another world size "
-           "draws otherwise", (("framework/training/module.py", "hash((self.seed, micro, r + i * W, CAPTION_DRAW))",
-                                 "hash((self.seed, micro, i, CAPTION_DRAW))"),),
-           ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",)),
+    Mutant("caption_draw_ignores_the_step", "each sample draws the same caption (and posterior sample, and flip) at "
+           "every step", (("framework/training/module.py", "hash((self.seed, micro, r + i * W, tag))",
+                          "hash((self.seed, 0, r + i * W, tag))"),),
+           ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",
+            "tests/test_recipes.py::test_the_posterior_and_flip_draws_follow_the_step_and_the_global_row_not_the_rank_count")),
+    Mutant("caption_draw_by_local_row", "the per-sample draws (caption, posterior sample, flip) are keyed by the "
+           "sample's row on its rank: another world size draws otherwise",
+           (("framework/training/module.py", "hash((self.seed, micro, r + i * W, tag))",
+             "hash((self.seed, micro, i, tag))"),),
+           ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",
+            "tests/test_recipes.py::test_the_posterior_and_flip_draws_follow_the_step_and_the_global_row_not_the_rank_count")),
     Mutant("chosen_caption_from_the_first_sample", "each sample's chosen caption is looked up from the batch's first rows",
            (("framework/data/datamodule.py", "rows = torch.cumsum(counts, 0) - counts + chosen", "rows = chosen"),),
            ("tests/test_captions.py::test_training_draws_a_caption_per_sample_and_step_and_resumes_on_the_same_draws",)),
@@ -524,6 +527,36 @@ MUTANTS = [
            (("data_prep/precompute.py", "MDSWriter(out=out.writer_out(folders[max(b, 0)]), columns=columns,",
              "MDSWriter(out=out.writer_out(folders[max(b, 0)]), keep_local=True, columns=columns,"),),
            (REMOTE + "test_each_rank_downloads_only_its_own_tars_through_staging",)),
+    # Recipes (issue 42):
+    Mutant("global_batch_ignored", "data.global_batch_size is ignored: data.batch_size per device, no accumulation",
+           (("framework/train.py", "    if cfg.data.global_batch_size is not None:\n        apply_global_batch",
+             "    if False:\n        apply_global_batch"),),
+           (DIST + "test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step",)),
+    Mutant("lr_scaling_ignored", "optimizer.lr_scaling is ignored: the lr stays as given whatever the global batch",
+           (("framework/training/optim.py", '    if cfg.lr_scaling == "none":\n        return cfg.lr',
+             '    if True:\n        return cfg.lr'),),
+           ("tests/test_growth.py::test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks",)),
+    Mutant("lr_reference_batch_ignored", "the lr is scaled from 256 whatever optimizer.lr_reference_batch says",
+           (("framework/training/optim.py", "    ratio = global_batch / cfg.lr_reference_batch",
+             "    ratio = global_batch / 256"),),
+           ("tests/test_growth.py::test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks",)),
+    Mutant("released_kwargs_ignored", "init_from= a diffusers folder: the constructor arguments its config.json sets "
+           "beyond the preset's are dropped (interpolation_scale, qk_norm, ...)",
+           (("framework/preflight.py", "            own[key] = value\n", "            pass\n"),),
+           ("tests/test_recipes.py::test_a_diffusers_folder_builds_the_model_its_config_json_describes",)),
+    Mutant("released_preset_not_checked", "init_from= a diffusers folder: a preset value that contradicts its "
+           "config.json is replaced silently instead of refused",
+           (("framework/preflight.py", "        if key in preset and key not in DATA_DECIDED:",
+             "        if False:"),),
+           ("tests/test_recipes.py::test_a_preset_or_key_that_contradicts_the_folder_is_refused_naming_both",)),
+    Mutant("hflip_ignored", "data.hflip=true trains on the stored latents, never mirrored",
+           (("framework/data/datamodule.py", '        if "latents_std" in batch or self.cfg.hflip:',
+             '        if "latents_std" in batch:'),),
+           ("tests/test_recipes.py::test_training_mirrors_the_samples_it_draws",)),
+    Mutant("posterior_std_dropped", "a posterior=distribution dataset trains on the posterior's mean: the loader drops "
+           "its std",
+           (("framework/data/datamodule.py", '        if "latents_std" in samples[0]:', '        if False:'),),
+           ("tests/test_recipes.py::test_training_draws_from_the_posterior_and_resumes_exactly",)),
 ]
 
 

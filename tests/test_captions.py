@@ -96,8 +96,16 @@ def drawn(counts: list[int], micro: int, r: int = 0, W: int = 1, seed: int = 7) 
     """DiffusionModule.draw_captions for a rank at stream position r of W, at micro-batch `micro`."""
     from framework.training.module import DiffusionModule
 
+    return DiffusionModule.draw_captions(rank_at(seed, micro, r, W), torch.tensor(counts)).tolist()
+
+
+def rank_at(seed: int, micro: int, r: int = 0, W: int = 1) -> SimpleNamespace:
+    """What DiffusionModule's per-sample draws read of a module: its seed, stream position r of W, micro-batch."""
+    from framework.training.module import DiffusionModule
+
     rank = SimpleNamespace(seed=seed, _stream_slots=lambda: (r, W), _micro_batch=lambda: micro)
-    return DiffusionModule.draw_captions(rank, torch.tensor(counts)).tolist()
+    rank._row_generators = lambda n, tag: DiffusionModule._row_generators(rank, n, tag)
+    return rank
 
 
 def test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count():

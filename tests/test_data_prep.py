@@ -64,8 +64,8 @@ def test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read(digits_s
     written = json.loads((digits_shards / "dataset.json").read_text())
     record = DatasetRecord.read(digits_shards)
     # fp16 text: still format 1, which LatentForge before text_storage reads too (format 2 adds the other storages,
-    # format 3 a row per image with several captions)
-    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 3)
+    # format 3 a row per image with several captions, format 4 the posterior's std)
+    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 4)
     assert record.num_samples == 1438 * 3
     assert record.to_json() == written  # no field lost or added on the way through
     assert "width" not in written and "buckets" not in written  # optional fields stay out when a dataset has none

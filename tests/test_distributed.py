@@ -387,9 +387,10 @@ def test_growth_from_a_sharded_checkpoint_on_two_fsdp_ranks_equals_one_process(r
 def fsdp_runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp_more")
     out = {name: root / name for name in ("acc_ref", "acc", "poison")}
-    acc = ["trainer.accumulate_grad_batches=2", f"trainer.max_steps={STEPS}"]
-    run_train(out["acc_ref"], digits_shards, "data.batch_size=8", *acc)
-    run_train(out["acc"], digits_shards, *fsdp(batch=4), *acc)
+    run_train(out["acc_ref"], digits_shards, "data.batch_size=8", "trainer.accumulate_grad_batches=2",
+              f"trainer.max_steps={STEPS}")
+    # data.global_batch_size=16 on 2 ranks of at most 5: 2 micro-batches of 4 per rank and step (split_global_batch)
+    run_train(out["acc"], digits_shards, *fsdp(batch=5), "data.global_batch_size=16", f"trainer.max_steps={STEPS}")
     # Rank 1's third micro-batch holds a NaN; rank 0's is clean.
     run_train(out["poison"], digits_shards, *fsdp(), "trainer.skip_nonfinite=true", f"trainer.max_steps={STEPS}",
               "trainer.checkpoint_every_n_steps=1", env={"PROBE_POISON": "1:2"})
@@ -397,6 +398,8 @@ def fsdp_runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
 
 
 def test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step(fsdp_runs):
+    """2 ranks given data.global_batch_size=16 and at most 5 samples per micro-batch accumulate 2 micro-batches of
+    4 each per step: the losses and updates of one process's 2 x 8, one reduce-scatter per step."""
     ref, got = losses(fsdp_runs["acc_ref"]), losses(fsdp_runs["acc"])
     assert sorted(got) == list(range(STEPS))
     torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),

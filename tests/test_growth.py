@@ -175,7 +175,8 @@ def test_grown_run_starts_at_the_source_models_loss_and_its_ema_at_the_grown_wei
 
 
 def test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks(tmp_path, digits_shards, small_ckpt):
-    """optimizer.schedule_start / schedule_steps continue the small run's cosine schedule; the new blocks' group runs
+    """optimizer.schedule_start / schedule_steps continue the small run's cosine schedule (its peak scaled by
+    lr_scaling=sqrt from the reference batch to this run's); the new blocks' group runs
     at new_lr_scale times it, ramped over new_warmup_steps (hand-computed lr per group and step); each new block's
     output-projection norm and block importance are logged at every logging step."""
     import csv
@@ -187,13 +188,15 @@ def test_a_grown_run_continues_the_schedule_and_warms_up_only_its_new_blocks(tmp
         tmp_path, digits_shards, "plugins=[growth]", f"plugins.growth.ckpt={small_ckpt}", "plugins.growth.init=cyclic",
         "plugins.growth.new_lr_scale=2.0", "plugins.growth.new_warmup_steps=4", "model.num_layers=6",
         "optimizer.lr=1e-3", "optimizer.warmup_steps=2", "optimizer.schedule=cosine", "optimizer.min_lr_ratio=0.1",
-        "optimizer.schedule_steps=10", "optimizer.schedule_start=3", steps=3)))
+        "optimizer.schedule_steps=10", "optimizer.schedule_start=3", "optimizer.lr_scaling=sqrt",
+        "optimizer.lr_reference_batch=64", steps=3)))
     with open(Path(grown["run_dir"]) / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
 
     def schedule(step: int) -> float:  # the 10-step plan entered at its step 3: warm-up (2 steps) long over
         progress = (step + 3 - 2) / (10 - 2)
-        return 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        peak = 1e-3 * math.sqrt(16 / 64)  # lr_scaling=sqrt: this run's 16 samples per step, lr given for 64
+        return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     kept = {int(r["step"]): float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")}
     new = {int(r["step"]): float(r["lr-AdamW/pg2"]) for r in rows if r.get("lr-AdamW/pg2")}

@@ -51,11 +51,12 @@ MATRIX = [
     # hybrid sharding (one node: the replicate dim has size 1) and a process-group timeout.
     ("fsdp-2-csv-s3-hybrid", "fsdp", 2, "csv", ["{s3}", "strategy.sharding=HYBRID_SHARD", "strategy.timeout_s=300"]),
     # One's own RGB data ({own}: tests/test_own_data.py's images, VAE and text encoder, the encoders moved to
-    # another folder) evaluated at the end against held-out images (FID, CLIP score) on both ranks.
-    ("ddp-2-csv-own_data-real", "ddp", 2, "csv", ["{own}", "data.batch_size=4", "eval.bootstrap=10"]),
+    # another folder) evaluated at the end against held-out images (FID, CLIP score) on both ranks; mirrored latents.
+    ("ddp-2-csv-own_data-real", "ddp", 2, "csv", ["{own}", "data.batch_size=4", "eval.bootstrap=10", "data.hflip=true"]),
+    # The global batch of 32 given (2 micro-batches of 8 per rank derived) and the lr scaled to it from 256.
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
      ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
-      "trainer.accumulate_grad_batches=2"]),
+      "data.global_batch_size=32", "optimizer.lr_scaling=sqrt"]),
 ]
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")

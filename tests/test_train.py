@@ -117,6 +117,11 @@ def test_every_model_preset_composes(model):
         (["strategy=fsdp", "trainer.precision=transformer-engine"], "trainer.precision='transformer-engine'"),
         (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints=-1"),
         (["trainer.val_check_interval=100"], "trainer.val_check_interval=100: training runs no validation loop"),
+        (["optimizer.lr_scaling=log"], "optimizer.lr_scaling='log'"),
+        (["strategy=ddp", "trainer.devices=4", "data.global_batch_size=10"],
+         "data.global_batch_size=10 does not divide over 4 data-parallel ranks"),
+        (["data.global_batch_size=16", "trainer.accumulate_grad_batches=2"],
+         "drop trainer.accumulate_grad_batches"),
     ],
 )
 def test_bad_config_fails_at_start_with_the_key(override, message):

@@ -7,6 +7,8 @@ The trainer never runs a VAE or a text encoder. Each batch is a dict:
                                        text_storage (framework/data/text_storage.py): float16, bfloat16 or float32
     text_mask    bool    (B, L)        True on real tokens
     label        int64   (B,)          only when the dataset has a `label` column
+    latents_std  float32 (B, C, h, w)  only for a posterior=distribution dataset: the posterior's std, scaled alike;
+                                       on_before_batch_transfer replaces latents by a draw of the posterior
     caption, key list[str]
 A dataset of caption_layout per_image (a row per image with all its captions) gives every caption instead of
 text_embeds / text_mask / caption: caption_embeds (N, L, D) and caption_mask (N, L) over the batch's N captions,
@@ -58,7 +60,12 @@ class DataConfig:
 
     path: str = "data/digits"  # dataset folder or any remote Streaming supports (s3://, gs://, ...)
     local: Optional[str] = None  # local cache folder; required for remote paths, optional for local ones
-    batch_size: int = 32  # per-device micro-batch
+    batch_size: int = 32  # per-device micro-batch; with global_batch_size, the largest one a device may take
+    # Samples per optimizer step over the whole job; null: batch_size x data-parallel ranks x
+    # trainer.accumulate_grad_batches. When set, each device's micro-batch and the accumulation are derived from the
+    # data-parallel ranks (split_global_batch: the fewest micro-batches of at most batch_size), so one config keeps its
+    # global batch on any number of GPUs; refused when the ranks do not divide it.
+    global_batch_size: Optional[int] = None
     num_workers: int = 0  # DataLoader worker processes
     shuffle: bool = True  # shuffle samples (Streaming's py1e block shuffle)
     shuffle_seed: Optional[int] = None  # null = the run seed
@@ -79,11 +86,20 @@ class DataConfig:
     download_timeout: float = 60.0  # remote shards: seconds one shard download may take
     persistent_workers: bool = False  # keep workers alive between epochs (needs num_workers > 0)
     validate: str = "auto"  # start-up shard check: auto, hash, size or none (see above)
+    # Mirror each sample left-right with probability 1/2, drawn per sample and step from the run's seed (so the same
+    # on any world size and after a resume). The stored latents are flipped, in the host batch before the copy to the
+    # device, rather than the image flipped and encoded again: exact for the pixel codec, close to it for a VAE whose
+    # latents mirror with the image (docs/training.md). Precompute's crops are centred, so a mirrored sample's crop
+    # corner (the size conditioning of a bucketed dataset) is its own.
+    hflip: bool = False
     prepare: Optional[dict[str, Any]] = None  # a data_prep PrecomputeConfig: build `path` if it is missing
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size={self.batch_size}: must be >= 1 (it is the per-device batch).")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"data.global_batch_size={self.global_batch_size}: must be >= 1 (samples per optimizer "
+                             "step over the job), or null.")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0.")
         if self.validate not in VALIDATE_MODES:
@@ -104,6 +120,17 @@ class DataConfig:
         if self.download_retry < 0 or self.download_timeout <= 0:
             raise ValueError(f"data.download_retry={self.download_retry} must be >= 0 and data.download_timeout="
                              f"{self.download_timeout} > 0.")
+
+
+def split_global_batch(global_batch: int, data_parallel: int, max_micro: int) -> tuple[int, int]:
+    """(micro-batch per device, micro-batches per step) that give `global_batch` samples per step on `data_parallel`
+    ranks: the fewest micro-batches of at most `max_micro` samples that split a rank's share evenly."""
+    if global_batch % data_parallel:
+        raise ValueError(f"data.global_batch_size={global_batch} does not divide over {data_parallel} data-parallel "
+                         f"ranks: choose a multiple of {data_parallel}, or run on a number of devices that divides it")
+    share = global_batch // data_parallel
+    accumulate = next(a for a in range(-(-share // max_micro), share + 1) if share % a == 0)
+    return share // accumulate, accumulate
 
 
 @dataclass
@@ -312,6 +339,9 @@ class LatentCollate:
         # fp16 and bf16 as stored: half the bytes of float32 through the loader's queue and the host-to-device copy;
         # the training step converts them on the device. int8 rows come dequantized, in float32.
         batch: dict[str, Any] = {"latents": latents, "key": [s.get("key", "") for s in samples]}
+        if "latents_std" in samples[0]:  # posterior distribution: its std, in the scaled latents' units
+            batch["latents_std"] = torch.from_numpy(np.stack([s["latents_std"] for s in samples])).float() \
+                * self.scaling_factor
         if self.caption_layout == "per_image":  # every caption; the module draws one per sample and step
             embeds = [decode_captions(s, self.text_storage) for s in samples]  # [[(L_k, D), ...], ...]
             batch["caption_embeds"], batch["caption_mask"] = pad_and_stack([e for each in embeds for e in each])
@@ -535,15 +565,22 @@ class LatentDataModule(L.LightningDataModule):
         )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """A per_image dataset's batch carries every caption of each sample: keep the one the LightningModule draws
-        for this step (DiffusionModule.draw_captions), here on the host, before the copy to the device."""
-        if not (isinstance(batch, dict) and "caption_counts" in batch):
+        """What is drawn per sample and step, here on the host before the copy to the device, by the LightningModule
+        (from the run's seed): a per_image dataset's batch keeps the caption it draws (DiffusionModule.draw_captions);
+        a posterior=distribution dataset's latents become a draw of each posterior, and data.hflip mirrors the
+        samples it draws (DiffusionModule.draw_latents)."""
+        if not isinstance(batch, dict):
             return batch
         module = self.trainer.lightning_module
-        if not hasattr(module, "draw_captions"):
-            raise TypeError(f"{type(module).__name__} has no draw_captions(counts): it cannot train on {self.cfg.path}, "
-                            "whose rows hold several captions each (caption_layout per_image)")
-        return choose_captions(batch, module.draw_captions(batch["caption_counts"]))
+        if "caption_counts" in batch:
+            if not hasattr(module, "draw_captions"):
+                raise TypeError(f"{type(module).__name__} has no draw_captions(counts): it cannot train on "
+                                f"{self.cfg.path}, whose rows hold several captions each (caption_layout per_image)")
+            batch = choose_captions(batch, module.draw_captions(batch["caption_counts"]))
+        if "latents_std" in batch or self.cfg.hflip:
+            batch = dict(batch)
+            batch["latents"] = module.draw_latents(batch["latents"], batch.pop("latents_std", None), self.cfg.hflip)
+        return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """The batch's tensors to the device; its captions and keys (lists of strings) stay as they are, without

@@ -10,9 +10,10 @@ per_image dataset trains on in a step is drawn the same way (draw_captions).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 import torch.nn.functional as F
 
@@ -22,13 +23,14 @@ from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, lo
 from framework.models.init import init_weights
 from framework.models.objectives import Objective, ObjectiveConfig
 from framework.training.finite import FiniteGuard, NonFiniteLossError  # noqa: F401  (the module's error)
-from framework.training.optim import OptimizerConfig, build_optimizer, group_lambda, lr_lambda
+from framework.training.optim import OptimizerConfig, build_optimizer, group_lambda, lr_lambda, scaled_lr
 from framework.training.registry import logging_step, param_groups_hook, training_loss_hook
 from framework.distributed.config import StrategyConfig
 from framework.distributed.mesh import ParallelDims
 
 LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
 CAPTION_DRAW = 1  # the caption draw's generators are keyed by (seed, micro-batch, row, CAPTION_DRAW): apart from _draw's
+LATENT_DRAW = 2  # and draw_latents' (the posterior's sample, the mirror flip) by LATENT_DRAW
 
 
 class DiffusionModule(pl.LightningModule):
@@ -188,7 +190,11 @@ class DiffusionModule(pl.LightningModule):
             raise RuntimeError(f"{type(hook).__name__}.param_groups must return each trainable parameter once")
         cfg = self.optimizer_cfg
         scaled = self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None
-        opt = build_optimizer([{"params": g["params"], "lr": cfg.lr * g.get("lr_scale", 1.0)} for g in groups], cfg,
+        lr = scaled_lr(cfg, self.global_batch() if self._trainer is not None else None)
+        if cfg.lr_scaling != "none":
+            rank_zero_info(f"optimizer.lr_scaling={cfg.lr_scaling}: peak lr {lr:.4g} = {cfg.lr:g} at "
+                           f"{cfg.lr_reference_batch} samples per step, for this run's {self.global_batch()}")
+        opt = build_optimizer([{"params": g["params"], "lr": lr * g.get("lr_scale", 1.0)} for g in groups], cfg,
                               grad_scaler=scaled)
         base = lr_lambda(self.optimizer_cfg, self.max_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, [group_lambda(base, g.get("warmup_steps", 0)) for g in groups])
@@ -239,16 +245,35 @@ class DiffusionModule(pl.LightningModule):
         z = z.to(x0.device, non_blocking=True)
         return z[:, :n].reshape(x0.shape), self.objective.levels(z[:, n]), drop
 
+    def _row_generators(self, n: int, tag: int) -> Iterator[torch.Generator]:
+        """A generator for each of this rank's n samples, keyed by (seed, micro-batch, the sample's row in the global
+        batch, tag) as _draw keys its own (so the same on any world size and after a resume); one object, reseeded."""
+        (r, W), micro, g = self._stream_slots(), self._micro_batch(), torch.Generator()
+        for i in range(n):
+            g.manual_seed(hash((self.seed, micro, r + i * W, tag)) & 0x7FFF_FFFF_FFFF)
+            yield g
+
+    def draw_latents(self, latents: torch.Tensor, std: torch.Tensor | None, hflip: bool) -> torch.Tensor:
+        """The latents (B, C, h, w) each sample trains on in this step: a draw latents + std * N(0, 1) of its VAE
+        posterior when the dataset stores the std (posterior=distribution), mirrored left-right with probability 1/2
+        when hflip. Drawn per sample from its own generator (_row_generators); the data module calls it on the host
+        (LatentDataModule.on_before_batch_transfer)."""
+        out = latents.clone()
+        for i, g in enumerate(self._row_generators(latents.shape[0], LATENT_DRAW)):
+            if std is not None:
+                out[i] = latents[i] + std[i] * torch.randn(latents[i].shape, generator=g)
+            if hflip and torch.rand((), generator=g) < 0.5:
+                out[i] = out[i].flip(-1)
+        return out
+
     def draw_captions(self, counts: torch.Tensor) -> torch.Tensor:
         """For a batch of a caption_layout per_image dataset, whose samples have counts (B,) captions: which one each
         trains on in this step, (B,) int64. Drawn from (seed, micro-batch, the sample's index in the global batch) as
         _draw draws, so the same on any world size and after a resume. The data module calls it on the host, before
         the batch's copy to the device (LatentDataModule.on_before_batch_transfer), which then moves one caption a
         sample."""
-        (r, W), micro, g = self._stream_slots(), self._micro_batch(), torch.Generator()
         chosen = torch.empty(len(counts), dtype=torch.long)
-        for i, k in enumerate(counts.tolist()):
-            g.manual_seed(hash((self.seed, micro, r + i * W, CAPTION_DRAW)) & 0x7FFF_FFFF_FFFF)
+        for i, (k, g) in enumerate(zip(counts.tolist(), self._row_generators(len(counts), CAPTION_DRAW))):
             chosen[i] = torch.randint(k, (), generator=g)
         return chosen
 

@@ -43,6 +43,12 @@ class OptimizerConfig:
     schedule_start: int = 0
     """The schedule's step at this run's step 0: a run that continues another run's schedule (a grown model after
     the small one's steps) starts where that one stopped, with no second warm-up."""
+    lr_scaling: str = "none"
+    """none, sqrt or linear: lr is the rate at lr_reference_batch samples per optimizer step, and the run uses lr x
+    (global batch / lr_reference_batch) (linear) or its square root (sqrt), the global batch counted over the job's
+    data-parallel ranks and accumulation (PixArt's auto_lr: sqrt over 256). Logged at start; lr-* logs show it."""
+    lr_reference_batch: int = 256
+    """The global batch that lr is given for (lr_scaling)."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -56,10 +62,29 @@ class OptimizerConfig:
         if self.schedule_start < 0 or (self.schedule_steps is not None and self.schedule_steps < 1):
             raise ValueError(f"optimizer.schedule_start={self.schedule_start} must be >= 0 and optimizer.schedule_steps="
                              f"{self.schedule_steps} >= 1 (or null)")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"optimizer.lr_scaling={self.lr_scaling!r}: expected one of {', '.join(LR_SCALINGS)}")
+        if self.lr_reference_batch < 1:
+            raise ValueError(f"optimizer.lr_reference_batch={self.lr_reference_batch} must be >= 1 (samples per step)")
         # The fields and checks that only make sense for one optimizer live next to it (a plugin registers its own).
         self.settings = optimizer_settings(self.name, self.settings)
         if self.name in OPTIMIZER_CHECKS:
             OPTIMIZER_CHECKS[self.name](self)
+
+
+LR_SCALINGS = ("none", "sqrt", "linear")
+
+
+def scaled_lr(cfg: OptimizerConfig, global_batch: int | None) -> float:
+    """The peak lr of a run of `global_batch` samples per optimizer step: cfg.lr scaled by cfg.lr_scaling from
+    cfg.lr_reference_batch (cfg.lr itself for none)."""
+    if cfg.lr_scaling == "none":
+        return cfg.lr
+    if global_batch is None:
+        raise ValueError(f"optimizer.lr_scaling={cfg.lr_scaling} needs the run's global batch, which is known only "
+                         "once the trainer and the data module are attached")
+    ratio = global_batch / cfg.lr_reference_batch
+    return cfg.lr * (math.sqrt(ratio) if cfg.lr_scaling == "sqrt" else ratio)
 
 
 def optimizer_settings(name: str, given: Any) -> Any:

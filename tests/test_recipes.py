@@ -1,0 +1,272 @@
+"""What real-size recipes need: a global batch kept on any device count, the lr scaled with it, and released
+weights loaded with the configuration their config.json gives."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from framework import config as config_lib
+from framework.data.datamodule import split_global_batch
+from framework.training.optim import OptimizerConfig, scaled_lr
+from tests.helpers import CONF
+
+config_lib.register()
+
+
+@pytest.mark.parametrize("global_batch, ranks, most, expected", [
+    (256, 8, 32, (32, 1)),   # DiT-XL/2's 256 on 8 GPUs of 32
+    (256, 4, 32, (32, 2)),   # the same recipe on 4 GPUs: two micro-batches of 32
+    (256, 8, 20, (16, 2)),   # 32 per rank with at most 20: two of 16, not 20 + 12
+    (12, 1, 5, (4, 3)),      # 12 with at most 5: 3 x 4 (2 x 6 would exceed 5)
+    (7, 1, 3, (1, 7)),       # a prime share splits only into ones
+    (16, 2, 64, (8, 1)),     # a micro-batch never exceeds the rank's share
+])
+def test_a_global_batch_splits_into_the_fewest_even_micro_batches(global_batch, ranks, most, expected):
+    micro, accumulate = split_global_batch(global_batch, ranks, most)
+    assert (micro, accumulate) == expected
+    assert micro * accumulate * ranks == global_batch and micro <= most
+
+
+def test_a_global_batch_the_ranks_do_not_divide_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"data.global_batch_size=10 does not divide over 4 data-parallel ranks"):
+        split_global_batch(10, 4, 8)
+
+
+@pytest.mark.parametrize("rule, batch, expected", [
+    ("none", 1024, 2e-5),
+    ("sqrt", 1024, 2e-5 * 2.0),       # PixArt's auto_lr: sqrt(1024 / 256)
+    ("sqrt", 64, 2e-5 * 0.5),
+    ("linear", 1024, 2e-5 * 4.0),
+    ("linear", 128, 2e-5 * 0.5),
+])
+def test_the_lr_scales_with_the_global_batch_as_the_rule_says(rule, batch, expected):
+    cfg = OptimizerConfig(lr=2e-5, lr_scaling=rule, lr_reference_batch=256)
+    assert math.isclose(scaled_lr(cfg, batch), expected, rel_tol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# init_from= a diffusers folder: the model its config.json describes
+# --------------------------------------------------------------------------------------------
+
+
+def _save(folder: Path, family: str, pipeline: bool = False, **changes) -> Path:
+    """A tiny diffusers backbone saved as a released model would be: the debug preset fitted to the digits (1 channel,
+    384-wide captions, no learned variance), with `changes` to its config; under transformer/ of a pipeline folder
+    when `pipeline`."""
+    from framework.models.backbones import FAMILIES, diffusers_kwargs, load_preset
+
+    args = diffusers_kwargs(load_preset(f"{family}_debug", in_channels=1, text_dim=384, learned_sigma=False))
+    torch.manual_seed(0)
+    net = FAMILIES[family](**{**args, **changes})
+    if pipeline:
+        folder.mkdir(parents=True)
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "PixArtSigmaPipeline"}))
+        net.save_pretrained(folder / "transformer")
+    else:
+        net.save_pretrained(folder)
+    return folder
+
+
+def _fit(overrides: list[str]):
+    """The composed config after framework.train's preflight (Hydra's record of the command line included)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from framework.preflight import fit_model_to_data
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "data.prepare=null"], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            fit_model_to_data(cfg)
+        finally:
+            HydraConfig.instance().cfg = None
+    return cfg
+
+
+@pytest.mark.parametrize("family, changes, pipeline", [
+    ("pixart", {"interpolation_scale": 2, "norm_eps": 1e-5}, True),
+    ("sana", {"qk_norm": "rms_norm_across_heads", "interpolation_scale": 2, "mlp_ratio": 2.0}, False),
+])
+def test_a_diffusers_folder_builds_the_model_its_config_json_describes(tmp_path, digits_shards, family, changes,
+                                                                       pipeline):
+    """The preset leaves these constructor arguments unset; init_from's config.json sets them, and the model built
+    from the fitted config computes what diffusers' own from_pretrained of the folder computes."""
+    from framework.models.backbones import FAMILIES, build_denoiser, load_weights, to_model_config
+
+    folder = _save(tmp_path / "released", family, pipeline, **changes)
+    cfg = _fit([f"model={family}_debug", f"init_from={folder}", f"data.path={digits_shards}"])
+    assert {k: cfg.model.kwargs.get(k) for k in changes} == changes
+    model = load_weights(build_denoiser(to_model_config(cfg.model)), folder).eval()
+    reference = FAMILIES[family].from_pretrained(folder, subfolder="transformer" if pipeline else None).eval()
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(2, 1, 8, 8, generator=g), torch.tensor([10, 700])
+    text = torch.randn(2, 5, 384, generator=g)
+    with torch.no_grad():
+        got = model(x, t, text, None, None)
+        extra = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
+        want = reference(x, encoder_hidden_states=text, timestep=t, return_dict=False, **extra)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("changes, overrides, message", [
+    ({"num_layers": 2}, [],
+     r"config.json has num_layers=2, but model=pixart_debug \(conf/model/pixart_debug.yaml\) sets model.num_layers=4"),
+    ({"attention_head_dim": 16}, [], r"has head_dim=16, but model=pixart_debug .* sets model.head_dim=32"),
+    ({"patch_size": 1}, [], r"has patch_size=1, but model=pixart_debug .* sets model.patch_size=2"),
+    ({"interpolation_scale": 2}, ["+model.kwargs.interpolation_scale=1"],
+     r"has kwargs.interpolation_scale=2, but your config \(command line or experiment file\) sets "
+     r"model.kwargs.interpolation_scale=1"),
+    ({}, ["model.num_layers=6"], r"has num_layers=4, but your config .* sets model.num_layers=6"),
+    ({"in_channels": 4, "out_channels": 4}, [],
+     r"does not fit the dataset .* gives model.in_channels=4, .* has in_channels=1"),
+])
+def test_a_preset_or_key_that_contradicts_the_folder_is_refused_naming_both(tmp_path, digits_shards, changes,
+                                                                            overrides, message):
+    folder = _save(tmp_path / "released", "pixart", **changes)
+    with pytest.raises(ValueError, match=message):
+        _fit(["model=pixart_debug", f"init_from={folder}", f"data.path={digits_shards}", *overrides])
+
+
+def test_a_folder_of_another_family_is_refused_naming_the_class(tmp_path, digits_shards):
+    folder = _save(tmp_path / "released", "sana")
+    with pytest.raises(ValueError, match=r"describes a SanaTransformer2DModel, but model.family=pixart"):
+        _fit(["model=pixart_debug", f"init_from={folder}", f"data.path={digits_shards}"])
+
+
+# --------------------------------------------------------------------------------------------
+# The VAE posterior sampled each step, and the horizontal flip
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def posterior_data(tmp_path_factory, tiny_vae_dir) -> dict[str, Path]:
+    """The digits through a tiny KL VAE (RGB, 4x4x4 latents), stored as the posterior's mean and as its distribution."""
+    from data_prep.precompute import precompute
+    from tests.helpers import digits_config
+
+    root = tmp_path_factory.mktemp("posterior")
+    out = {}
+    for posterior in ("mean", "distribution"):
+        out[posterior] = root / posterior
+        precompute(digits_config(out[posterior], vae=str(tiny_vae_dir), image_mode="RGB", posterior=posterior),
+                   rank=0, world_size=1)
+    return out
+
+
+def test_a_distribution_dataset_stores_the_posteriors_mean_and_std(posterior_data, tiny_vae_dir):
+    """posterior=distribution: the rows' latents are the mean dataset's, bit for bit; latents_std is the std of the
+    VAE's posterior for the same pixels (diffusers' own AutoencoderKL); dataset.json says format 4."""
+    from diffusers import AutoencoderKL
+
+    from data_prep.precompute import load_pixels
+    from data_prep.record import DatasetRecord
+    from data_prep.sources.digits import load_digits, to_pixels
+    from tests.helpers import read_rows
+
+    mean, dist = read_rows(posterior_data["mean"]), read_rows(posterior_data["distribution"])
+    assert [r["key"] for r in mean] == [r["key"] for r in dist] and "latents_std" not in mean[0]
+    assert all(np.array_equal(a["latents"], b["latents"]) for a, b in zip(mean, dist))
+    record = DatasetRecord.read(posterior_data["distribution"] / "dataset.json")
+    assert (record.posterior, record.format_version, "latents_std" in record.columns) == ("distribution", 4, True)
+    vae = AutoencoderKL.from_pretrained(tiny_vae_dir).eval()
+    images = load_digits("train")[0]
+    for row in dist[:6]:  # keys digits-train-NNNN#j
+        pixels = load_pixels(to_pixels(images[int(row["key"].split("#")[0].rsplit("-", 1)[1])]), "RGB", 8)
+        with torch.no_grad():
+            std = vae.encode(pixels[None]).latent_dist.std[0]
+        torch.testing.assert_close(torch.from_numpy(row["latents_std"]).float(), std, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("vae", ["pixel", "dc_ae"])
+def test_a_codec_without_a_posterior_refuses_to_store_one(tmp_path, vae):
+    from data_prep.encoders import load_image_codec
+    from tests.helpers import make_tiny_dc_ae
+
+    spec = "pixel" if vae == "pixel" else str(make_tiny_dc_ae(tmp_path / "dc_ae"))
+    with pytest.raises(ValueError, match="posterior=distribution: .*(no posterior|deterministic)"):
+        load_image_codec(spec, posterior="distribution")
+
+
+def _draws(latents, std, hflip, micro, r=0, W=1):
+    from framework.training.module import DiffusionModule
+    from tests.test_captions import rank_at
+
+    return DiffusionModule.draw_latents(rank_at(0, micro, r, W), latents, std, hflip)
+
+
+def test_the_posterior_and_flip_draws_follow_the_step_and_the_global_row_not_the_rank_count():
+    """8 samples over 300 micro-batches: two ranks (rows r, r + 2, ...) draw what one process draws for the same rows;
+    (draw - mean) / std is standard normal, new each micro-batch; a flip mirrors the whole sample, about half the
+    time; without std nor flip the latents are returned as they are."""
+    g = torch.Generator().manual_seed(0)
+    mean, std = torch.randn(8, 4, 4, 4, generator=g), torch.rand(8, 4, 4, 4, generator=g) + 0.5
+    for micro in (0, 7):
+        one = _draws(mean, std, True, micro)
+        two = [_draws(mean[r::2], std[r::2], True, micro, r, 2) for r in range(2)]
+        torch.testing.assert_close(torch.stack([two[i % 2][i // 2] for i in range(8)]), one, rtol=0, atol=0)
+    eps = torch.stack([(_draws(mean, std, False, m) - mean) / std for m in range(300)])  # (300, 8, 4, 4, 4)
+    assert abs(eps.mean().item()) < 0.02 and abs(eps.std().item() - 1) < 0.02  # 38,400 values
+    assert not torch.equal(eps[0], eps[1])
+    flips = []
+    for m in range(300):
+        drawn = _draws(mean, None, True, m)
+        same = [torch.equal(drawn[i], mean[i]) for i in range(8)]
+        mirrored = [torch.equal(drawn[i], mean[i].flip(-1)) for i in range(8)]
+        assert all(a != b for a, b in zip(same, mirrored))
+        flips += mirrored
+    assert 0.45 < sum(flips) / len(flips) < 0.55  # 2,400 coin flips
+    torch.testing.assert_close(_draws(mean, None, False, 3), mean, rtol=0, atol=0)
+
+
+class SeenLatents(pl.Callback):
+    """The latents each training step receives, by sample key."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append({k: x.float().cpu() for k, x in zip(batch["key"], batch["latents"])})
+
+
+def test_training_mirrors_the_samples_it_draws(tmp_path, digits_shards, monkeypatch):
+    """data.hflip=true on the pixel digits: every sample a step receives is its stored latents or their exact mirror,
+    and both happen."""
+    from framework.train import train
+    from tests.helpers import cheap, compose_cfg, read_rows, with_callback
+
+    seen = SeenLatents()
+    with_callback(monkeypatch, seen)
+    train(compose_cfg(cheap(tmp_path, digits_shards, "data.hflip=true", steps=3)))
+    rows = {r["key"]: torch.from_numpy(r["latents"]).float() for r in read_rows(digits_shards)}
+    mirrored = [torch.equal(x, rows[k].flip(-1)) for step in seen.seen for k, x in step.items()]
+    same = [torch.equal(x, rows[k]) for step in seen.seen for k, x in step.items()]
+    asymmetric = [not torch.equal(rows[k], rows[k].flip(-1)) for step in seen.seen for k in step]
+    assert len(same) == 48 and all((a or b) for a, b in zip(same, mirrored))
+    assert any(m and s for m, s in zip(mirrored, asymmetric)) and any(s and a for s, a in zip(same, asymmetric))
+
+
+def test_training_draws_from_the_posterior_and_resumes_exactly(tmp_path, posterior_data, monkeypatch):
+    """A posterior=distribution dataset: each step trains on mean + std * eps with eps standard
+    normal, and a run crashed after step 3 and resumed ends as the uninterrupted run does."""
+    from tests.helpers import crash_and_resume, read_rows, with_callback
+
+    seen = SeenLatents()
+    with_callback(monkeypatch, seen)
+    crash_and_resume(tmp_path, posterior_data["distribution"], ["model=pixart_debug"], monkeypatch)
+    rows = {r["key"]: r for r in read_rows(posterior_data["distribution"])}
+    eps = []
+    for step in seen.seen[:4]:  # the uninterrupted run's
+        for k, x in step.items():
+            mean = (torch.from_numpy(rows[k]["latents"]).float() - 0.1) * 0.5  # the tiny VAE's shift and scale
+            std = torch.from_numpy(rows[k]["latents_std"]).float() * 0.5
+            eps.append((x - mean) / std)
+    eps = torch.stack(eps)  # (64, 4, 4, 4)
+    assert abs(eps.mean().item()) < 0.05 and abs(eps.std().item() - 1) < 0.05
