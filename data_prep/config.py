@@ -63,6 +63,10 @@ class PrecomputeConfig:
     # twice the latent bytes). Recorded in dataset.json. A DC-AE and the pixel codec have no posterior.
     posterior: str = "mean"
     max_tokens: int = 128  # caption token limit (also capped by the tokenizer's model_max_length)
+    # An instruction put before every caption for the text encoder (SANA's Gemma-2 "complex human instruction": copy
+    # the lines of the SANA config you follow); the rows keep the first token and the window of max_tokens - 1 from the
+    # instruction's last token on, so the caption keeps its room (data_prep/encoders.py TextEncoder). null: none.
+    text_prefix: Optional[str] = None
     prompts: Optional[list[str]] = None  # grid prompts encoded with the data (training never loads the text
     # encoder for them); null: the source's own (digits: the ten digits), else the first 8 distinct captions
     batch_size: int = 64  # images per encoder call

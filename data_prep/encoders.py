@@ -166,9 +166,15 @@ def minilm_path() -> Path:
 
 
 class TextEncoder:
-    """captions -> per-token last hidden states, trimmed to each caption's real token count."""
+    """captions -> per-token last hidden states, trimmed to each caption's real token count.
 
-    def __init__(self, path: Path, name: str, device: str, dtype: torch.dtype, max_tokens: int) -> None:
+    prefix: an instruction put before every caption (SANA's Gemma-2 "complex human instruction", arXiv 2410.10629
+    section 2.3). The model then reads prefix + caption, at most the prefix's tokens + max_tokens - 2, and the rows keep
+    the first token and the window from the prefix's last token on: at most max_tokens, the caption's own tokens with
+    the states the instruction gave them (the token selection of SANA's training code, select_index)."""
+
+    def __init__(self, path: Path, name: str, device: str, dtype: torch.dtype, max_tokens: int,
+                 prefix: str | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; never reach for the hub
         import transformers as tf
 
@@ -196,24 +202,33 @@ class TextEncoder:
         self.dim = int(getattr(self.model.config, "hidden_size", None) or self.model.config.d_model)
         model_max = getattr(self.tokenizer, "model_max_length", max_tokens) or max_tokens
         self.max_tokens = int(min(max_tokens, model_max))
+        # Captions are padded on the right whatever the tokenizer's default (Gemma-2's is left): each row keeps its real
+        # tokens, which the attention mask keeps apart from the padding, in an encoder or a causal decoder alike.
+        self.tokenizer.padding_side = "right"
+        self.prefix = prefix or None
+        self.prefix_tokens = len(self.tokenizer(self.prefix).input_ids) if self.prefix else 0
 
     @torch.inference_mode()
     def encode(self, captions: list[str]) -> list[torch.Tensor]:
-        """-> one float32 (L_i, D) tensor per caption, L_i = its real token count (no padding)."""
-        tok = self.tokenizer(captions, padding=True, truncation=True, max_length=self.max_tokens,
-                             return_tensors="pt").to(self.device)
+        """-> one float32 (L_i, D) tensor per caption, L_i = its real token count (no padding); with a prefix, the first
+        token and the window from the prefix's last token on (see the class)."""
+        texts = [self.prefix + c for c in captions] if self.prefix else captions
+        length = self.prefix_tokens + self.max_tokens - 2 if self.prefix else self.max_tokens
+        tok = self.tokenizer(texts, padding=True, truncation=True, max_length=length, return_tensors="pt").to(self.device)
         hidden = self.model(input_ids=tok.input_ids, attention_mask=tok.attention_mask).last_hidden_state
         lengths = tok.attention_mask.sum(1).tolist()
-        # Right padding is assumed when trimming; tokenizers padding left would be cut wrong.
-        if getattr(self.tokenizer, "padding_side", "right") != "right":
-            raise ValueError(f"text_encoder={self.name}: tokenizer pads on the left; set padding_side='right'.")
-        return [hidden[i, :n].float().cpu() for i, n in enumerate(lengths)]  # (L_i, D)
+        if not self.prefix:
+            return [hidden[i, :n].float().cpu() for i, n in enumerate(lengths)]  # (L_i, D)
+        start = self.prefix_tokens - 1
+        return [torch.cat([hidden[i, :1], hidden[i, start:n]]).float().cpu() for i, n in enumerate(lengths)]
 
 
 def load_text_encoder(spec: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                      max_tokens: int = 128) -> TextEncoder:
-    """"minilm" or a local transformers folder (CLIP text model, T5 encoder, BERT-style)."""
+                      max_tokens: int = 128, prefix: str | None = None) -> TextEncoder:
+    """"minilm" or a local transformers folder (CLIP text model, T5 encoder, Gemma-2 decoder, BERT-style). max_tokens
+    and prefix: as precompute encoded the dataset (dataset.json's text_encoder records both)."""
     path = minilm_path() if spec == "minilm" else Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(f"text_encoder={spec}: not 'minilm' and not a local folder.")
-    return TextEncoder(path, spec if spec == "minilm" else str(path), device, resolve_dtype(device, dtype), max_tokens)
+    return TextEncoder(path, spec if spec == "minilm" else str(path), device, resolve_dtype(device, dtype), max_tokens,
+                       prefix)

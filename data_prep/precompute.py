@@ -102,7 +102,8 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
     # Only when set, like the keys below: datasets built without them keep their fingerprints.
     optional = {"text_storage": cfg.text_storage if cfg.text_storage != "fp16" else None, "min_size": cfg.min_size,
                 "max_aspect": cfg.max_aspect, "filters": cfg.filters or None,
-                "caption_layout": cfg.caption_layout if cfg.caption_layout != "per_caption" else None}
+                "caption_layout": cfg.caption_layout if cfg.caption_layout != "per_caption" else None,
+                "text_prefix": cfg.text_prefix or None}
     content.update({k: v for k, v in optional.items() if v is not None})
     if cfg.width is not None:
         content["width"] = cfg.width
@@ -554,7 +555,8 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior),
         fingerprint=fp["fingerprint"],
         image_codec={"name": cfg.vae, "class": codec.class_name},
-        text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens},
+        text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens,
+                      **({"prefix": text.prefix} if text.prefix else {})},
         latent_channels=int(latent_shape[0]),
         latent_size=[int(latent_shape[1]), int(latent_shape[2])],
         downsample=codec.downsample,
@@ -629,7 +631,7 @@ def _encoders(cfg: PrecomputeConfig, source, device: str) -> tuple[ImageCodec, T
         from data_prep.buckets import resolve_buckets
 
         buckets = resolve_buckets(cfg.buckets, 2 * codec.downsample)
-    return codec, load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens), mode, buckets
+    return codec, load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens, cfg.text_prefix), mode, buckets
 
 
 def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None) -> Path | str:

@@ -45,7 +45,7 @@ class DatasetRecord:
     """What a dataset's latents and text embeddings are and how they were made."""
 
     image_codec: dict[str, Any]  # {"name": pixel | a VAE folder, "class"}
-    text_encoder: dict[str, Any]  # {"name": minilm | a folder, "class", "max_tokens"}
+    text_encoder: dict[str, Any]  # {"name": minilm | a folder, "class", "max_tokens", "prefix" (only when one is set)}
     latent_channels: int
     latent_size: list[int]  # [h, w] of every latent (the base size when bucketed)
     text_dim: int

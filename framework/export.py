@@ -112,9 +112,13 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     if family == "dit" and denoiser.cfg.num_classes != 1000:
         print(f"export: stock {pipeline_name} guides with class 1000 as the null class (ImageNet's); this model has "
               f"{denoiser.cfg.num_classes} classes: sample it with guidance_scale=1 there, or with framework.sample")
-    if family == "sana":
+    if family == "sana" and not info.get("text_settings", {}).get("prefix"):
         print(f"export: stock {pipeline_name} puts Gemma-2's instruction text before each prompt; this model was trained "
               "on its captions as they are: call the pipeline with complex_human_instruction=None")
+    elif family == "sana":
+        print(f"export: this model was trained with precompute's text_prefix before each caption: call stock "
+              f"{pipeline_name} with complex_human_instruction set to its lines (its default is its own instruction) "
+              f"and max_sequence_length={info['text_settings'].get('max_tokens')}")
     if family == "unet":
         print(f"export: stock {pipeline_name} pads prompts to the tokenizer's length and attends to the padding; "
               "LatentForge trained on each caption's own tokens (masked), so its images can differ from framework.sample's")
@@ -123,7 +127,7 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     elif abs(float(info.get("shift_factor", 0.0))) > 0:
         print(f"export: the VAE has shift_factor={info['shift_factor']}; stock {pipeline_name} decodes without it")
     if family != "dit":
-        text = load_text_encoder(info["text_encoder"])
+        text = load_text_encoder(info["text_encoder"], **info.get("text_settings", {}))
         parts.update(text_encoder=text.model, tokenizer=text.tokenizer)
     if family == "unet":
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)

@@ -114,6 +114,28 @@ def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0, voc
     return root
 
 
+def make_tiny_gemma2(root: Path, words: list[str], seed: int = 0) -> Path:
+    """A random 2-layer Gemma2Model (SANA's text encoder is Gemma-2's decoder) with a word-level GemmaTokenizerFast of
+    `words` set up as Gemma-2's is: a BOS token first, padding on the left."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma2Config, Gemma2Model, GemmaTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    GemmaTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                       padding_side="left", add_bos_token=True, add_eos_token=False,
+                       model_max_length=512).save_pretrained(root)
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                       pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    Gemma2Model(cfg).save_pretrained(root)
+    return Path(root)
+
+
 def make_image_folder(root: Path, n: int = 6, size: int = 20, seed: int = 0) -> Path:
     """n random RGB PNGs with same-named .txt captions, half of them in a sub-folder."""
 

@@ -557,6 +557,17 @@ MUTANTS = [
            "its std",
            (("framework/data/datamodule.py", '        if "latents_std" in samples[0]:', '        if False:'),),
            ("tests/test_recipes.py::test_training_draws_from_the_posterior_and_resumes_exactly",)),
+    Mutant("text_prefix_ignored", "precompute's text_prefix is not put before the captions",
+           (("data_prep/encoders.py", "        texts = [self.prefix + c for c in captions] if self.prefix else captions",
+             "        texts = captions"),),
+           ("tests/test_recipes.py::test_gemma2_captions_are_encoded_as_sanas_training_code_selects_them",)),
+    Mutant("text_window_off_by_one", "the token window after the instruction starts one token late",
+           (("data_prep/encoders.py", "        start = self.prefix_tokens - 1", "        start = self.prefix_tokens"),),
+           ("tests/test_recipes.py::test_gemma2_captions_are_encoded_as_sanas_training_code_selects_them",)),
+    Mutant("text_settings_not_carried", "sampling encodes prompts without the dataset's instruction and token window",
+           (("framework/data/datamodule.py", '                              if k in ("max_tokens", "prefix")},',
+             '                              if k in ()},'),),
+           ("tests/test_recipes.py::test_gemma2_captions_are_encoded_as_sanas_training_code_selects_them",)),
 ]
 
 

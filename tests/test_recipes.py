@@ -270,3 +270,56 @@ def test_training_draws_from_the_posterior_and_resumes_exactly(tmp_path, posteri
             eps.append((x - mean) / std)
     eps = torch.stack(eps)  # (64, 4, 4, 4)
     assert abs(eps.mean().item()) < 0.05 and abs(eps.std().item() - 1) < 0.05
+
+
+# --------------------------------------------------------------------------------------------
+# SANA's text encoding: Gemma-2 as it is, an instruction before each caption, a token window
+# --------------------------------------------------------------------------------------------
+
+INSTRUCTION = "you are an assistant describe the image in detail with colors and shapes:"
+WORDS = [*INSTRUCTION.split(), "a", "random", "picture", "number", "with", "stripes", *map(str, range(6))]
+
+
+@pytest.mark.parametrize("prefix", [None, INSTRUCTION])
+def test_gemma2_captions_are_encoded_as_sanas_training_code_selects_them(tmp_path, prefix):
+    """A tiny Gemma-2 (its tokenizer pads on the left, as Gemma-2's does) is accepted. With text_prefix, each row
+    is what SANA's training code keeps of prefix + caption tokenised to the prefix's length + max_tokens - 2 (padded to
+    that length on the right): the first token and the last max_tokens - 1 positions, those the mask marks as real.
+    Without, each row is the caption encoded alone. dataset.json records the prefix and the window, so prompts are
+    encoded the same way at sampling (the data module's summary for the pipeline)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from data_prep.precompute import precompute
+    from framework.data.datamodule import read_dataset_info
+    from framework.data.text_storage import decode_text
+    from tests.helpers import make_image_folder, make_tiny_gemma2, read_rows
+
+    gemma = make_tiny_gemma2(tmp_path / "gemma", WORDS)
+    src = make_image_folder(tmp_path / "imgs", n=6)
+    window = 6  # shorter than the longer captions (up to 11 tokens): the window cuts them
+    cfg = {"source": {"name": "folder", "path": str(src)}, "vae": "pixel", "text_encoder": str(gemma),
+           "resolution": 8, "max_tokens": window, "out": str(tmp_path / "ds"), "progress": False}
+    precompute({**cfg, "text_prefix": prefix} if prefix else cfg, rank=0, world_size=1)
+    rows = read_rows(tmp_path / "ds")
+
+    tok, model = AutoTokenizer.from_pretrained(gemma), AutoModel.from_pretrained(gemma).eval()
+    assert tok.padding_side == "left"
+    for row in rows:
+        caption = row["caption"]
+        with torch.no_grad():
+            if prefix is None:
+                ids = tok(caption, truncation=True, max_length=window, return_tensors="pt").input_ids
+                want = model(input_ids=ids).last_hidden_state[0]
+            else:
+                tok.padding_side = "right"  # as SANA's code sets it
+                n = len(tok(prefix).input_ids)
+                t = tok(prefix + caption, max_length=n + window - 2, padding="max_length", truncation=True,
+                        return_tensors="pt")
+                hidden = model(input_ids=t.input_ids, attention_mask=t.attention_mask).last_hidden_state[0]
+                select = [0, *range(-window + 1, 0)]
+                want = hidden[select][t.attention_mask[0, select].bool()]
+        got = decode_text(row, "fp16").float()
+        assert got.shape == want.shape, (caption, got.shape, want.shape)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    settings = read_dataset_info(str(tmp_path / "ds")).summary()["text_settings"]
+    assert settings == ({"max_tokens": window} | ({"prefix": prefix} if prefix else {}))

@@ -169,6 +169,9 @@ class DatasetInfo:
             "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
             "prompts": list(self.prompt_embeds), "prompt_embeds": dict(self.prompt_embeds),
             "downsample": self.downsample, "buckets": [list(b["latent_size"]) for b in self.buckets],
+            # how prompts are encoded as the captions were (load_text_encoder's max_tokens and prefix)
+            "text_settings": {k: v for k, v in (self.record.text_encoder if self.record else {}).items()
+                              if k in ("max_tokens", "prefix")},
         }
 
 

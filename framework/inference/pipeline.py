@@ -188,7 +188,8 @@ class Pipeline:
             if self._text_encoder is None:
                 from data_prep.encoders import load_text_encoder
 
-                self._text_encoder = load_text_encoder(self.info["text_encoder"], device=self.device)
+                self._text_encoder = load_text_encoder(self.info["text_encoder"], device=self.device,
+                                                       **self.info.get("text_settings", {}))
             for p, e in zip(todo, self._text_encoder.encode(list(todo))):
                 self._cache[p] = e.float().cpu()
         return [self._cache[p] for p in prompts]
