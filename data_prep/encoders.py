@@ -174,17 +174,20 @@ class TextEncoder:
     the states the instruction gave them (the token selection of SANA's training code, select_index)."""
 
     def __init__(self, path: Path, name: str, device: str, dtype: torch.dtype, max_tokens: int,
-                 prefix: str | None = None) -> None:
+                 prefix: str | None = None, tokenizer: Path | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; never reach for the hub
         import transformers as tf
 
+        tokenizer = tokenizer or path
+        if (path / "model_index.json").is_file():  # a diffusers pipeline folder: its text_encoder/
+            path = path / "text_encoder"
         cfg = _read_config(path)
         if "_class_name" in cfg:
             raise ValueError(f"text_encoder={path}: this is a diffusers {cfg['_class_name']} folder, "
                              "not a transformers text encoder.")
         try:
             config = tf.AutoConfig.from_pretrained(path)
-            self.tokenizer = tf.AutoTokenizer.from_pretrained(path)
+            self.tokenizer = tf.AutoTokenizer.from_pretrained(tokenizer)
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"text_encoder={path}: not a transformers text encoder with a tokenizer ({err}).") from None
         model_type = config.model_type
@@ -231,4 +234,17 @@ def load_text_encoder(spec: str, device: str = "cpu", dtype: str | torch.dtype |
     if not path.is_dir():
         raise ValueError(f"text_encoder={spec}: not 'minilm' and not a local folder.")
     return TextEncoder(path, spec if spec == "minilm" else str(path), device, resolve_dtype(device, dtype), max_tokens,
-                       prefix)
+                       prefix, tokenizer_folder(path))
+
+
+def tokenizer_folder(path: Path) -> Path:
+    """Where the tokenizer of the text encoder in `path` lives: the folder itself, or, for a diffusers pipeline folder
+    (model_index.json; the encoder in text_encoder/) and for such a pipeline's text_encoder/ given directly, the
+    pipeline's tokenizer/."""
+    if (path / "model_index.json").is_file():
+        return path / "tokenizer"
+    sibling = path.parent / "tokenizer"
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")) \
+            and (path.parent / "model_index.json").is_file() and sibling.is_dir():
+        return sibling
+    return path

@@ -143,6 +143,8 @@ def test_dit_null_labels_are_the_extra_class_and_dropout_is_ours():
 PUBLISHED = {
     "pixart_xl_2_256": 611e6, "pixart_xl_2_512": 611e6, "sana_600m_512": 590e6,
     "sana_1600m_1024": 1.6e9, "dit_xl_2_256": 675e6, "sd2_base": 865e6,
+    # PixArt-Sigma keeps PixArt-alpha's XL/2 (arXiv 2403.04692); SANA-1.5 1.6B and 4.8B (arXiv 2501.18427)
+    "pixart_sigma_xl_2_512": 611e6, "pixart_sigma_xl_2_1024": 611e6, "sana15_1600m_1024": 1.6e9, "sana15_4800m_1024": 4.8e9,
 }
 
 

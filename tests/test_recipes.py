@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from framework import config as config_lib
 from framework.data.datamodule import split_global_batch
 from framework.training.optim import OptimizerConfig, scaled_lr
-from tests.helpers import CONF
+from tests.helpers import CONF, compose_cfg
 
 config_lib.register()
 
@@ -323,3 +323,132 @@ def test_gemma2_captions_are_encoded_as_sanas_training_code_selects_them(tmp_pat
         torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     settings = read_dataset_info(str(tmp_path / "ds")).summary()["text_settings"]
     assert settings == ({"max_tokens": window} | ({"prefix": prefix} if prefix else {}))
+
+
+# --------------------------------------------------------------------------------------------
+# Each real-size experiment against the configuration it cites
+# --------------------------------------------------------------------------------------------
+
+def recipe_table(path: Path) -> list[tuple[str, str, str, str]]:
+    """The key table in an experiment file's header: comment lines `# | key | source | ours | note |` (the header
+    row and the separator skipped) as (key, source value, our value, note)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("# |"):
+            continue
+        cells = [c.strip() for c in line[2:].strip().strip("|").split("|")]
+        if cells[0] in ("key", "---") or set(cells[0]) <= {"-"}:
+            continue
+        assert len(cells) == 4, f"{path.name}: a table row needs 4 cells: {line}"
+        rows.append(tuple(cells))
+    return rows
+
+
+def _value(cell: str):
+    """A table cell as the config holds it: YAML, with 1e-4 read as a number (YAML 1.1 wants 1.0e-4)."""
+    import yaml
+
+    def number(value):
+        if isinstance(value, list):
+            return [number(v) for v in value]
+        try:
+            return float(value) if isinstance(value, str) else value
+        except ValueError:
+            return value
+
+    return number(yaml.safe_load(cell))
+
+
+RECIPES = sorted(p for p in (CONF / "experiment").glob("*.yaml") if "override /data: shards" in p.read_text())
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_each_real_size_experiment_equals_the_table_of_the_config_it_cites(path):
+    """The composed experiment has, key by key, the value its table says is ours; where ours differs from the source's,
+    the note says why; and the table covers the keys a recipe must state."""
+    table = recipe_table(path)
+    assert table, f"{path.name} has no key table in its header"
+    cfg = compose_cfg([f"experiment={path.stem}", "data.path=DIR"])
+    for key, source, ours, note in table:
+        from omegaconf import OmegaConf
+
+        got = OmegaConf.to_container(cfg, resolve=True)
+        for part in key.split("."):
+            assert isinstance(got, dict) and part in got, f"{path.name}: {key} is not a config key"
+            got = got[part]
+        assert got == _value(ours), f"{path.name}: {key} is {got!r}, the table says {ours}"
+        if _value(source) != _value(ours):
+            assert note, f"{path.name}: {key} differs from the source ({source} vs {ours}) without a reason"
+    keys = {row[0] for row in table}
+    must = {"optimizer.name", "optimizer.lr", "optimizer.weight_decay", "optimizer.warmup_steps",
+            "trainer.gradient_clip_val", "data.global_batch_size", "objective.name", "trainer.precision"}
+    assert must <= keys, f"{path.name}: the table leaves out {sorted(must - keys)}"
+
+
+# --------------------------------------------------------------------------------------------
+# The fine-tuning recipe end to end (docs/finetune.md), on a debug-size released folder
+# --------------------------------------------------------------------------------------------
+
+
+def _released_pipeline(root: Path) -> Path:
+    """A debug-size stand-in for a downloaded PixArt-Sigma pipeline folder: model_index.json, transformer/ (the
+    pixart_debug sizes with a learned variance, 32-wide captions), vae/ (a tiny KL VAE), text_encoder/ (a tiny T5
+    encoder) and tokenizer/, each where diffusers puts it."""
+    from transformers import T5Config, T5EncoderModel
+
+    from framework.models.backbones import FAMILIES, diffusers_kwargs, load_preset
+    from tests.helpers import make_tiny_text_encoder, make_tiny_vae
+
+    root.mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "PixArtSigmaPipeline"}))
+    make_tiny_vae(root / "vae")
+    words = "a random picture number with stripes 0 1 2 3 4 5".split()
+    make_tiny_text_encoder(root / "tokenizer", vocab=words)  # its tokenizer files (and a BERT the recipe never reads)
+    vocab = sum(1 for _ in open(root / "tokenizer" / "vocab.txt", encoding="utf-8"))
+    torch.manual_seed(1)
+    T5EncoderModel(T5Config(vocab_size=vocab, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)).save_pretrained(
+        root / "text_encoder")
+    torch.manual_seed(2)
+    FAMILIES["pixart"](**diffusers_kwargs(load_preset("pixart_debug", in_channels=4, text_dim=32))).save_pretrained(
+        root / "transformer")
+    return root
+
+
+def test_the_finetune_recipe_runs_from_a_released_folder_to_a_sampled_export(tmp_path):
+    """docs/finetune.md's commands on a debug-size released folder: precompute with the folder's own VAE and text
+    encoder, train experiment=pixart_sigma_finetune from its weights (the EMA starts at them and stays within the
+    2 steps' reach), sample the checkpoint, export it as a diffusers pipeline."""
+    import sys
+
+    from diffusers import PixArtTransformer2DModel
+
+    from data_prep.precompute import precompute
+    from framework.inference.checkpoint import model_weights, read_checkpoint
+    from framework.train import train
+    from tests import zygote
+    from tests.helpers import ROOT, make_image_folder
+
+    released = _released_pipeline(tmp_path / "PixArt-Sigma-XL-2-512-MS")
+    images = make_image_folder(tmp_path / "images", n=8, size=20)
+    precompute({"source": {"name": "folder", "path": str(images)}, "vae": str(released), "text_encoder": str(released),
+                "max_tokens": 300, "resolution": 16, "posterior": "distribution", "out": str(tmp_path / "data"),
+                "progress": False}, rank=0, world_size=1)
+    out = train(compose_cfg([
+        "experiment=pixart_sigma_finetune", "model=pixart_debug", f"init_from={released}",
+        f"data.path={tmp_path / 'data'}", f"data.local={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}",
+        "strategy=single", "trainer.accelerator=cpu", "trainer.precision=32-true", "data.num_workers=0",
+        "trainer.max_steps=2", "sample.every_n_steps=0", "sample.steps=2", "trainer.enable_progress_bar=false"]))
+    ema = model_weights(read_checkpoint(out["checkpoint"]), "ema")
+    start = PixArtTransformer2DModel.from_pretrained(released / "transformer").state_dict()
+    for k, v in start.items():  # EMA 0.9999 of 2 steps at lr ~ 2e-5 x sqrt(2 / 256) from the released weights
+        torch.testing.assert_close(ema[f"net.{k}"], v, atol=1e-6, rtol=0)
+    sampled = zygote.run([sys.executable, "-m", "framework.sample", f"ckpt={out['checkpoint']}",
+                          f"out={tmp_path / 'samples'}", "prompts=[a random picture number 3]", "steps=2",
+                          f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    assert (tmp_path / "samples" / "grid.png").is_file()
+    exported = zygote.run([sys.executable, "-m", "framework.export", f"ckpt={out['checkpoint']}",
+                           f"out={tmp_path / 'export'}", "format=diffusers", f"hydra.run.dir={tmp_path / 'hydra2'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "export" / "transformer" / "config.json").is_file()
