@@ -26,7 +26,9 @@ class SourceConfig:
     scenes: int = 1200  # shapes: synthetic mixed-aspect scenes (a third each wide, tall, square)
     recursive: bool = True  # folder: search sub-folders too
     image_key: str = "image"  # manifest: column holding the image path
-    caption_key: str = "caption"  # manifest: column holding the caption
+    # manifest: column holding the caption; null for a manifest of labels only (ImageNet-style, with text_encoder=none):
+    # each image is captioned "class N", which grids and framework.sample read as label N
+    caption_key: Optional[str] = "caption"
     label_key: Optional[str] = "label"  # manifest: integer class column, used when present
 
     def __post_init__(self) -> None:
@@ -46,7 +48,9 @@ class PrecomputeConfig:
 
     source: SourceConfig = field(default_factory=SourceConfig)
     vae: str = "pixel"  # "pixel" or a local diffusers AutoencoderKL/AutoencoderDC folder
-    text_encoder: str = "minilm"  # "minilm" or a local transformers text-encoder folder
+    # "minilm", a local transformers text-encoder folder, or "none": no captions encoded, for a class-conditional model
+    # that reads the source's class labels only (DiT); the source must have labels
+    text_encoder: str = "minilm"
     resolution: int = 8  # images are resized (shorter side) and center-cropped to this square size
     width: Optional[int] = None  # non-square output (resolution x width, e.g. digit pairs 8x16); null = square
     # aspect-ratio buckets (data_prep/buckets.py): pixart_256 | pixart_512 | pixart_1024 | sdxl | [[h, w], ...]; each

@@ -226,10 +226,25 @@ class TextEncoder:
         return [torch.cat([hidden[i, :1], hidden[i, start:n]]).float().cpu() for i, n in enumerate(lengths)]
 
 
+class NoTextEncoder:
+    """text_encoder=none, for a class-conditional model that reads class labels and no captions (DiT): every caption
+    is one token of width 0, so rows, the empty caption and the grid prompts keep their places at no cost."""
+
+    name = class_name = "none"
+    dim = max_tokens = prefix_tokens = 0
+    prefix = None
+
+    def encode(self, captions: list[str]) -> list[torch.Tensor]:
+        return [torch.zeros(1, 0) for _ in captions]
+
+
 def load_text_encoder(spec: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                      max_tokens: int = 128, prefix: str | None = None) -> TextEncoder:
-    """"minilm" or a local transformers folder (CLIP text model, T5 encoder, Gemma-2 decoder, BERT-style). max_tokens
-    and prefix: as precompute encoded the dataset (dataset.json's text_encoder records both)."""
+                      max_tokens: int = 128, prefix: str | None = None) -> TextEncoder | NoTextEncoder:
+    """"minilm", "none" (no captions: NoTextEncoder) or a local transformers folder (CLIP text model, T5 encoder,
+    Gemma-2 decoder, BERT-style). max_tokens and prefix: as precompute encoded the dataset (dataset.json's
+    text_encoder records both)."""
+    if spec == "none":
+        return NoTextEncoder()
     path = minilm_path() if spec == "minilm" else Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(f"text_encoder={spec}: not 'minilm' and not a local folder.")

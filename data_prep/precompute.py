@@ -94,7 +94,8 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
             source.pop(field_)
     content = {
         "source": source, "vae": resolve(cfg.vae, "pixel"),
-        "text_encoder": resolve(cfg.text_encoder, "minilm"), "resolution": cfg.resolution,
+        "text_encoder": cfg.text_encoder if cfg.text_encoder == "none" else resolve(cfg.text_encoder, "minilm"),
+        "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
         "shard_size": cfg.shard_size, "compression": cfg.compression,
         "format_version": record_version(cfg.text_storage, cfg.caption_layout, cfg.posterior),
@@ -222,8 +223,9 @@ class CaptionCache:
 
 
 def _columns(source, buckets: list[tuple[int, int]] | None, text_storage: str,
-             caption_layout: str = "per_caption", posterior: str = "mean") -> dict[str, str]:
-    columns = {"latents": "ndarray:float16", **storage.text_columns(text_storage)}
+             caption_layout: str = "per_caption", posterior: str = "mean", text: bool = True) -> dict[str, str]:
+    """The rows' MDS columns; text=False (text_encoder=none): no text embedding columns."""
+    columns = {"latents": "ndarray:float16", **(storage.text_columns(text_storage) if text else {})}
     if posterior == "distribution":  # the posterior's std beside its mean (latents): training samples it
         columns["latents_std"] = "ndarray:float16"
     if caption_layout == "per_image":  # every caption's tokens one after the other, and where each ends
@@ -363,6 +365,7 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
             rows = [(emb, {"caption": caption, "key": f"{r.key}#{j}"}) for j, (caption, emb) in
                     enumerate(zip(r.captions, embs))]
         for text, rest in rows:
+            text = text if "text_embeds" in columns else {}  # text_encoder=none: class labels only
             row = {"latents": lat, **spread, **text, **rest}
             if "label" in columns:
                 row["label"] = int(r.label)
@@ -389,7 +392,7 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
     from streaming import MDSWriter
 
     folders = part_folders(index, buckets)
-    columns = _columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior)
+    columns = _columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior, cfg.text_encoder != "none")
     stats = {"records": 0, "images": 0, "rows": 0, "captions": 0, "bad_images": 0, "missing_captions": 0, "examples": [],
              "first_captions": [], "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0),
              "column_bytes": {"latents": 0, "text": 0}}
@@ -572,7 +575,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         num_classes=source.num_classes,
         empty_caption=EMPTY_CAPTION_FILE,
         prompts={"file": PROMPTS_FILE, "texts": prompts},
-        columns=list(_columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior)),
+        columns=list(_columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior, cfg.text_encoder != "none")),
         text_storage=cfg.text_storage,
         caption_layout=cfg.caption_layout,
         num_captions=sum(s.get("captions", s["rows"]) for s in stats),  # a part of an older run: a row per caption
@@ -621,6 +624,11 @@ def _scratch(cfg: PrecomputeConfig, rank: int) -> Path | None:
 
 def _encoders(cfg: PrecomputeConfig, source, device: str) -> tuple[ImageCodec, TextEncoder, str, list | None]:
     """(image codec, text encoder, image mode, resolved buckets or None)."""
+    if cfg.text_encoder == "none" and cfg.caption_layout != "per_caption":
+        raise ValueError("text_encoder=none encodes no captions to choose from: use caption_layout=per_caption")
+    if cfg.text_encoder == "none" and source.num_classes is None:
+        raise ValueError(f"text_encoder=none encodes no captions, so the rows must carry class labels, and source="
+                         f"{cfg.source.name} has none (a manifest needs its label_key column); use a text encoder")
     mode = cfg.image_mode or (source.default_image_mode if cfg.vae == "pixel" else "RGB")
     codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior)
     for key, side in (("resolution", cfg.resolution), ("width", cfg.width)):

@@ -51,6 +51,10 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     weights = fit_model_to_weights(dcfg, rank)
     build_missing(data, rank)
     info = read_dataset_info(data.path, data.local)
+    if info.text_dim == 0 and dcfg.model.family != "dit":
+        raise ValueError(f"data.path={data.path} holds no captions ({info.path}: text_encoder=none, class labels only); "
+                         f"model.family={dcfg.model.family} needs caption embeddings: train model.family=dit (a dit "
+                         "preset) on it, or precompute the data with a text encoder")
     chosen, changed = chosen_model_keys(dcfg), []
     for key, value in data_model_fields(info, dcfg.model.family).items():
         current = dcfg.model.get(key)

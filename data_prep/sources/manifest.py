@@ -44,7 +44,7 @@ class ManifestSource(ImageCaptionSource):
             self.table = pd.read_json(path, lines=path.suffix == ".jsonl")
         else:
             raise ValueError(f"source.path={path}: a manifest must be .parquet or .jsonl")
-        for key in (cfg.image_key, cfg.caption_key):
+        for key in (cfg.image_key, cfg.caption_key or cfg.image_key):
             if key not in self.table.columns:
                 raise ValueError(
                     f"source.path={path}: no column {key!r} (columns: {list(self.table.columns)}); "
@@ -55,6 +55,9 @@ class ManifestSource(ImageCaptionSource):
         self.label_key = cfg.label_key if has_labels else None
         if self.label_key:
             self.num_classes = int(self.table[self.label_key].max()) + 1
+        elif not cfg.caption_key:
+            raise ValueError(f"source.path={path}: source.caption_key=null needs class labels, and the manifest has no "
+                             f"column {cfg.label_key!r} (source.label_key)")
 
     def shard_records(self, shard: list[int]) -> Iterator[Record]:
         start, stop = shard
@@ -63,8 +66,8 @@ class ManifestSource(ImageCaptionSource):
             image = Path(str(row[self.cfg.image_key])).expanduser()
             image = image if image.is_absolute() else self.base / image
             label = int(row[self.label_key]) if self.label_key else None
-            yield Record(key=f"{i}:{image.name}", image=image, captions=_clean_caption(row[self.cfg.caption_key]),
-                         label=label)
+            captions = _clean_caption(row[self.cfg.caption_key]) if self.cfg.caption_key else [f"class {label}"]
+            yield Record(key=f"{i}:{image.name}", image=image, captions=captions, label=label)
 
     def size(self) -> int | None:
         return len(self.table)

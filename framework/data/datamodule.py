@@ -350,6 +350,9 @@ class LatentCollate:
             batch["caption_embeds"], batch["caption_mask"] = pad_and_stack([e for each in embeds for e in each])
             batch["caption_counts"] = torch.tensor([len(each) for each in embeds], dtype=torch.long)
             batch["captions"] = [c for s in samples for c in s["captions"]]
+        elif "text_embeds" not in samples[0]:  # text_encoder=none (class labels only): one empty token a sample
+            text, mask = torch.zeros(len(samples), 1, 0), torch.ones(len(samples), 1, dtype=torch.bool)
+            batch.update(text_embeds=text, text_mask=mask, caption=[s["caption"] for s in samples])
         else:
             text, mask = pad_and_stack([decode_text(s, self.text_storage) for s in samples])  # (B, L, D), (B, L)
             batch.update(text_embeds=text, text_mask=mask, caption=[s["caption"] for s in samples])

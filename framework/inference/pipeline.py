@@ -37,7 +37,7 @@ def with_encoders(info: dict[str, Any], vae: str | None = None, text_encoder: st
     info = {**info, **({"image_codec": vae} if vae else {}), **({"text_encoder": text_encoder} if text_encoder else {})}
     checks = [(info["image_codec"], keys[0], "VAE")] + ([(info["text_encoder"], keys[1], "text encoder")] if text else [])
     for spec, key, what in checks:
-        if spec == "pixel":
+        if spec in ("pixel", "none"):
             continue
         # As load_text_encoder resolves it; minilm_path() itself says when its package is not installed.
         path = minilm_path() if spec == "minilm" else Path(spec).expanduser()
