@@ -59,12 +59,18 @@ class TrainerConfig:
     refused otherwise."""
     enable_progress_bar: bool = True
     """Show the progress bar."""
+    memory_limit_gb: float | None = None
+    """The memory a rank may use: a run predicted to need more is refused at start-up with the prediction and the keys
+    that lower it (framework/training/memory.py); null: the GPU's memory, or the host's RAM on a CPU; 0: no check."""
 
     def __post_init__(self) -> None:
         if self.max_steps <= 0:
             raise ValueError(f"trainer.max_steps={self.max_steps} must be > 0")
         if self.accumulate_grad_batches < 1:
             raise ValueError(f"trainer.accumulate_grad_batches={self.accumulate_grad_batches} must be >= 1")
+        if self.memory_limit_gb is not None and self.memory_limit_gb < 0:
+            raise ValueError(f"trainer.memory_limit_gb={self.memory_limit_gb} must be >= 0 (0: no check; null: the "
+                             "device's memory)")
         if self.keep_checkpoints < 0:
             raise ValueError(f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 "
                              "(how many numbered checkpoints to keep besides last.ckpt; 0 keeps only last.ckpt)")

@@ -138,6 +138,22 @@ def apply_global_batch(cfg: TrainConfig, trainer: pl.Trainer) -> None:
                    f"(data.batch_size={asked} is the most a device takes)")
 
 
+def check_memory(cfg: TrainConfig, trainer: pl.Trainer) -> None:
+    """Refuse, before anything is trained, a run predicted to need more memory than a rank has
+    (framework/training/memory.py; trainer.memory_limit_gb)."""
+    from framework.training import memory
+
+    limit = cfg.trainer.memory_limit_gb
+    if limit == 0:
+        return
+    plan = memory.plan_run(cfg, trainer.world_size)
+    if limit is None:
+        available, what = memory.available_bytes(trainer.strategy.root_device)
+    else:
+        available, what = limit * memory.GIB, "trainer.memory_limit_gb ="
+    memory.check(plan, available, what)
+
+
 def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     if cfg.resume in (None, "", "null"):
         return None
@@ -207,6 +223,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     trainer = build_trainer(cfg, run_dir, callbacks)
     if cfg.data.global_batch_size is not None:
         apply_global_batch(cfg, trainer)
+    check_memory(cfg, trainer)
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)
     # Checkpoints land every N steps; FinalCheckpoint (added by build_trainer) writes the final state too.

@@ -755,6 +755,9 @@ KEYS: dict[str, dict] = {
         "tests/test_train.py::test_a_resume_with_another_global_batch_is_refused_unless_asked_for",
     ], "mutant": None},
     # set to false for quiet logs; nothing asserts on the bar
+    "trainer.memory_limit_gb": {"tests": [
+        "tests/test_recipes.py::test_a_run_predicted_to_exceed_its_memory_is_refused_before_it_trains",
+    ], "mutant": "memory_limit_ignored"},
     "trainer.enable_progress_bar": {"tests": [
         "tests/test_came.py::test_short_training_run_with_came8bit",
         "tests/test_growth.py::test_growth_study_runs_every_arm_and_compares_at_equal_flops",

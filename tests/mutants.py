@@ -568,6 +568,10 @@ MUTANTS = [
            (("framework/data/datamodule.py", '                              if k in ("max_tokens", "prefix")},',
              '                              if k in ()},'),),
            ("tests/test_recipes.py::test_gemma2_captions_are_encoded_as_sanas_training_code_selects_them",)),
+    Mutant("memory_limit_ignored", "trainer.memory_limit_gb is ignored: the run is checked against the host's memory",
+           (("framework/train.py", "    if limit is None:\n        available, what = memory.available_bytes",
+             "    if True:\n        available, what = memory.available_bytes"),),
+           ("tests/test_recipes.py::test_a_run_predicted_to_exceed_its_memory_is_refused_before_it_trains",)),
 ]
 
 

@@ -493,3 +493,34 @@ def test_a_class_conditional_dit_trains_samples_and_evaluates_without_a_text_enc
         precompute({"source": {"name": "folder", "path": str(make_image_folder(tmp_path / "imgs", n=2))},
                     "text_encoder": "none", "resolution": 8, "out": str(tmp_path / "no_labels"), "progress": False},
                    rank=0, world_size=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory known before it runs out
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_memory_prediction_adds_up_the_training_state_as_documented():
+    """1,000 parameters under AdamW with an EMA: 4 + 4 + 8 + 4 bytes each and AdamW's 4-byte step temporary; fsdp over
+    4 ranks divides them; CAME-8bit holds 2 bytes of state and makes no temporary; activations 40 values a token and
+    unit a block (bf16: 2 bytes), one block's and each block's input under checkpointing."""
+    from framework.training.memory import PROCESS_BYTES, predict
+
+    common = dict(batch=2, tokens=16, width=8, layers=3, precision="32-true")
+    plan = predict(1000, 1000, optimizer="adamw", ema=True, shards=1, checkpointing=False, **common).parts
+    assert plan == {"process": PROCESS_BYTES, "weights": 4000, "gradients": 4000, "optimizer": 8000, "ema": 4000,
+                    "optimizer step": 4000, "activations": 4 * 2 * 16 * 8 * 40 * 3}
+    plan = predict(1000, 1000, optimizer="came8bit", ema=False, shards=4, checkpointing=True,
+                   **{**common, "precision": "bf16-mixed"}).parts
+    assert plan == {"process": PROCESS_BYTES, "weights": 1000, "gradients": 1000, "optimizer": 500,
+                    "activations": 2 * 2 * 16 * 8 * (40 + 3)}
+
+
+def test_a_run_predicted_to_exceed_its_memory_is_refused_before_it_trains(tmp_path, digits_shards):
+    from framework.train import train
+    from tests.helpers import cheap
+
+    with pytest.raises(MemoryError, match=r"predicted to need [0-9.]+ GiB a rank, more than trainer.memory_limit_gb = "
+                       r"0.5 GiB: process 1.0, weights .*Lower it with: strategy=fsdp .*optimizer=came8bit"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.memory_limit_gb=0.5")))
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,0 +1,103 @@
+"""What a training run will hold in memory, predicted before its first step, and a refusal when it cannot fit.
+
+The training state dominates at real sizes and is known from the parameter count: fp32 weights and gradients
+(4 bytes each a parameter), the optimizer's state (AdamW: two fp32 moments, 8 bytes; CAME: its first moment and
+factored second moments, about 4; CAME-8bit: 8-bit first moment with block scales, about 2) and the EMA's fp32
+copy (4), each divided over the ranks that shard it under strategy=fsdp; AdamW's step makes one more
+parameter-sized temporary (the square root of its second moment). The activations kept for the backward are
+estimated from the batch, the tokens and the width (a transformer block keeps about ACTIVATION_FACTOR values a token
+and hidden unit, one block's worth under activation checkpointing). docs/training.md "Memory" has the measured
+peaks this is checked against.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 2**30
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "came": 4.0, "came8bit": 2.0}  # a parameter; unknown optimizers: AdamW's
+ACTIVATION_FACTOR = 40  # values kept a token and hidden unit by one transformer block for its backward (fp32)
+PROCESS_BYTES = 1.0 * GIB  # the interpreter, torch, the libraries and the loader: measured at about 0.9 GiB
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted bytes by part, for one rank."""
+
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {value / GIB:.1f}" for name, value in self.parts.items()) + \
+            f" (GiB; total {self.total / GIB:.1f})"
+
+
+def predict(params: int, trainable: int, *, optimizer: str, ema: bool, shards: int, batch: int, tokens: int,
+            width: int, layers: int, checkpointing: bool, precision: str) -> MemoryPlan:
+    """One rank's predicted peak: the process, the weights, gradients, optimizer state and EMA (over `shards` ranks
+    under fsdp, 1 otherwise), AdamW's step temporary, and the activations of `batch` samples of `tokens` tokens of
+    `width` through `layers` blocks (bf16 halves them; checkpointing keeps one block's and each block's input)."""
+    state = OPTIMIZER_STATE_BYTES.get(optimizer, 8.0)
+    per_value = 2 if precision.startswith("bf16") or precision.startswith("16") else 4
+    kept = ACTIVATION_FACTOR + layers if checkpointing else ACTIVATION_FACTOR * layers
+    parts = {
+        "process": PROCESS_BYTES,
+        "weights": 4.0 * params / shards,
+        "gradients": 4.0 * trainable / shards,
+        "optimizer": state * trainable / shards,
+        "ema": 4.0 * trainable / shards if ema else 0.0,
+        "optimizer step": 4.0 * trainable / shards if optimizer not in OPTIMIZER_STATE_BYTES or optimizer == "adamw"
+        else 0.0,
+        "activations": float(per_value * batch * tokens * width * kept),
+    }
+    return MemoryPlan({k: v for k, v in parts.items() if v})
+
+
+def available_bytes(device: Any) -> tuple[float, str]:
+    """(bytes, what they are) of the memory a rank trains in: its GPU's, or the host's RAM for a CPU run."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory), f"the GPU's ({torch.cuda.get_device_name(device)})"
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "the host's RAM"
+
+
+LOWER_IT = ("strategy=fsdp over more devices (shards weights, gradients, optimizer state and EMA)",
+            "optimizer=came8bit (2 bytes of state a parameter instead of AdamW's 8)",
+            "plugins without ema (4 bytes a parameter)",
+            "strategy.activation_checkpointing=true", "a smaller data.batch_size (trainer.accumulate_grad_batches or "
+            "data.global_batch_size keep the global batch)", "trainer.precision=bf16-mixed")
+
+
+def plan_run(cfg: Any, world_size: int) -> MemoryPlan:
+    """The prediction for a composed TrainConfig on `world_size` ranks (the model built on the meta device to count
+    its parameters)."""
+    from framework.distributed.fsdp import build_meta
+    from framework.models.backbones import to_model_config
+
+    model_cfg = to_model_config(cfg.model)
+    model = build_meta(model_cfg)
+    params = sum(p.numel() for p in model.parameters())
+    devices = cfg.trainer.devices if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > 0 else world_size
+    shards = 1
+    if cfg.strategy.name == "fsdp":
+        shards = devices if cfg.strategy.sharding == "HYBRID_SHARD" else world_size
+    h, w = model_cfg.latent_hw
+    transformer = model_cfg.family != "unet"  # the UNet's activations are not estimated here
+    return predict(params, params, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}), shards=shards,
+                   batch=cfg.data.batch_size, tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
+                   width=model_cfg.hidden_size if transformer else 0, layers=model_cfg.num_layers,
+                   checkpointing=cfg.strategy.activation_checkpointing, precision=str(cfg.trainer.precision or "32"))
+
+
+def check(plan: MemoryPlan, limit: float, what: str) -> None:
+    """Refuse a run whose predicted peak exceeds `limit` bytes, with the prediction and the keys that lower it."""
+    if plan.total > limit:
+        raise MemoryError(f"this run is predicted to need {plan.total / GIB:.1f} GiB a rank, more than {what} "
+                          f"{limit / GIB:.1f} GiB: {plan.describe()}. Lower it with: " + "; ".join(LOWER_IT) +
+                          ". trainer.memory_limit_gb sets the limit checked (0: no check).")
