@@ -114,6 +114,17 @@ def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0, voc
     return root
 
 
+def rank_at(seed: int, micro: int, r: int = 0, W: int = 1) -> Any:
+    """What DiffusionModule's per-sample draws read of a module: its seed, stream position r of W, micro-batch."""
+    from types import SimpleNamespace
+
+    from framework.training.module import DiffusionModule
+
+    rank = SimpleNamespace(seed=seed, _stream_slots=lambda: (r, W), _micro_batch=lambda: micro)
+    rank._row_generators = lambda n, tag: DiffusionModule._row_generators(rank, n, tag)
+    return rank
+
+
 def make_tiny_gemma2(root: Path, words: list[str], seed: int = 0) -> Path:
     """A random 2-layer Gemma2Model (SANA's text encoder is Gemma-2's decoder) with a word-level GemmaTokenizerFast of
     `words` set up as Gemma-2's is: a BOS token first, padding on the left."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from data_prep.precompute import precompute
 from tests.helpers import (
-    crash_and_resume, digits_config, make_image_folder, read_rows, with_callback,
+    crash_and_resume, digits_config, make_image_folder, rank_at, read_rows, with_callback,
 )
 
 # A manifest of 6 images captioned 1, 2 or 3 times (COCO-style lists), one of them with a blank caption in its list.
@@ -98,14 +97,6 @@ def drawn(counts: list[int], micro: int, r: int = 0, W: int = 1, seed: int = 7) 
 
     return DiffusionModule.draw_captions(rank_at(seed, micro, r, W), torch.tensor(counts)).tolist()
 
-
-def rank_at(seed: int, micro: int, r: int = 0, W: int = 1) -> SimpleNamespace:
-    """What DiffusionModule's per-sample draws read of a module: its seed, stream position r of W, micro-batch."""
-    from framework.training.module import DiffusionModule
-
-    rank = SimpleNamespace(seed=seed, _stream_slots=lambda: (r, W), _micro_batch=lambda: micro)
-    rank._row_generators = lambda n, tag: DiffusionModule._row_generators(rank, n, tag)
-    return rank
 
 
 def test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count():

@@ -197,7 +197,7 @@ def test_a_codec_without_a_posterior_refuses_to_store_one(tmp_path, vae):
 
 def _draws(latents, std, hflip, micro, r=0, W=1):
     from framework.training.module import DiffusionModule
-    from tests.test_captions import rank_at
+    from tests.helpers import rank_at
 
     return DiffusionModule.draw_latents(rank_at(0, micro, r, W), latents, std, hflip)
 
