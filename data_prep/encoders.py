@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from data_prep.config import POSTERIORS
+
 # ---------------------------------------------------------------------------------------------
 # Device / dtype helpers
 # ---------------------------------------------------------------------------------------------
@@ -92,8 +94,8 @@ class VAECodec(ImageCodec):
     def __init__(self, path: Path, device: str, dtype: torch.dtype, posterior: str = "mean") -> None:
         import diffusers
 
-        if posterior not in ("mean", "sample", "distribution"):
-            raise ValueError(f"posterior={posterior!r}: use 'mean', 'sample' or 'distribution'.")
+        if posterior not in POSTERIORS:
+            raise ValueError(f"posterior={posterior!r}: use one of {', '.join(POSTERIORS)}.")
         class_name = _read_config(path).get("_class_name")
         if class_name not in ("AutoencoderKL", "AutoencoderDC"):
             raise ValueError(f"vae={path}: config.json says {class_name or 'no _class_name'}, not a diffusers "
@@ -179,8 +181,6 @@ class TextEncoder:
         import transformers as tf
 
         tokenizer = tokenizer or path
-        if (path / "model_index.json").is_file():  # a diffusers pipeline folder: its text_encoder/
-            path = path / "text_encoder"
         cfg = _read_config(path)
         if "_class_name" in cfg:
             raise ValueError(f"text_encoder={path}: this is a diffusers {cfg['_class_name']} folder, "
@@ -248,8 +248,10 @@ def load_text_encoder(spec: str, device: str = "cpu", dtype: str | torch.dtype |
     path = minilm_path() if spec == "minilm" else Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(f"text_encoder={spec}: not 'minilm' and not a local folder.")
-    return TextEncoder(path, spec if spec == "minilm" else str(path), device, resolve_dtype(device, dtype), max_tokens,
-                       prefix, tokenizer_folder(path))
+    tokenizer = tokenizer_folder(path)
+    model = path / "text_encoder" if (path / "model_index.json").is_file() else path  # a pipeline's text_encoder/
+    return TextEncoder(model, spec if spec == "minilm" else str(path), device, resolve_dtype(device, dtype), max_tokens,
+                       prefix, tokenizer)
 
 
 def tokenizer_folder(path: Path) -> Path:

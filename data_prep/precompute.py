@@ -87,15 +87,14 @@ def as_config(cfg: Any) -> PrecomputeConfig:
 
 def fingerprint(cfg: PrecomputeConfig) -> dict:
     """What determines the dataset's content. Batch size, device and progress bars do not."""
-    resolve = lambda spec, builtin: spec if spec == builtin else str(Path(spec).expanduser().resolve())
+    resolve = lambda spec, *builtin: spec if spec in builtin else str(Path(spec).expanduser().resolve())
     source = asdict(cfg.source)
     for field_, reader in (("pairs_per_combination", "digit_pairs"), ("scenes", "shapes")):
         if cfg.source.name != reader:  # a field only that source reads: other datasets keep their fingerprints
             source.pop(field_)
     content = {
         "source": source, "vae": resolve(cfg.vae, "pixel"),
-        "text_encoder": cfg.text_encoder if cfg.text_encoder == "none" else resolve(cfg.text_encoder, "minilm"),
-        "resolution": cfg.resolution,
+        "text_encoder": resolve(cfg.text_encoder, "minilm", "none"), "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
         "shard_size": cfg.shard_size, "compression": cfg.compression,
         "format_version": record_version(cfg.text_storage, cfg.caption_layout, cfg.posterior),

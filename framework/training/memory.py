@@ -51,8 +51,7 @@ def predict(params: int, trainable: int, *, optimizer: str, ema: bool, shards: i
         "gradients": 4.0 * trainable / shards,
         "optimizer": state * trainable / shards,
         "ema": 4.0 * trainable / shards if ema else 0.0,
-        "optimizer step": 4.0 * trainable / shards if optimizer not in OPTIMIZER_STATE_BYTES or optimizer == "adamw"
-        else 0.0,
+        "optimizer step": 0.0 if optimizer in ("came", "came8bit") else 4.0 * trainable / shards,
         "activations": float(per_value * batch * tokens * width * kept),
     }
     return MemoryPlan({k: v for k, v in parts.items() if v})
@@ -74,9 +73,9 @@ LOWER_IT = ("strategy=fsdp over more devices (shards weights, gradients, optimiz
             "data.global_batch_size keep the global batch)", "trainer.precision=bf16-mixed")
 
 
-def plan_run(cfg: Any, world_size: int) -> MemoryPlan:
-    """The prediction for a composed TrainConfig on `world_size` ranks (the model built on the meta device to count
-    its parameters)."""
+def plan_run(cfg: Any, world_size: int, precision: str) -> MemoryPlan:
+    """The prediction for a composed TrainConfig on `world_size` ranks at `precision` (the run's, its default
+    resolved), the model built on the meta device to count its parameters."""
     from framework.distributed.fsdp import build_meta
     from framework.models.backbones import to_model_config
 
@@ -92,7 +91,7 @@ def plan_run(cfg: Any, world_size: int) -> MemoryPlan:
     return predict(params, params, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}), shards=shards,
                    batch=cfg.data.batch_size, tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
                    width=model_cfg.hidden_size if transformer else 0, layers=model_cfg.num_layers,
-                   checkpointing=cfg.strategy.activation_checkpointing, precision=str(cfg.trainer.precision or "32"))
+                   checkpointing=cfg.strategy.activation_checkpointing, precision=precision)
 
 
 def check(plan: MemoryPlan, limit: float, what: str) -> None:
