@@ -205,6 +205,11 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     if not uses_gpu(cfg.trainer.accelerator) and isinstance(devices, int):
         share_cpu_threads(devices)
 
+    callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
+    trainer = build_trainer(cfg, run_dir, callbacks)
+    if cfg.data.global_batch_size is not None:
+        apply_global_batch(cfg, trainer)
+    check_memory(cfg, trainer)  # before the model is built: a run that cannot fit is refused, not killed
     # Every rank of a sequence-parallel group reads the same samples (Streaming's replication).
     dm = LatentDataModule(cfg.data, seed=cfg.seed, replication=cfg.strategy.sequence_parallel)
     module = DiffusionModule(
@@ -219,11 +224,6 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
         strategy=cfg.strategy,
         init_from=cfg.init_from,
     )
-    callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
-    trainer = build_trainer(cfg, run_dir, callbacks)
-    if cfg.data.global_batch_size is not None:
-        apply_global_batch(cfg, trainer)
-    check_memory(cfg, trainer)
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)
     # Checkpoints land every N steps; FinalCheckpoint (added by build_trainer) writes the final state too.
