@@ -51,8 +51,13 @@ ReturnToService=2
 # killed one gets KillWait seconds between SIGTERM and SIGKILL: both short, so tests wait little.
 AuthInfo=cred_expire=5
 KillWait=10
+# Preemption as clusters set it up: a job of the higher-tier partition "urgent" that needs the CPUs a "debug" job
+# holds preempts it; Slurm sends that job SIGTERM, ends it GraceTime + KillWait later at the latest, and requeues it.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName=localhost NodeAddr=127.0.0.1 NodeHostname=localhost CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=20
+PartitionName=urgent Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
 }
 

@@ -232,12 +232,14 @@ def test_sharded_checkpoint_resumes_on_another_world_size(runs, name):
 # --------------------------------------------------------------------------------------------
 
 
-def fake_scontrol(tmp_path: Path) -> dict[str, str]:
-    """PATH with an `scontrol` that appends its arguments to tmp_path/scontrol_calls.txt."""
+def fake_scontrol(tmp_path: Path, show: str = "") -> dict[str, str]:
+    """PATH with an `scontrol` that appends its arguments to tmp_path/scontrol_calls.txt and prints `show` for
+    `scontrol show job`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls.txt"}\n')
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls.txt"}\n'
+                        f'[ "$1" = show ] && echo "{show}"\nexit 0\n')
     scontrol.chmod(0o755)
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
@@ -250,12 +252,20 @@ def slurm_task_env(job: str, rank: int = 0, ntasks: int = 1) -> dict[str, str]:
             "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
-def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path, digits_shards, signum):
-    """sbatch's --signal (USR1), or SIGTERM as Slurm sends it on preemption (PreemptMode=REQUEUE) and scancel."""
+# What `scontrol show job` says of a job Slurm is preempting (its GraceTime running) and of a cancelled one.
+PREEMPTED = "JobId=4242 JobState=RUNNING Reason=None Restarts=0 PreemptTime=2026-11-27T05:19:24"
+CANCELLED = "JobId=4242 JobState=COMPLETING Reason=None Restarts=0 PreemptTime=None"
+
+
+@pytest.mark.parametrize("signum,show", [(signal.SIGUSR1, CANCELLED), (signal.SIGTERM, CANCELLED),
+                                         (signal.SIGTERM, PREEMPTED)], ids=["USR1", "TERM-scancel", "TERM-preempted"])
+def test_slurm_signal_saves_a_checkpoint_requeues_or_stops_and_the_rerun_resumes_there(tmp_path, digits_shards, signum,
+                                                                                         show):
+    """sbatch's --signal (USR1): save and requeue. SIGTERM: save, then requeue if Slurm is preempting the job, else
+    (scancel) stop. tests/test_slurm.py does each on a real Slurm."""
     run_dir = tmp_path / "run"
     common = ["data.batch_size=16", "trainer.checkpoint_every_n_steps=1000"]
-    env = {**fake_scontrol(tmp_path), **slurm_task_env("4242")}
+    env = {**fake_scontrol(tmp_path, show), **slurm_task_env("4242")}
     proc = run_train(run_dir, digits_shards, *common, "trainer.max_steps=10000", env=env, wait=False)
     try:
         deadline = time.time() + 120
@@ -263,9 +273,16 @@ def test_requeue_signal_saves_a_checkpoint_and_the_rerun_resumes_there(tmp_path,
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.5)
         proc.send_signal(signum)
-        # The run saves at the next step, requeues and leaves fit by itself, exit status 0.
+        # The run saves at the next step, requeues (USR1 only) and leaves fit by itself, exit status 0.
         assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
-        assert (tmp_path / "scontrol_calls.txt").read_text().split() == ["requeue", "4242"]
+        out = proc.stdout.read()
+        calls = (tmp_path / "scontrol_calls.txt").read_text().splitlines()
+        if signum == signal.SIGUSR1:
+            assert calls == ["requeue 4242"] and "then requeue the job" in out, out[-3000:]
+        elif show == PREEMPTED:
+            assert calls == ["show job -o 4242", "requeue 4242"] and "came with Slurm's preemption" in out, out[-3000:]
+        else:
+            assert calls == ["show job -o 4242"] and "stopped on SIGTERM without requeueing" in out, out[-3000:]
     finally:
         proc.kill()
         proc.wait()

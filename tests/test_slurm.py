@@ -99,8 +99,8 @@ def logged_steps(run_dir: Path) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
 
 
-def warn_mid_run(job_id: str, run_dir: Path, *scancel: str) -> None:
-    """Slurm's warning once the job has trained a step (and while it still has steps to go)."""
+def when_training(job_id: str, run_dir: Path, act) -> None:
+    """act() once the job has trained a step (and while it still has steps to go): a signal, a preempting job."""
     polls = iter(range(10**9))
 
     def trained_or_ended() -> bool:  # the file every 0.05 s; scontrol (slower) every second
@@ -109,8 +109,8 @@ def warn_mid_run(job_id: str, run_dir: Path, *scancel: str) -> None:
         return next(polls) % 20 == 0 and job(job_id).get("JobState", "PENDING") not in ("PENDING", "RUNNING")
 
     wait_for(f"job {job_id} to train", trained_or_ended, every=0.05)
-    assert job(job_id)["JobState"] == "RUNNING" and len(logged_steps(run_dir)) < STEPS, "finished before the warning"
-    subprocess.run(["scancel", *scancel, job_id], check=True)
+    assert job(job_id)["JobState"] == "RUNNING" and len(logged_steps(run_dir)) < STEPS, "finished before the signal"
+    act()
 
 
 def wait_done(job_id: str) -> dict[str, str]:
@@ -120,7 +120,7 @@ def wait_done(job_id: str) -> dict[str, str]:
 
 def check_resumed_cleanly(run_dir: Path, out: str, cache: Path) -> int:
     """The preempted run saved hpc_ckpt_1.ckpt at step S and the rerun started there; returns S."""
-    saved = re.findall(r"Slurm preemption signal: saving step (\d+) to (\S+)", out)
+    saved = re.findall(r"Slurm signal: saving step (\d+) to (\S+),", out)
     assert len(saved) == 1 and saved[0][1] == str(run_dir / "hpc_ckpt_1.ckpt"), out[-3000:]
     step = int(saved[0][0])
     assert 0 < step < STEPS
@@ -156,22 +156,61 @@ def reference(tmp_path_factory, digits_shards) -> dict[int, float]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ntasks", [1, 2])
-def test_sbatch_job_saves_on_the_warning_requeues_itself_and_resumes(tmp_path, digits_shards, reference, ntasks):
-    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+def sbatch_train(tmp_path: Path, run_dir: Path, data: Path, cache: Path, ntasks: int) -> str:
+    """The README's command, sized for this CPU node (no --gpus-per-node, one CPU per task); the job id."""
     strategy = ["strategy=fsdp", "data.batch_size=8", "data.num_workers=1"] if ntasks == 2 else []
-    # The README's command, sized for this CPU node (no --gpus-per-node, one CPU per task).
     cmd = ["sbatch", "--parsable", f"--ntasks-per-node={ntasks}", "--cpus-per-task=1", f"--output={tmp_path}/slurm-%j.out",
-           "launch/train.sbatch", *tiny(run_dir, digits_shards, str(cache), paced=True), *strategy]
-    job_id = subprocess.run(cmd, cwd=ROOT, env=job_env(tmp_path), capture_output=True, text=True, check=True).stdout.strip()
+           "launch/train.sbatch", *tiny(run_dir, data, str(cache), paced=True), *strategy]
+    return subprocess.run(cmd, cwd=ROOT, env=job_env(tmp_path), capture_output=True, text=True, check=True).stdout.strip()
+
+
+def preempt(job_id: str, tmp_path: Path) -> str:
+    """A job of the higher-tier partition that needs both of the node's CPUs: Slurm preempts the running job
+    (.ci/slurm.sh: preempt/partition_prio, PreemptMode=REQUEUE). Returns its id."""
+    cmd = ["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=2", f"--output={tmp_path}/urgent-%j.out",
+           "--wrap", "sleep 1"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+# How each signal reaches the job (.ci/slurm.sh's cluster), and what the job must do: the time-limit warning
+# (--signal=B:USR1@90, sent by hand as its timer would) saves and requeues; a real preemption saves, is requeued and
+# continues; `scancel` saves and ends the job CANCELLED, and submitting the same command again continues it.
+SIGNALS = {"usr1": 2, "preempt": 1, "scancel": 1}  # case: tasks
+
+
+@pytest.mark.parametrize("case", list(SIGNALS))
+def test_sbatch_job_saves_on_each_signal_and_resumes_exactly(tmp_path, digits_shards, reference, case):
+    run_dir, cache, ntasks = tmp_path / "run", tmp_path / "cache", SIGNALS[case]
+    job_id, jobs = sbatch_train(tmp_path, run_dir, digits_shards, cache, ntasks), []
+    jobs.append(job_id)
     try:
-        warn_mid_run(job_id, run_dir, "--signal=USR1", "--batch")
+        if case == "usr1":
+            when_training(job_id, run_dir, lambda: subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True))
+        elif case == "preempt":
+            when_training(job_id, run_dir, lambda: jobs.append(preempt(job_id, tmp_path)))
+        else:
+            when_training(job_id, run_dir, lambda: subprocess.run(["scancel", job_id], check=True))
         info = wait_done(job_id)
+        out = (tmp_path / f"slurm-{job_id}.out").read_text()
+        if case == "scancel":
+            assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), out[-3000:]
+            assert "stopped on SIGTERM without requeueing" in out and "requeued Slurm job" not in out, out[-3000:]
+            assert (run_dir / "hpc_ckpt_1.ckpt").exists()
+            # Later, the same command: resume=auto continues from the saved step.
+            again = sbatch_train(tmp_path, run_dir, digits_shards, cache, ntasks)
+            jobs.append(again)
+            info = wait_done(again)
+            out += (tmp_path / f"slurm-{again}.out").read_text()
+            assert info["JobState"] == "COMPLETED", out[-3000:]
+        else:
+            assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out[-3000:]
+            assert f"requeued Slurm job {job_id}" in out, out[-3000:]
+        if case == "preempt":
+            assert "came with Slurm's preemption" in out, out[-3000:]
+            assert job(jobs[1])["JobState"] == "COMPLETED"  # the preempting job ran
     finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
-    out = (tmp_path / f"slurm-{job_id}.out").read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out[-3000:]
-    assert f"requeued Slurm job {job_id}" in out
+        for j in jobs:
+            subprocess.run(["scancel", j], capture_output=True)
     check_resumed_cleanly(run_dir, out, cache)
     got = losses(run_dir)
     if ntasks == 1:
@@ -232,7 +271,7 @@ def test_submitit_sweep_job_saves_on_the_warning_and_submitit_requeues_it(tmp_pa
     try:
         folder = wait_for("the array job", lambda: sorted((root / ".submitit").glob("*_1")), timeout=120)[0]
         job_id = folder.name
-        warn_mid_run(job_id, root / "1", "--signal=USR2")
+        when_training(job_id, root / "1", lambda: subprocess.run(["scancel", "--signal=USR2", job_id], check=True))
         out, _ = launcher.communicate(timeout=600)
         assert launcher.returncode == 0, out[-3000:]
     finally:

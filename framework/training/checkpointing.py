@@ -12,6 +12,7 @@ same step on every rank, and turning a folder back into one plain dict without a
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -216,29 +217,36 @@ def next_hpc_path(run_dir: Path) -> str:
     """run_dir/hpc_ckpt_N.ckpt, N one more than the largest there (1 for the first): Lightning's name for a Slurm
     checkpoint, which resume_path reads beside checkpoints/last.ckpt. Unfinished `.ckpt.tmp` files count too, so
     a save that died half-way is never written over."""
-    import re
-
     numbers = [int(m.group(1)) for p in run_dir.glob("hpc_ckpt_*") if (m := re.match(r"hpc_ckpt_(\d+)\.ckpt", p.name))]
     return str(run_dir / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
 
-class SlurmPreemption(pl.Callback):
-    """On Slurm's warning signal, save run.dir/hpc_ckpt_N.ckpt at one step on every rank, requeue, exit.
 
-    The signals: sbatch's --signal (USR1) and SIGTERM, which Slurm sends when it preempts a job under
-    PreemptMode=REQUEUE and on `scancel` without a signal; KillWait (or GraceTime) later comes SIGKILL.
+# What a signal asks for, in order of precedence when ranks got different ones (agreed as the max over ranks).
+STOP, REQUEUE = 1, 2
+
+
+class SlurmPreemption(pl.Callback):
+    """On a Slurm signal, save run.dir/hpc_ckpt_N.ckpt at one step on every rank, then requeue or stop.
+
+    Each signal has its meaning (`actions`, from preemption_callbacks):
+    - the time-limit warning (sbatch's --signal, USR1): save, requeue the job (`scontrol requeue`), exit;
+    - SIGTERM, which Slurm sends on `scancel` and when it preempts a job: save, then requeue only a job that
+      Slurm is preempting (`preempted`); a cancelled job ends CANCELLED and stays ended (`resume=auto` continues
+      it when it is submitted again). SIGKILL follows KillWait (a cancel) or GraceTime + KillWait (a preemption)
+      after SIGTERM, so the save has that long.
 
     Lightning's own handler (SLURMEnvironment(auto_requeue=True)) saves inside the signal handler,
     wherever each rank happens to be; a sharded (DCP) or DDP save is collective, so the ranks could
-    deadlock or save different steps. Here the handler only sets a flag. At every optimizer-step
-    boundary the ranks take the max of their flags (one scalar all-reduce), so all of them save
-    the same step together. Once that step's metrics are logged (at the next batch start), global
-    rank 0 requeues the job and every rank leaves fit through Lightning's SIGTERM exit (callbacks'
-    on_exception, teardown, loggers finalized, exit status 0).
+    deadlock or save different steps. Here the handler only records the signal. At every optimizer-step
+    boundary the ranks take the max of what they got (one scalar all-reduce), so all of them save
+    the same step together and do the same after it. Once that step's metrics are logged (at the next batch
+    start), global rank 0 requeues the job when asked to, and every rank leaves fit through Lightning's SIGTERM
+    exit (callbacks' on_exception, teardown, loggers finalized, exit status 0).
     """
 
-    def __init__(self, signums: tuple[int, ...] = (signal.SIGUSR1,)) -> None:
-        self.signums, self.flag, self.saved = tuple(signums), False, False
-        self.signum = self.signums[0]
+    def __init__(self, actions: dict[int, int] | None = None) -> None:
+        self.actions = dict(actions or {signal.SIGUSR1: REQUEUE})
+        self.flag, self.saved = 0, 0  # the action asked for in this process / agreed and saved for (0: none)
         self._previous: dict[int, Any] = {}
         self._step = -1
         self._group: Any = None  # the gloo group the flag is agreed on (several ranks)
@@ -248,14 +256,14 @@ class SlurmPreemption(pl.Callback):
         # the signal (Slurm's --signal reaches every process of the job step). Lightning's own SIGTERM
         # handler (installed earlier in fit) would stop the run at the next step without a checkpoint:
         # this one replaces it while training runs.
-        for signum in self.signums:
+        for signum in self.actions:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._on_signal)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning installs its SIGTERM handler after setup() (it would end the run at the next step with no
         # checkpoint, and it calls the handler it found, ours, too late): take the signals back for training.
-        for signum in self.signums:
+        for signum in self.actions:
             current = signal.getsignal(signum)
             if current != self._on_signal:
                 self._previous[signum] = current
@@ -267,10 +275,10 @@ class SlurmPreemption(pl.Callback):
                 signal.signal(signum, handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.flag = True
+        self.flag = max(self.flag, self.actions[signum])
 
-    def _any_rank_signalled(self, trainer: pl.Trainer) -> bool:
-        """Whether some rank got the signal, agreed by all: one number all-reduced over a gloo group in host memory,
+    def _agreed_action(self, trainer: pl.Trainer) -> int:
+        """What the ranks' signals ask for, agreed by all: one number all-reduced over a gloo group in host memory,
         so the per-step check never waits for the GPU (a reduce on the device would queue behind the step's kernels
         and the host would wait for all of them)."""
         flag = torch.tensor([float(self.flag)])
@@ -280,35 +288,57 @@ class SlurmPreemption(pl.Callback):
             if self._group is None:  # created on every rank's first step end: a collective
                 self._group = dist.new_group(backend="gloo")
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag)
+        return int(flag)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self._step:
             return  # mid-accumulation: a checkpoint here would lose the gradients summed so far
         self._step = trainer.global_step
-        if not self._any_rank_signalled(trainer) or 0 < trainer.max_steps <= trainer.global_step:
+        action = self._agreed_action(trainer)
+        if not action or 0 < trainer.max_steps <= trainer.global_step:
             return  # no signal, or the last step: the run ends now and writes last.ckpt itself
         # One name for all ranks: each rank listing the folder while rank 0 writes could pick N+1.
         path = trainer.strategy.broadcast(next_hpc_path(Path(trainer.default_root_dir)))
-        rank_zero_info(f"Slurm preemption signal: saving step {trainer.global_step} to {path}")
+        then = "requeue the job" if action == REQUEUE else "stop (no requeue)"
+        rank_zero_info(f"Slurm signal: saving step {trainer.global_step} to {path}, then {then}")
         trainer.save_checkpoint(path)
         finish_saves(trainer)
-        trainer.strategy.barrier()  # every rank's part is on disk before the job is requeued
-        self.saved = True
+        trainer.strategy.barrier()  # every rank's part is on disk before the job is requeued or ends
+        self.saved = action
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if not self.saved:
             return
-        # The saved step's metrics are logged by now. Requeueing makes Slurm SIGTERM the whole job;
-        # nothing is left to protect, so SIGTERM is ignored for the rest of this process (also after
-        # Lightning's teardown puts back the handlers it found), and the exit finishes: loggers
+        # The saved step's metrics are logged by now. Requeueing makes Slurm SIGTERM the whole job (and a cancel or a
+        # preemption has sent it already); nothing is left to protect, so SIGTERM is ignored for the rest of this
+        # process (also after Lightning's teardown puts back the handlers it found), and the exit finishes: loggers
         # flushed, Streaming's shared memory released. Slurm's SIGKILL still follows KillWait later.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         found = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
         if isinstance(found, dict):
             found[signal.SIGTERM] = signal.SIG_IGN
-        self.requeue(trainer)
+        if self.saved == REQUEUE or (trainer.is_global_zero and self.preempted()):
+            self.requeue(trainer)
+        else:
+            rank_zero_info("stopped on SIGTERM without requeueing (scancel): the job stays ended; submit the same "
+                           "command again to continue (resume=auto)")
         raise SIGTERMException
+
+    def preempted(self) -> bool:
+        """Whether the SIGTERM came with a preemption rather than a cancel: Slurm shows a PreemptTime while the job
+        still runs (a cancelled one is COMPLETING). Such a job is requeued here like on the time-limit warning: Slurm
+        requeues a preempted job only if it still runs when its GraceTime is up, and one that saved and ended sooner
+        would otherwise end COMPLETED and never come back (seen on Slurm 22.05)."""
+        job = slurm_job_id()
+        try:
+            out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60).stdout
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            return False
+        fields = dict(re.findall(r"(\w+)=(\S*)", out))
+        preempted = fields.get("JobState") == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown")
+        if preempted:
+            rank_zero_info(f"SIGTERM came with Slurm's preemption of job {job} (PreemptTime={fields['PreemptTime']})")
+        return preempted
 
     def requeue(self, trainer: pl.Trainer) -> None:
         """Put the job back in the queue (global rank 0); Slurm then ends this run of it."""
@@ -337,7 +367,8 @@ class SubmititPreemption(SlurmPreemption):
 
     def __init__(self) -> None:
         # SIGTERM stays submitit's: it ignores it on purpose ("bypassing SIGTERM") and requeues on its own signal.
-        super().__init__((getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")),))
+        self.signum = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+        super().__init__({self.signum: REQUEUE})
 
     def requeue(self, trainer: pl.Trainer) -> None:
         if callable(self._previous.get(self.signum)):
@@ -345,10 +376,11 @@ class SubmititPreemption(SlurmPreemption):
 
 
 def preemption_callbacks() -> list[pl.Callback]:
-    """What handles Slurm's warning signal in this process: none outside Slurm; under
-    hydra/launcher=slurm (submitit sets SUBMITIT_EXECUTOR) submitit's USR2; else sbatch's SIGUSR1 and SIGTERM."""
+    """What handles Slurm's signals in this process: none outside Slurm; under hydra/launcher=slurm (submitit sets
+    SUBMITIT_EXECUTOR) submitit's USR2 (save and requeue); else sbatch's SIGUSR1 (save and requeue) and SIGTERM (save
+    and stop: scancel, or a preemption that Slurm requeues itself)."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         return [SubmititPreemption()]
-    return [SlurmPreemption((signal.SIGUSR1, signal.SIGTERM))] if SLURMEnvironment.detect() else []
+    return [SlurmPreemption({signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP})] if SLURMEnvironment.detect() else []
