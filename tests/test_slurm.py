@@ -1,14 +1,15 @@
-"""Real Slurm: launch/train.sbatch (1 and 2 tasks) and a hydra/launcher=slurm sweep, preempted the
-way Slurm does it, requeued, and compared with an uninterrupted run.
+"""Real Slurm: launch/train.sbatch (1 and 2 tasks) and a hydra/launcher=slurm sweep, warned, preempted and
+cancelled the way Slurm does it, continued, and compared with an uninterrupted run.
 
 Needs a cluster: `bash .ci/slurm.sh install && bash .ci/slurm.sh start` makes a one-node one on
 loopback (CI does this); without one the file is skipped (under CI=true it fails instead). Every
 job trains the debug model on the 8x8 digits for STEPS steps on CPU. Slurm's warning is sent by
 hand, as its timer would: `scancel --signal=USR1 --batch` for the sbatch script
-(--signal=B:USR1@90) and USR2 to the job steps for submitit (--signal=USR2@90). The job saves
-run.dir/hpc_ckpt_1.ckpt, requeues itself, Slurm ends it and starts it again (the same command),
-and the rerun continues from the saved step: every step is logged once and the losses are the
-uninterrupted run's. The rerun lands on the same node, where the killed job's shared memory and
+(--signal=B:USR1@90) and USR2 to the job steps for submitit (--signal=USR2@90); a preemption is real (a job of
+.ci/slurm.sh's higher-tier partition that needs the CPUs); a cancel is a plain `scancel`. The job saves
+run.dir/hpc_ckpt_1.ckpt, then requeues itself (warning, preemption) and Slurm starts it again, or ends CANCELLED
+(cancel) and is submitted again; the rerun continues from the saved step: every step is logged once and the
+losses are the uninterrupted run's. The rerun lands on the same node, where the killed job's shared memory and
 files would be, and nothing of them may be left once it has finished.
 """
 
