@@ -18,10 +18,27 @@ import torch
 QUIET = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
+# What the training command's ranks other than global rank 0 add: no .hydra/ folder and no log file in the run
+# directory (their log lines go to their stdout, which srun and torchrun collect).
+OTHER_RANKS = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def add_overrides(overrides: list[str]) -> None:
+    """Append `overrides` to sys.argv, each unless the user set its key."""
+    given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]}
+    sys.argv += [o for o in overrides if o.split("=", 1)[0] not in given]
+
+
 def quiet_hydra() -> None:
     """Append the QUIET overrides to sys.argv unless the user set those keys."""
-    given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]}
-    sys.argv += [q for q in QUIET if q.split("=", 1)[0] not in given]
+    add_overrides(QUIET)
+
+
+def writes_run_dir() -> bool:
+    """Whether this process writes the run directory's config and Hydra files: global rank 0 only. Under srun or
+    torchrun every rank runs the whole command (launch_rank); ranks that Lightning's own launcher starts have
+    LOCAL_RANK > 0."""
+    return launch_rank() == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def resolve_device(name: str) -> str:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, SampleGrid, evaluate_module, module_pipeline
-from framework.cli import launch_rank, share_cpu_threads, uses_gpu
+from framework.cli import OTHER_RANKS, add_overrides, launch_rank, share_cpu_threads, uses_gpu, writes_run_dir
 from framework.config import TrainConfig
 from framework.data.datamodule import LatentDataModule, split_global_batch
 from framework.training.loggers import RunCSVLogger, wandb_logger
@@ -195,7 +195,8 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
         # conf/config.yaml), stable across Slurm requeues; a shared run.dir would resume each other.
         run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
+    if writes_run_dir():  # one writer: every rank of an srun or torchrun job runs this
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     # TF32 tensor cores for the matmuls that stay in fp32 under bf16-mixed (norms' neighbours, fp32 runs).
     if torch.cuda.is_available():
@@ -285,4 +286,6 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if not writes_run_dir():
+        add_overrides(OTHER_RANKS)
     main()

@@ -6,6 +6,7 @@ import csv
 import gc
 import math
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -137,6 +138,20 @@ def test_model_that_does_not_fit_the_data_fails_naming_the_key(tmp_path, digits_
     with pytest.raises(ValueError, match=key) as err:
         train(compose_cfg(cheap(tmp_path, digits_shards, override, "data.prepare=null")))
     assert "dataset.json" in str(err.value)
+
+
+@pytest.mark.parametrize("rank_env", [{}, {"RANK": "1"}, {"SLURM_PROCID": "1"}, {"LOCAL_RANK": "1"}],
+                         ids=["rank0", "torchrun-rank1", "srun-rank1", "launcher-rank1"])
+def test_only_global_rank_zero_writes_hydra_files_into_the_run_dir(tmp_path, rank_env):
+    """Every rank of an srun or torchrun job runs the whole command: only global rank 0 writes run.dir/.hydra/ and
+    train.log (the others log to stdout). The run stops at the missing data, after Hydra has set up its outputs."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID", "LOCAL_RANK")}
+    proc = zygote.run([sys.executable, "-m", "framework.train", f"run.dir={run_dir}", f"data.path={tmp_path / 'none'}",
+                       "data.prepare=null"], env={**env, **rank_env, "TMPDIR": str(tmp_path)}, timeout=300)
+    assert proc.returncode != 0 and "dataset.json" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    written = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
+    assert written == ([".hydra", "train.log"] if not rank_env else []), written
 
 
 # --------------------------------------------------------------------------------------------
