@@ -172,3 +172,19 @@ def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
         check_real_eval(cfg.eval)
     text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
     with_encoders(info, cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"), text)
+
+
+def check_accelerator(cfg: TrainConfig) -> None:
+    """A Slurm job whose allocation has no GPU trains on the CPU only when asked to: with trainer.accelerator=auto it
+    would do so without a word (a forgotten --gpus-per-node, a CPU partition)."""
+    import os
+
+    import torch
+
+    from framework.training.checkpointing import slurm_task
+
+    if cfg.trainer.accelerator == "auto" and slurm_task() and not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise ValueError(f"this Slurm job sees no GPU (CUDA_VISIBLE_DEVICES={visible}), so trainer.accelerator=auto "
+                         "would train on the CPU: request GPUs (sbatch --gpus-per-node=N, or the site's partition) or "
+                         "set trainer.accelerator=cpu to train on CPUs on purpose")

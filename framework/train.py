@@ -24,7 +24,7 @@ from framework.config import TrainConfig
 from framework.data.datamodule import LatentDataModule, split_global_batch
 from framework.training.loggers import RunCSVLogger, wandb_logger
 from framework.training.module import DiffusionModule
-from framework.preflight import check_buckets, check_encoders, fit_model_to_data
+from framework.preflight import check_accelerator, check_buckets, check_encoders, fit_model_to_data
 from framework.training.registry import build_plugin_callbacks
 
 config_lib.register()
@@ -86,10 +86,10 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
     """
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    from framework.training.checkpointing import AtomicCheckpointIO
+    from framework.training.checkpointing import AtomicCheckpointIO, slurm_task
 
     lightning_plugins: list[Any] = [AtomicCheckpointIO()]
-    if SLURMEnvironment.detect():
+    if slurm_task():
         lightning_plugins.append(SLURMEnvironment(auto_requeue=False))
     return lightning_plugins
 
@@ -185,6 +185,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     config_lib.check_plugins(dcfg.get("plugins"))  # before fitting the model may build the dataset
     info = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
+    check_accelerator(cfg)
     if info is not None:
         check_encoders(cfg, info.summary())
         if info.buckets:

@@ -244,10 +244,10 @@ def fake_scontrol(tmp_path: Path, show: str = "") -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-def slurm_task_env(job: str, rank: int = 0, ntasks: int = 1) -> dict[str, str]:
-    """The variables srun gives task `rank` of a one-node job step (SLURMEnvironment.detect() needs
-    SLURM_NTASKS and a job name other than bash/interactive)."""
-    return {"SLURM_JOB_ID": job, "SLURM_JOB_NAME": "train", "SLURM_NTASKS": str(ntasks),
+def slurm_task_env(job: str, rank: int = 0, ntasks: int = 1, name: str = "train") -> dict[str, str]:
+    """The variables srun gives task `rank` of a one-node job step. Lightning's SLURMEnvironment.detect() ignores
+    jobs named bash or interactive (salloc shells); an srun step (SLURM_STEP_ID) of one is still a Slurm job here."""
+    return {"SLURM_JOB_ID": job, "SLURM_JOB_NAME": name, "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(ntasks),
             "SLURM_NTASKS_PER_NODE": str(ntasks), "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
             "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
 
@@ -298,11 +298,12 @@ def test_slurm_signal_saves_a_checkpoint_requeues_or_stops_and_the_rerun_resumes
     assert not hpc[0].exists(), "a later last.ckpt makes the preemption checkpoint redundant"
 
 
-def srun_ranks(run_dir: Path, data: Path, *overrides: str, env: dict[str, str], ntasks: int = 2) -> list[subprocess.Popen]:
+def srun_ranks(run_dir: Path, data: Path, *overrides: str, env: dict[str, str], ntasks: int = 2,
+               name: str = "train") -> list[subprocess.Popen]:
     """Start `ntasks` ranks the way srun does: one process per task, each with its Slurm variables."""
     port = {"MASTER_PORT": str(free_port())}
-    return [run_train(run_dir, data, *overrides, env={**env, **port, **slurm_task_env("4243", r, ntasks)}, wait=False)
-            for r in range(ntasks)]
+    return [run_train(run_dir, data, *overrides, env={**env, **port, **slurm_task_env("4243", r, ntasks, name)},
+                      wait=False) for r in range(ntasks)]
 
 
 def finish(procs: list[subprocess.Popen], timeout: int = 300) -> str:
@@ -346,7 +347,9 @@ def test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued
     assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 2
     assert sorted(losses(run_dir)) == [0, 1, 2]
 
-    out = finish(srun_ranks(run_dir, digits_shards, *args, env=env))
+    # Requeued into an allocation named `interactive` (an salloc shell's name, which Lightning alone would not take
+    # for a Slurm job): still one 2-rank job.
+    out = finish(srun_ranks(run_dir, digits_shards, *args, env=env, name="interactive"))
     assert f"Restoring states from the checkpoint path at {hpc}" in out
     with open(run_dir / "metrics.csv", newline="") as f:
         logged = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]

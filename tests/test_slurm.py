@@ -73,11 +73,27 @@ def tiny(run_dir: Path | str, data: Path, cache: str, paced: bool = False) -> li
     ]
 
 
+def activate() -> str:
+    """The set-up line that activates this virtual environment ("" outside one)."""
+    script = Path(sys.executable).parent / "activate"
+    return f". {script}" if script.is_file() else ""
+
+
 def job_env(tmp: Path) -> dict[str, str]:
-    """What the jobs inherit (sbatch exports the environment): the venv, their own TMPDIR, loopback gloo."""
-    activate = Path(sys.executable).parent / "activate"
+    """What the jobs inherit (sbatch exports the environment): their own TMPDIR, loopback gloo, and the site set-up
+    and wrapper of launch/*.sbatch. The set-up activates the venv and then does what conda's and module's shell
+    functions do (read an unset variable, return non-zero), which the scripts' strict mode must survive. The
+    wrapper stands in for `apptainer exec IMAGE`: it marks that task SLURM_PROCID ran inside it, then runs python."""
+    wrapper = tmp / "wrap.sh"
+    wrapper.write_text(f'#!/bin/sh\ntouch "{tmp}/wrapped.$SLURM_PROCID"\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    site = ': "$LATENTFORGE_TEST_UNSET_SITE_VARIABLE"; false'
     return {**os.environ, "TMPDIR": str(tmp), "GLOO_SOCKET_IFNAME": "lo",
-            "LATENTFORGE_SETUP": f". {activate}" if activate.is_file() else ""}
+            "LATENTFORGE_SETUP": f"{activate()}; {site}" if activate() else site, "LATENTFORGE_EXEC": str(wrapper)}
+
+
+def ran_wrapped(tmp: Path, ntasks: int) -> bool:
+    return sorted(p.name for p in tmp.glob("wrapped.*")) == [f"wrapped.{r}" for r in range(ntasks)]
 
 
 def job(job_id: str) -> dict[str, str]:
@@ -213,6 +229,7 @@ def test_sbatch_job_saves_on_each_signal_and_resumes_exactly(tmp_path, digits_sh
         for j in jobs:
             subprocess.run(["scancel", j], capture_output=True)
     check_resumed_cleanly(run_dir, out, cache)
+    assert ran_wrapped(tmp_path, ntasks), "every task ran inside LATENTFORGE_EXEC"
     got = losses(run_dir)
     if ntasks == 1:
         assert got == reference  # bit-identical
@@ -248,6 +265,7 @@ def test_precompute_sbatch_on_two_tasks_writes_the_one_process_dataset(tmp_path,
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert "rank 0 of 2: " in log and "rank 1 of 2: " in log, log[-3000:]
+    assert ran_wrapped(tmp_path, 2), "every task ran inside LATENTFORGE_EXEC"
     got = json.loads((out / "dataset.json").read_text())
     assert got["world_size"] == 2 and got["num_samples"] == json.loads((want / "dataset.json").read_text())["num_samples"]
     rows = lambda d: [(r["key"], r["caption"], r["latents"].tobytes()) for r in read_rows(d)]
@@ -265,9 +283,8 @@ def test_submitit_sweep_job_saves_on_the_warning_and_submitit_requeues_it(tmp_pa
     cmd = [sys.executable, "-m", "framework.train", "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
            "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=30",
            *tiny(root, digits_shards, "${hydra:runtime.output_dir}/cache", paced=True), "data.num_workers=0,1"]
-    activate = job_env(tmp_path)["LATENTFORGE_SETUP"]
-    if activate:
-        cmd.append(f"hydra.launcher.setup=[{activate!r}]")
+    if activate():
+        cmd.append(f"hydra.launcher.setup=[{activate()!r}]")
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=job_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         folder = wait_for("the array job", lambda: sorted((root / ".submitit").glob("*_1")), timeout=120)[0]

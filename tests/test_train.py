@@ -140,6 +140,25 @@ def test_model_that_does_not_fit_the_data_fails_naming_the_key(tmp_path, digits_
     assert "dataset.json" in str(err.value)
 
 
+@pytest.mark.parametrize("job_name", ["train", "interactive"])
+def test_a_slurm_job_without_a_gpu_trains_on_the_cpu_only_when_asked(tmp_path, monkeypatch, job_name):
+    """trainer.accelerator=auto in a Slurm task (an sbatch job, or srun from an salloc shell named `interactive`) that
+    sees no GPU is refused at start-up, naming the key; trainer.accelerator=cpu is accepted. Outside Slurm auto is
+    the CPU here, as before."""
+    from framework.preflight import check_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    check_accelerator(config_lib.to_object(compose_cfg(cheap(tmp_path, tmp_path, "trainer.accelerator=auto"))))
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", job_name)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    with pytest.raises(ValueError, match="trainer.accelerator=cpu"):
+        check_accelerator(config_lib.to_object(compose_cfg(cheap(tmp_path, tmp_path, "trainer.accelerator=auto"))))
+    check_accelerator(config_lib.to_object(compose_cfg(cheap(tmp_path, tmp_path, "trainer.accelerator=cpu"))))
+
+
 @pytest.mark.parametrize("rank_env", [{}, {"RANK": "1"}, {"SLURM_PROCID": "1"}, {"LOCAL_RANK": "1"}],
                          ids=["rank0", "torchrun-rank1", "srun-rank1", "launcher-rank1"])
 def test_only_global_rank_zero_writes_hydra_files_into_the_run_dir(tmp_path, rank_env):

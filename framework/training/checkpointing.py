@@ -204,6 +204,18 @@ class PruneHpcCheckpoints(pl.Callback):
 # --------------------------------------------------------------------------------------------
 
 
+def slurm_task() -> bool:
+    """Whether this process is a task of a Slurm job step (its ranks from srun's variables, Slurm's signals handled).
+
+    Lightning's own test (SLURMEnvironment.detect: SLURM_NTASKS set) skips jobs named `bash` or `interactive`, the
+    names salloc shells often get, so `srun python -m framework.train ...` from such a shell would start tasks that
+    each think they are alone; any srun step (SLURM_STEP_ID) counts here too. A plain command in an salloc shell (no
+    step) is one process, as Lightning has it."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment.detect() or ("SLURM_STEP_ID" in os.environ and "SLURM_NTASKS" in os.environ)
+
+
 def slurm_job_id() -> str:
     """The id `scontrol requeue` takes: <array job>_<task> inside a job array, else the job id."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -379,8 +391,6 @@ def preemption_callbacks() -> list[pl.Callback]:
     """What handles Slurm's signals in this process: none outside Slurm; under hydra/launcher=slurm (submitit sets
     SUBMITIT_EXECUTOR) submitit's USR2 (save and requeue); else sbatch's SIGUSR1 (save and requeue) and SIGTERM (save
     and stop: scancel, or a preemption that Slurm requeues itself)."""
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
-
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         return [SubmititPreemption()]
-    return [SlurmPreemption({signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP})] if SLURMEnvironment.detect() else []
+    return [SlurmPreemption({signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP})] if slurm_task() else []
