@@ -48,6 +48,9 @@ def test_the_data_module_reads_each_batch_from_one_bucket_and_reports_what_it_le
                                          r"left out \(3 of 55 samples\): 4x32: 3"):
         dm.setup("fit")
     assert [b["size"] for b in dm.buckets] == [[8, 16], [12, 12], [16, 8]]
+    # The samples in the order the data set yields them, before any batch is stacked: each run of 8 from one bucket.
+    order = [bucket_of(sample["key"]) for sample in dm.dataset]
+    assert len(order) == 40 and all(len(set(order[i:i + 8])) == 1 for i in range(0, 40, 8)), order
     batches = list(dm.train_dataloader())
     shapes = {tuple(b["latents"].shape[2:]) for b in batches}
     assert shapes == {(8, 16), (12, 12), (16, 8)}
