@@ -426,10 +426,11 @@ def test_failed_shard_preparation_raises_instead_of_ending_the_epoch(digits_shar
     shard.unlink()  # after the start-up check: the copy fails
     message = (f"Streaming failed to prepare a shard of {re.escape(str(copy))} .*: FileNotFoundError: .*"
                f"{re.escape(str(shard))}.*would have ended the epoch here without an error")
+    # next(..., None): an epoch that ends silently is a failed check ("did not raise"), not a StopIteration.
     with pytest.raises(RuntimeError, match=message):
-        next(iter(dm.train_dataloader()))
+        next(iter(dm.train_dataloader()), None)
     with pytest.raises(RuntimeError, match=message):  # and again at the next epoch
-        next(iter(dm.train_dataloader()))
+        next(iter(dm.train_dataloader()), None)
 
 
 def test_failed_shard_preparation_releases_the_shard(digits_shards, tmp_path, monkeypatch):

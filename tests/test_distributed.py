@@ -337,7 +337,8 @@ def test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued
         p.send_signal(signal.SIGUSR1)
     (run_dir / "go").touch()
     finish(procs)
-    assert (tmp_path / "scontrol_calls.txt").read_text().splitlines() == ["requeue 4243"]
+    called = tmp_path / "scontrol_calls.txt"
+    assert (called.read_text().splitlines() if called.exists() else []) == ["requeue 4243"]
 
     from framework.training.checkpointing import checkpoint_step
 
