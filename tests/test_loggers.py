@@ -44,7 +44,8 @@ def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_ru
     assert wandb_config(log)["optimizer"]["lr"] == 3e-4 and wandb_config(log)["model"]["in_channels"] == 1  # the resolved config
     rows = history(log)
     keys = set().union(*rows)
-    per_step = {"train/loss", "lr-AdamW", "train/device/samples_per_sec", "train/grad_norm", "train/data_wait_ms"}
+    per_step = {"train/loss", "lr-AdamW", "train/device/samples_per_sec", "train/grad_norm", "train/data_wait_ms",
+                "trainer/images_seen"}
     assert per_step <= keys, sorted(keys)
     loss_steps = sorted(r["trainer/global_step"] for r in rows if "train/loss" in r)
     assert loss_steps == list(range(24))
@@ -71,4 +72,9 @@ def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_ru
     assert run_ids(log2) == [run_id]
     steps2 = sorted(r["trainer/global_step"] for r in history(log2) if "train/loss" in r)
     assert steps2 == list(range(24, 30))
+    # trainer/images_seen: the job's samples so far (16 a step), continued by the resumed run from its checkpoint.
+    batch = wandb_config(log)["data"]["batch_size"]
+    for rows_of_run, want_steps in ((rows, range(24)), (history(log2), range(24, 30))):
+        seen = {r["trainer/global_step"]: r["trainer/images_seen"] for r in rows_of_run if "trainer/images_seen" in r}
+        assert seen == {s: (s + 1) * batch for s in want_steps}, seen
 

@@ -35,7 +35,8 @@ def readme_commands(path: Path = ROOT / "README.md") -> list[tuple[str, list[str
                     found.append((part[2], part[3:]))
                 elif part[:1] == ["sbatch"]:
                     script = next(i for i, t in enumerate(part) if t.endswith(".sbatch"))
-                    runs = re.findall(r"^\s*(?:srun .*)?(?:\$\{LATENTFORGE_EXEC:-\} )?python -m ([\w.]+)", (ROOT / part[script]).read_text(), re.M)
+                    text = (ROOT / part[script]).read_text()
+                    runs = re.findall(r"^\s*(?:srun .*)?(?:\$\{LATENTFORGE_EXEC:-\} )?python -m ([\w.]+)", text, re.M)
                     assert len(set(runs)) == 1, (part[script], runs)
                     found.append((runs[0], part[script + 1:]))
     return found

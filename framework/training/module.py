@@ -70,6 +70,9 @@ class DiffusionModule(pl.LightningModule):
         self.objective = Objective(objective)
         self.max_steps, self.seed = max_steps, seed
         self.finite = FiniteGuard(skip_nonfinite)  # trainer.skip_nonfinite: the non-finite checks of every step
+        # Samples of the whole job trained on so far, kept in checkpoints: continues across resumes and Slurm requeues
+        # (Lightning's counters restart with each job) and counts each step at the global batch it had.
+        self.images_seen = 0
         self.allow_global_batch_change = allow_global_batch_change  # trainer.allow_global_batch_change
         self.config = config or {}  # the resolved run config, stored in every checkpoint
         self.strategy_cfg = strategy  # block preparation and sharding in configure_model
@@ -314,8 +317,10 @@ class DiffusionModule(pl.LightningModule):
         """The step's losses and global gradient norm checked together (framework/training/finite.py)."""
         norm = self.finite.before_step(list(self.parameters()), optimizer, self.global_step, self.trainer.world_size,
                                        self.device)
+        self.images_seen += self.global_batch() or 0
         if self._logging_step():
             self.log("train/grad_norm", norm.detach().float(), on_step=True, on_epoch=False)
+            self.log("trainer/images_seen", float(self.images_seen), on_step=True, on_epoch=False)
 
     @property
     def step_skipped(self) -> bool:
@@ -356,6 +361,7 @@ class DiffusionModule(pl.LightningModule):
         # update, not replace: callbacks' on_save_checkpoint ran first (plugins/ema.py adds ema_state).
         checkpoint.setdefault(CKPT_KEY, {}).update({
             "global_batch": self.global_batch(),
+            "images_seen": self.images_seen,
             "config": self.config,
             "dataset": self.dataset_info,
             "empty_text": None if self.empty_text is None else self.empty_text.cpu(),
@@ -372,5 +378,7 @@ class DiffusionModule(pl.LightningModule):
                 f"batch (e.g. raise trainer.accumulate_grad_batches on fewer ranks), or set "
                 f"trainer.allow_global_batch_change=true to continue anyway."
             )
+        # Checkpoints from before the counter: every step so far at the saved global batch.
+        self.images_seen = extra.get("images_seen", checkpoint.get("global_step", 0) * (saved or 0))
         if extra.get("empty_text") is not None:
             self.empty_text = extra["empty_text"]
