@@ -32,7 +32,8 @@ def _log_file(run_dir: Path, run_no: int) -> Path:
 
 
 def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_run(tmp_path, digits_shards, offline_wandb):
-    args = ["logger=wandb", "sample.every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "logger.name=fox-256",
+    args = ["logger=wandb", "sample.every_n_steps=3", "sample.prompts=[a handwritten 3,a handwritten 7]",
+            "sample.per_prompt=2", "trainer.checkpoint_every_n_steps=3", "logger.name=fox-256",
             "logger.group=ablation", "logger.tags=[baseline,cpu]", "optimizer.lr=3e-4"]
     first = train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=24)))
     run_dir = Path(first["run_dir"])
@@ -63,8 +64,12 @@ def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_ru
         assert min(quarters) - 1e-5 <= r["train/loss"] <= max(quarters) + 1e-5, r
     grids = [r for r in rows if r.get("samples/_type") == "images/separated"]
     assert len(grids) == 8  # steps 3, 6, ..., 24
+    # Each grid as one image per prompt and seed, captioned with its prompt (the grid itself is in run.dir/samples/).
+    for g in grids:
+        assert g["samples/count"] == 4 and g.get("samples/captions") == [
+            "a handwritten 3 (seed 0)", "a handwritten 7 (seed 0)", "a handwritten 3 (seed 1)", "a handwritten 7 (seed 1)"]
     media = list(log.parent.glob("files/media/images/samples_*.png"))
-    assert len(media) == 8
+    assert len(media) == 8 * 4
 
     # A resumed run (resume=auto, same run.dir) continues the same W&B run and its step count.
     train(compose_cfg(cheap(tmp_path, digits_shards, *args, "resume=auto", steps=30)))

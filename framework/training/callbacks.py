@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from framework.inference.pipeline import Pipeline, save_grid, with_encoders
+from framework.inference.pipeline import Pipeline, save_grid, to_pil, with_encoders
 from framework.inference.sampling import SamplingPlan
 from framework.inference.sharing import SplitRanks
 from framework.evaluation.prompts import grid_prompts, prompt_labels
@@ -86,9 +86,11 @@ class SampleGrid(pl.Callback):
         order = [i * c.per_prompt + r for r in range(c.per_prompt) for i in range(len(columns))]
         path = save_grid(images[order], [prompts[i] for i in order], self.out_dir / f"step{step:07d}.png", ncol=len(columns))
         self.paths.append(path)
+        # To W&B: one image per prompt and seed with its prompt as the caption (the grid stays in run.dir/samples/).
+        captions = [prompts[i] + (f" (seed {k // len(columns)})" if c.per_prompt > 1 else "") for k, i in enumerate(order)]
         for logger in trainer.loggers:
             if hasattr(logger, "log_image"):
-                logger.log_image(key="samples", images=[str(path)], step=step)
+                logger.log_image(key="samples", images=[to_pil(images[i], size=96) for i in order], caption=captions, step=step)
         return path
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
