@@ -184,6 +184,18 @@ def _fit_digits(preset: str) -> list[str]:
     return [f"model={preset}"]
 
 
+def test_the_logged_loss_is_the_mean_over_the_logging_interval(tmp_path, digits_shards):
+    """With trainer.log_every_n_steps=4 the loss logged at steps 3 and 7 is the mean of the 4 steps' losses since
+    the last logged step (the same run logged at every step), not the loss of the one batch at the logged step."""
+    every = losses(Path(train(compose_cfg(cheap(tmp_path / "every", digits_shards, "logger=csv", steps=8)))["run_dir"]))
+    out = train(compose_cfg(cheap(tmp_path / "four", digits_shards, "logger=csv", "trainer.log_every_n_steps=4", steps=8)))
+    logged = losses(Path(out["run_dir"]))
+    assert sorted(every) == list(range(8)) and sorted(logged) == [3, 7]
+    for step in (3, 7):
+        assert logged[step] == pytest.approx(sum(every[s] for s in range(step - 3, step + 1)) / 4, rel=1e-5), step
+        assert logged[step] != pytest.approx(every[step], rel=1e-5)
+
+
 @pytest.mark.parametrize("preset", DEBUG_PRESETS)
 @pytest.mark.parametrize("objective", ["eps", "v", "flow"])
 def test_debug_presets_train_a_few_steps_with_each_objective(tmp_path, digits_shards, preset, objective):

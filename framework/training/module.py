@@ -73,6 +73,8 @@ class DiffusionModule(pl.LightningModule):
         # Samples of the whole job trained on so far, kept in checkpoints: continues across resumes and Slurm requeues
         # (Lightning's counters restart with each job) and counts each step at the global batch it had.
         self.images_seen = 0
+        self._interval_loss: torch.Tensor | None = None  # the losses summed since the last logged step, and their count
+        self._interval_batches = 0
         self.allow_global_batch_change = allow_global_batch_change  # trainer.allow_global_batch_change
         self.config = config or {}  # the resolved run config, stored in every checkpoint
         self.strategy_cfg = strategy  # block preparation and sharding in configure_model
@@ -303,12 +305,16 @@ class DiffusionModule(pl.LightningModule):
                 self._log_loss_by_level(pred, target, t)
 
         self.finite.add_loss(loss)  # checked with this step's gradient norm before the optimizer step
+        # train/loss is the mean over every micro-batch since the last logged step, not one batch's loss: summed on
+        # the device (no synchronisation), reset once a logged step has taken its optimizer step.
+        self._interval_loss = loss.detach() + (self._interval_loss if self._interval_loss is not None else 0.0)
+        self._interval_batches += 1
         if logging_step(self.trainer):
             # Only on logging steps (and then to the progress bar too, which refreshes on those steps): the
             # average over ranks and its read on the host are a synchronisation the other steps do without.
             # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
-            self.log("train/loss", loss, prog_bar=True, on_step=True, batch_size=x0.shape[0],
-                     sync_dist=self.trainer.world_size > 1)
+            self.log("train/loss", self._interval_loss / self._interval_batches, prog_bar=True, on_step=True,
+                     batch_size=x0.shape[0], sync_dist=self.trainer.world_size > 1)
         return loss
 
     # ---- finiteness: the losses and the gradient norm, once per optimizer step ----------------
@@ -318,6 +324,8 @@ class DiffusionModule(pl.LightningModule):
         norm = self.finite.before_step(list(self.parameters()), optimizer, self.global_step, self.trainer.world_size,
                                        self.device)
         self.images_seen += self.global_batch() or 0
+        if logging_step(self.trainer):  # this step's train/loss is logged: the next interval starts
+            self._interval_loss, self._interval_batches = None, 0
         if self._logging_step():
             self.log("train/grad_norm", norm.detach().float(), on_step=True, on_epoch=False)
             self.log("trainer/images_seen", float(self.images_seen), on_step=True, on_epoch=False)
