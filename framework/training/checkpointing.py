@@ -311,7 +311,7 @@ class SlurmPreemption(pl.Callback):
             return  # no signal, or the last step: the run ends now and writes last.ckpt itself
         # One name for all ranks: each rank listing the folder while rank 0 writes could pick N+1.
         path = trainer.strategy.broadcast(next_hpc_path(Path(trainer.default_root_dir)))
-        then = "requeue the job" if action == REQUEUE else "stop (no requeue)"
+        then = "requeue the job" if action == REQUEUE else "requeue if Slurm is preempting the job, else stop"
         rank_zero_info(f"Slurm signal: saving step {trainer.global_step} to {path}, then {then}")
         trainer.save_checkpoint(path)
         finish_saves(trainer)
@@ -389,8 +389,8 @@ class SubmititPreemption(SlurmPreemption):
 
 def preemption_callbacks() -> list[pl.Callback]:
     """What handles Slurm's signals in this process: none outside Slurm; under hydra/launcher=slurm (submitit sets
-    SUBMITIT_EXECUTOR) submitit's USR2 (save and requeue); else sbatch's SIGUSR1 (save and requeue) and SIGTERM (save
-    and stop: scancel, or a preemption that Slurm requeues itself)."""
+    SUBMITIT_EXECUTOR) submitit's USR2 (save and requeue); else sbatch's SIGUSR1 (save and requeue) and SIGTERM (save,
+    then requeue a preempted job and stop a cancelled one)."""
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         return [SubmititPreemption()]
     return [SlurmPreemption({signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP})] if slurm_task() else []
