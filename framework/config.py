@@ -52,6 +52,10 @@ class TrainerConfig:
     """Write checkpoints/last.ckpt (and a numbered copy) every this many steps, and at the end."""
     keep_checkpoints: int = 3
     """Numbered checkpoints (checkpoints/stepNNNNNNN.ckpt) kept besides last.ckpt: the newest N (0: none)."""
+    grace_check: bool = True
+    """Under Slurm (sbatch / srun): time a step and a probe save at each job's second step and refuse the run when
+    they do not fit in Slurm's KillWait, the time SIGTERM (scancel, preemption) leaves before SIGKILL. false: train
+    anyway; a save cut by SIGKILL falls back to the last periodic checkpoint."""
     skip_nonfinite: bool = False
     """Skip optimizer steps whose loss is NaN/inf instead of stopping the run."""
     allow_global_batch_change: bool = False

@@ -102,7 +102,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
     # FinalCheckpoint first: the final state is on disk before any grid or plugin runs at the end, so a
     # failure there cannot lose the run. PruneHpcCheckpoints after it: it compares with the final last.ckpt.
     callbacks = [FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"), PruneHpcCheckpoints(run_dir), *callbacks,
-                 *preemption_callbacks()]
+                 *preemption_callbacks(run_dir, t.grace_check)]
     return pl.Trainer(
         strategy=build_strategy(cfg.strategy, default_precision(cfg)),
         plugins=build_plugins(cfg),

@@ -732,6 +732,9 @@ KEYS: dict[str, dict] = {
         "tests/test_train.py::test_quickstart_learns_the_prompts",
         "tests/test_train.py::test_resume_auto_continues_like_an_uninterrupted_run",
     ], "mutant": None},
+    "trainer.grace_check": {"tests": [
+        "tests/test_distributed.py::test_grace_check_refuses_a_slurm_run_whose_save_outlasts_kill_wait",
+    ], "mutant": "grace_check_key_ignored"},
     "trainer.keep_checkpoints": {"tests": [
         "tests/test_checkpoints.py::test_async_saves_resume_like_sync_ones",
         "tests/test_checkpoints.py::test_keep_checkpoints_keeps_the_newest_numbered_files_across_a_resume",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -232,16 +233,24 @@ def test_sharded_checkpoint_resumes_on_another_world_size(runs, name):
 # --------------------------------------------------------------------------------------------
 
 
-def fake_scontrol(tmp_path: Path, show: str = "") -> dict[str, str]:
-    """PATH with an `scontrol` that appends its arguments to tmp_path/scontrol_calls.txt and prints `show` for
-    `scontrol show job`."""
+def fake_scontrol(tmp_path: Path, show: str = "", kill_wait: int = 3600) -> dict[str, str]:
+    """PATH with an `scontrol` that appends its arguments to tmp_path/scontrol_calls.txt, prints `show` for
+    `scontrol show job` and a KillWait of `kill_wait` seconds for `scontrol show config`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls.txt"}\n'
+                        f'[ "$1 $2" = "show config" ] && echo "KillWait                = {kill_wait} sec" && exit 0\n'
                         f'[ "$1" = show ] && echo "{show}"\nexit 0\n')
     scontrol.chmod(0o755)
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def scontrol_calls(tmp_path: Path, config: bool = False) -> list[str]:
+    """What the fake scontrol was asked, in order; `scontrol show config` (the grace check's) left out unless `config`."""
+    called = tmp_path / "scontrol_calls.txt"
+    calls = called.read_text().splitlines() if called.exists() else []
+    return [c for c in calls if config or c != "show config"]
 
 
 def slurm_task_env(job: str, rank: int = 0, ntasks: int = 1, name: str = "train") -> dict[str, str]:
@@ -276,8 +285,7 @@ def test_slurm_signal_saves_a_checkpoint_requeues_or_stops_and_the_rerun_resumes
         # The run saves at the next step, requeues (USR1 only) and leaves fit by itself, exit status 0.
         assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
         out = proc.stdout.read()
-        called = tmp_path / "scontrol_calls.txt"
-        calls = called.read_text().splitlines() if called.exists() else []
+        calls = scontrol_calls(tmp_path)
         if signum == signal.SIGUSR1:
             assert calls == ["requeue 4242"] and "then requeue the job" in out, out[-3000:]
         elif show == PREEMPTED:
@@ -296,6 +304,32 @@ def test_slurm_signal_saves_a_checkpoint_requeues_or_stops_and_the_rerun_resumes
     assert f"Restoring states from the checkpoint path at {hpc[0]}" in rerun.stdout + rerun.stderr
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 1
     assert not hpc[0].exists(), "a later last.ckpt makes the preemption checkpoint redundant"
+
+
+@pytest.mark.parametrize("grace_check", [True, False])
+def test_grace_check_refuses_a_slurm_run_whose_save_outlasts_kill_wait(tmp_path, digits_shards, grace_check):
+    """KillWait 0 s: a step plus a save cannot fit, so the run stops at its second step with an error naming the
+    KillWait it needs (and leaves no probe behind); trainer.grace_check=false trains on without asking Slurm."""
+    run_dir = tmp_path / "run"
+    env = {**fake_scontrol(tmp_path, kill_wait=0), **slurm_task_env("4244")}
+    proc = run_train(run_dir, digits_shards, "data.batch_size=16", "trainer.max_steps=4",
+                     f"trainer.grace_check={str(grace_check).lower()}", env=env, wait=False)
+    try:
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    if grace_check:
+        assert proc.returncode != 0 and re.search(r"needs KillWait >= \d+ s .* KillWait is 0 s", out), out[-3000:]
+        assert scontrol_calls(tmp_path, config=True) == ["show config"]
+        assert not (run_dir / "grace_probe.ckpt").exists() and not (run_dir / "checkpoints" / "last.ckpt").exists()
+    else:
+        assert proc.returncode == 0 and "trainer.grace_check: " not in out, out[-3000:]
+        assert scontrol_calls(tmp_path, config=True) == []
+
+        from framework.training.checkpointing import checkpoint_step
+
+        assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 4
 
 
 def srun_ranks(run_dir: Path, data: Path, *overrides: str, env: dict[str, str], ntasks: int = 2,
@@ -337,8 +371,7 @@ def test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued
         p.send_signal(signal.SIGUSR1)
     (run_dir / "go").touch()
     finish(procs)
-    called = tmp_path / "scontrol_calls.txt"
-    assert (called.read_text().splitlines() if called.exists() else []) == ["requeue 4243"]
+    assert scontrol_calls(tmp_path, config=True) == ["show config", "requeue 4243"], "KillWait read once, by rank 0"
 
     from framework.training.checkpointing import checkpoint_step
 

@@ -75,3 +75,23 @@ def test_the_readme_shows_every_public_command():
 def test_a_readme_command_is_accepted_as_written(module, args):
     proc = zygote.run([sys.executable, "-m", module, *as_one_job(module, args)], timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_ci_floors_are_the_lowest_versions_pyproject_allows():
+    """.ci/floors.txt (the floors job of .ci/run) pins each package of the training stack to its floor in pyproject.toml:
+    the versions CI tests are the oldest a user may install."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    deps = {Requirement(d).name: Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+            ["dependencies"]}
+    pins = [Requirement(line) for line in (ROOT / ".ci/floors.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert {"torch", "torchvision", "lightning", "diffusers", "transformers"} <= {p.name for p in pins}
+    for pin in pins:
+        (spec,) = pin.specifier
+        floors = [s.version for s in deps[pin.name].specifier if s.operator == ">="]
+        assert floors and Version(floors[0]) == Version(spec.version), (pin, deps[pin.name])
+        assert deps[pin.name].specifier.contains(spec.version), (pin, deps[pin.name])

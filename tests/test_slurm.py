@@ -243,9 +243,11 @@ def test_sbatch_job_saves_on_each_signal_and_resumes_exactly(tmp_path, digits_sh
 # --------------------------------------------------------------------------------------------
 
 
-def test_precompute_sbatch_on_two_tasks_writes_the_one_process_dataset(tmp_path, tiny_text_encoder_dir):
+def test_precompute_sbatch_preempted_on_two_tasks_is_requeued_and_writes_the_one_process_dataset(tmp_path,
+                                                                                                tiny_text_encoder_dir):
     """launch/precompute.sbatch as its usage line says, sized for this CPU node: 2 tasks deal a folder's 3 parts
-    (ranks from srun's environment alone), rank 0 merges, and the rows are the one-process run's, in its order."""
+    (ranks from srun's environment alone), rank 0 merges. A higher-tier job preempts it once both tasks have started:
+    the script requeues it, and the requeued job's rows are the one-process run's, in its order."""
     from data_prep.precompute import precompute
     from tests.helpers import folder_config, make_image_folder, read_rows
 
@@ -258,14 +260,20 @@ def test_precompute_sbatch_on_two_tasks_writes_the_one_process_dataset(tmp_path,
            f"text_encoder={tiny_text_encoder_dir}", "resolution=8", "records_per_part=4", f"out={out}",
            f"hydra.run.dir={tmp_path / 'hydra'}"]
     job_id = subprocess.run(cmd, cwd=ROOT, env=job_env(tmp_path), capture_output=True, text=True, check=True).stdout.strip()
+    jobs = [job_id]
     try:
+        # Both tasks are in python (the wrapper ran), which takes seconds to import and encode: preempt them there.
+        wait_for("both tasks to start", lambda: ran_wrapped(tmp_path, 2), every=0.05)
+        assert not (out / "dataset.json").exists(), "finished before the preemption"
+        jobs.append(preempt(job_id, tmp_path))
         info = wait_done(job_id)
     finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
+        for j in jobs:
+            subprocess.run(["scancel", j], capture_output=True)
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
-    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    assert f"precompute: job {job_id} is being preempted; requeueing it" in log, log[-3000:]
     assert "rank 0 of 2: " in log and "rank 1 of 2: " in log, log[-3000:]
-    assert ran_wrapped(tmp_path, 2), "every task ran inside LATENTFORGE_EXEC"
     got = json.loads((out / "dataset.json").read_text())
     assert got["world_size"] == 2 and got["num_samples"] == json.loads((want / "dataset.json").read_text())["num_samples"]
     rows = lambda d: [(r["key"], r["caption"], r["latents"].tobytes()) for r in read_rows(d)]

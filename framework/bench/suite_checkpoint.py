@@ -1,7 +1,7 @@
 """`python -m framework.bench checkpoint model=sana_1600m_1024 world_size=2`: what a sharded save costs.
 
 Each of `world_size` CPU ranks (gloo) holds its FSDP2 shards of the preset and of its optimizer's state (one
-step taken, so every state tensor exists), takes the state dict as the trainer does
+step taken, so every state tensor exists) and, with `ema`, an fp32 EMA of the weights, takes the state dict as the trainer does
 (torch.distributed.checkpoint.state_dict, as Lightning's ModelParallelStrategy) and writes `saves`
 checkpoints through framework.distributed.strategy.ShardedSaver, synchronously and with async_save. Reported per
 save: the seconds the training loop is blocked (sync: the whole write; async: the copy to host memory),
@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,19 @@ class CheckpointBench:
     world_size: int = 2
     optimizer: str = "came8bit"
     """adamw or came8bit (SANA's optimizer; its 8-bit state keeps a 1.6B model within a small host's memory)."""
+    ema: bool = True
+    """Save an fp32 EMA of the weights beside them (plugins.ema, as the trainer's checkpoints hold it)."""
+    modes: list[str] = field(default_factory=lambda: ["sync", "async"])
+    """sync, async or both: an async save stages a copy of every rank's state in host memory first, which a small host
+    may not hold beside a 1.6B model's weights, EMA and optimizer state."""
     saves: int = 3
     dir: str | None = None
     """Where the checkpoints are written (removed afterwards); null: a temporary folder."""
     out: str = "bench_checkpoint.json"
+
+    def __post_init__(self) -> None:
+        if not self.modes or set(self.modes) - {"sync", "async"}:
+            raise ValueError(f"modes={list(self.modes)}: give sync, async or both, e.g. modes=[sync]")
 
 
 def _rank(rank: int, cfg: CheckpointBench, port: int, folder: str, results: Any) -> None:
@@ -66,14 +75,17 @@ def _rank(rank: int, cfg: CheckpointBench, port: int, folder: str, results: Any)
     opt.step()  # every state tensor exists now, as after the first training step
     for p in model.parameters():
         p.grad = None  # a save happens between steps, with the gradients freed
+    # The EMA: an fp32 copy of each (sharded) weight, saved into the model's state as the trainer does.
+    ema = {f"ema.{n}": p.detach().clone() for n, p in model.named_parameters()} if cfg.ema else {}
     rows = []
-    for mode in ("sync", "async"):
+    for mode in cfg.modes:
         saver = ShardedSaver(rank, dist.barrier, async_save=mode == "async")
         for i in range(cfg.saves):
             path = Path(folder) / f"{mode}_{i}.ckpt"
             dist.barrier()
             t0 = time.perf_counter()
             model_state, optim_state = get_state_dict(model, opt)
+            model_state.update(ema)
             saver.save({"state_dict": model_state, "optimizer_0": optim_state}, {"global_step": i}, path)
             blocked = time.perf_counter() - t0
             saver.finish()
@@ -113,8 +125,10 @@ def run(cfg: CheckpointBench) -> list[dict[str, Any]]:
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     for row in rows:
-        row.update(model=cfg.model, world_size=cfg.world_size, optimizer=cfg.optimizer, gib=row["bytes"] / 2**30)
-    print(f"{cfg.model}, {cfg.world_size} CPU ranks, {cfg.optimizer}: seconds per save (blocked = the training "
-          "loop waits; complete = on disk)")
+        row.update(model=cfg.model, world_size=cfg.world_size, optimizer=cfg.optimizer, ema=cfg.ema,
+                   gib=row["bytes"] / 2**30)
+    state = cfg.optimizer + (" + EMA" if cfg.ema else "")
+    print(f"{cfg.model}, {cfg.world_size} CPU ranks, {state}: seconds per save (blocked = the training loop waits; "
+          "complete = on disk)")
     print_table(rows, ["mode", "save", "blocked_s", "complete_s", "gib"])
     return rows

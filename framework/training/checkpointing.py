@@ -11,6 +11,7 @@ same step on every rank, and turning a folder back into one plain dict without a
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -387,10 +388,82 @@ class SubmititPreemption(SlurmPreemption):
             self._previous[self.signum](self.signum, None)
 
 
-def preemption_callbacks() -> list[pl.Callback]:
+def kill_wait_s() -> int | None:
+    """Slurm's KillWait (`scontrol show config`): the seconds from the SIGTERM of `scancel`, of a preemption's end or
+    of the time limit to SIGKILL. None when scontrol cannot say."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60).stdout
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"^KillWait\s*=\s*(\d+)", out, re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
+class GraceCheck(pl.Callback):
+    """Refuse a Slurm run whose save on SIGTERM cannot finish before SIGKILL (trainer.grace_check).
+
+    SIGTERM is acted on at the next step boundary, so a cancelled job needs up to a step plus a save within KillWait
+    (a preemption has GraceTime + KillWait, the time limit USR1's lead + KillWait: KillWait is the shortest). The
+    checkpoint holds only what cannot be rebuilt (the trained weights, the EMA, the optimizer's state, the loop and
+    data-loader counters), so what it needs is measured: at the second optimizer step of each job the step is timed
+    and a probe save is written, timed until it is complete on every rank, and removed. When step + save, with a fifth
+    more for a busier file system, exceed KillWait, every rank stops with an error naming the KillWait it needs."""
+
+    MARGIN = 1.2
+
+    def __init__(self, run_dir: Path) -> None:
+        self.probe = Path(run_dir) / "grace_probe.ckpt"
+        self._steps, self._last, self._then = 0, -1, 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        import time
+
+        if trainer.global_step == self._last:
+            return  # mid-accumulation: the optimizer step is not over
+        self._last, self._steps, now = trainer.global_step, self._steps + 1, time.perf_counter()
+        if self._steps == 1 or (0 < trainer.max_steps <= trainer.global_step):
+            self._then = now  # the first step compiles and warms up; the last one is followed by the final save
+            return
+        if self._steps != 2:
+            return
+        step_s = now - self._then
+        kill_wait = trainer.strategy.broadcast(kill_wait_s() if trainer.is_global_zero else None)
+        if kill_wait is None:
+            rank_zero_info("trainer.grace_check: `scontrol show config` gave no KillWait; the save on SIGTERM is not timed")
+            return
+        if trainer.is_global_zero and self.probe.exists():
+            _remove(self.probe)  # left by a job killed during its probe
+        trainer.strategy.barrier()
+        start = time.perf_counter()
+        trainer.save_checkpoint(self.probe)
+        finish_saves(trainer)
+        trainer.strategy.barrier()  # complete on every rank
+        save_s = time.perf_counter() - start
+        if trainer.is_global_zero:
+            size = sum(f.stat().st_size for f in self.probe.rglob("*")) if self.probe.is_dir() else self.probe.stat().st_size
+            _remove(self.probe)
+        step_s, save_s = trainer.strategy.broadcast((step_s, save_s))
+        need = math.ceil(self.MARGIN * (step_s + save_s))
+        if need > kill_wait:
+            raise RuntimeError(
+                f"trainer.grace_check: a step takes {step_s:.1f} s and a save {save_s:.1f} s here, so the save on "
+                f"SIGTERM (scancel, preemption, the time limit) needs KillWait >= {need} s with a fifth to spare; this "
+                f"cluster's KillWait is {kill_wait} s, after which SIGKILL would cut the save and the run would fall back "
+                f"to its last periodic checkpoint. Ask the administrators for KillWait={need} (slurm.conf), spread the "
+                f"save over more ranks (strategy=fsdp) or write run.dir to a faster file system; or set "
+                f"trainer.grace_check=false to train anyway.")
+        if trainer.is_global_zero:
+            rank_zero_info(f"trainer.grace_check: a step {step_s:.1f} s + a save {save_s:.1f} s ({size / 2**30:.2f} GiB) "
+                           f"fit in Slurm's KillWait of {kill_wait} s")
+
+
+def preemption_callbacks(run_dir: Path, grace_check: bool = True) -> list[pl.Callback]:
     """What handles Slurm's signals in this process: none outside Slurm; under hydra/launcher=slurm (submitit sets
     SUBMITIT_EXECUTOR) submitit's USR2 (save and requeue); else sbatch's SIGUSR1 (save and requeue) and SIGTERM (save,
-    then requeue a preempted job and stop a cancelled one)."""
+    then requeue a preempted job and stop a cancelled one), with GraceCheck timing that save unless `grace_check` is
+    false."""
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         return [SubmititPreemption()]
-    return [SlurmPreemption({signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP})] if slurm_task() else []
+    if not slurm_task():
+        return []
+    return [SlurmPreemption({signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP}), *([GraceCheck(run_dir)] if grace_check else [])]
