@@ -18,11 +18,6 @@ import torch
 QUIET = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
-# What the training command's ranks other than global rank 0 add: no .hydra/ folder and no log file in the run
-# directory (their log lines go to their stdout, which srun and torchrun collect).
-OTHER_RANKS = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
-
-
 def add_overrides(overrides: list[str]) -> None:
     """Append `overrides` to sys.argv, each unless the user set its key."""
     given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]}

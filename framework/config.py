@@ -191,9 +191,16 @@ class TrainConfig:
 
 
 def register() -> None:
-    """Register the schema so conf/config.yaml can extend it (`defaults: [train_schema, ...]`)."""
+    """Register the schema so conf/config.yaml can extend it (`defaults: [train_schema, ...]`), and the `lf.rank_zero`
+    resolver: `${lf.rank_zero:A,B}` is A in the process that writes the run directory (global rank 0) and B in the other
+    ranks, read when Hydra sets up each process's outputs (conf/config.yaml's hydra.output_subdir, the train.log handler
+    of conf/hydra/job_logging/latentforge.yaml)."""
+    from framework.cli import writes_run_dir
+
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("lf.rank_zero", lambda on_zero, elsewhere: on_zero if writes_run_dir() else elsewhere,
+                                    replace=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, SampleGrid, evaluate_module, module_pipeline
-from framework.cli import OTHER_RANKS, add_overrides, launch_rank, share_cpu_threads, uses_gpu, writes_run_dir
+from framework.cli import launch_rank, share_cpu_threads, uses_gpu, writes_run_dir
 from framework.config import TrainConfig
 from framework.data.datamodule import LatentDataModule, split_global_batch
 from framework.training.loggers import RunCSVLogger, wandb_logger
@@ -94,6 +94,27 @@ def build_plugins(cfg: TrainConfig) -> list[Any]:
     return lightning_plugins
 
 
+def lightning_accelerator(accelerator: str) -> Any:
+    """`trainer.accelerator` as Lightning takes it: on a Slurm site that binds one GPU to each task (the task sees one
+    device while the node runs several tasks), TaskGPUAccelerator puts every task on the GPU it sees."""
+    from framework.distributed.strategy import TaskGPUAccelerator, tasks_per_node
+    from framework.training.checkpointing import slurm_task
+
+    if slurm_task() and uses_gpu(accelerator) and torch.cuda.device_count() == 1 and tasks_per_node() > 1:
+        return TaskGPUAccelerator()
+    return accelerator
+
+
+def lightning_devices(devices: Any) -> Any:
+    """`trainer.devices` as Lightning takes it: under Slurm each task is one rank, so `auto` means the node's task count
+    (Lightning refuses any other; on CPU nodes its own `auto` would be 1), as launch/train.sbatch passes it and as a
+    submitit job (hydra/launcher=slurm tasks_per_node=N) needs it."""
+    from framework.distributed.strategy import tasks_per_node
+    from framework.training.checkpointing import slurm_task
+
+    return tasks_per_node() if devices == "auto" and slurm_task() else devices
+
+
 def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback]) -> pl.Trainer:
     from framework.training.checkpointing import FinalCheckpoint, PruneHpcCheckpoints, preemption_callbacks
     from framework.distributed.strategy import build_strategy
@@ -107,9 +128,9 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
         strategy=build_strategy(cfg.strategy, default_precision(cfg)),
         plugins=build_plugins(cfg),
         max_steps=t.max_steps,
-        devices=t.devices,
+        devices=lightning_devices(t.devices),
         num_nodes=t.num_nodes,
-        accelerator=t.accelerator,
+        accelerator=lightning_accelerator(t.accelerator),
         precision=default_precision(cfg),
         accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps,
@@ -287,6 +308,4 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if not writes_run_dir():
-        add_overrides(OTHER_RANKS)
     main()

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from framework.inference.sampling import SamplingPlan
-from tests.helpers import FROZEN, STEPS, TOL, fsdp, losses, probe, run_nodes, run_train, same_updates, weights
+from tests.helpers import FROZEN, STEPS, TOL, fsdp, losses, probe, run_nodes, run_train, same_updates, train_args, weights
 from tests.zygote import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -330,6 +330,34 @@ def test_grace_check_refuses_a_slurm_run_whose_save_outlasts_kill_wait(tmp_path,
         from framework.training.checkpointing import checkpoint_step
 
         assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 4
+
+
+def test_a_task_bound_to_one_gpu_takes_the_gpu_it_sees(monkeypatch, tmp_path, digits_shards):
+    """`--gpus-per-task=1` sites: task 3 of a node's 4 sees one GPU, cuda:0. The trainer framework.train builds (as
+    launch/train.sbatch runs it: trainer.devices=<tasks per node>) puts that task on cuda:0 as rank 3 of 4, where
+    Lightning alone would refuse 4 devices with one visible. CUDA is faked: the trainer is built, not run."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import lightning.pytorch.accelerators.cuda as pytorch_cuda
+
+    from framework import config as config_lib
+    from framework.train import build_trainer
+    from tests.helpers import compose_cfg
+
+    for key, value in slurm_task_env("4245", rank=3, ntasks=4).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for module in (fabric_cuda, pytorch_cuda):
+        monkeypatch.setattr(module, "num_cuda_devices", lambda: 1)
+    overrides = train_args(tmp_path / "run", digits_shards, tmp_path / "cache", "strategy=ddp", "trainer.devices=4",
+                           "trainer.accelerator=auto", "trainer.precision=32-true")
+    cfg = config_lib.to_object(compose_cfg(overrides))
+    try:
+        trainer = build_trainer(cfg, tmp_path / "run", [])
+    except Exception as e:  # Lightning's own refusal: 4 devices asked for, 1 visible
+        pytest.fail(f"the trainer was refused: {e}")
+    assert trainer.strategy.root_device == torch.device("cuda", 0)
+    assert (trainer.global_rank, trainer.local_rank, trainer.world_size) == (3, 3, 4)
 
 
 def srun_ranks(run_dir: Path, data: Path, *overrides: str, env: dict[str, str], ntasks: int = 2,

@@ -308,3 +308,27 @@ def test_submitit_sweep_job_saves_on_the_warning_and_submitit_requeues_it(tmp_pa
     assert info["Restarts"] == "1" and "Requeued job" in log, log[-3000:]
     check_resumed_cleanly(root / "1", log, root / "1" / "cache")
     assert losses(root / "1") == reference and losses(root / "0") == reference  # bit-identical
+
+
+def test_submitit_job_of_two_tasks_logs_to_the_run_dir_from_global_rank_zero_only(tmp_path, digits_shards):
+    """hydra/launcher=slurm with 2 tasks: each task runs the same pickled Hydra job, yet only global rank 0 writes
+    train.log (and .hydra/) into the run directory; rank 1's lines go to its own task log, which submitit keeps."""
+    root = tmp_path / "sweep"
+    args = [a for a in tiny(root, digits_shards, "${hydra:runtime.output_dir}/cache") if not a.startswith("trainer.max_steps")]
+    cmd = [sys.executable, "-m", "framework.train", "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+           "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=30",
+           *args, "trainer.max_steps=2", "strategy=ddp", "data.batch_size=8"]
+    if activate():
+        cmd.append(f"hydra.launcher.setup=[{activate()!r}]")
+    launcher = subprocess.run(cmd, cwd=ROOT, env=job_env(tmp_path), capture_output=True, text=True, timeout=600)
+    folders = sorted(p for p in (root / ".submitit").glob("*") if p.is_dir() and not p.is_symlink())  # the job's own
+    tasks = {t: "".join(p.read_text() for p in folders[0].glob(f"*_{t}_log.*")) for t in (0, 1)} if folders else {}
+    assert launcher.returncode == 0, launcher.stdout[-2000:] + launcher.stderr[-2000:] + str(tasks)[-3000:]
+    run_dir = root / "0"
+    train_log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+    # Each task's root logger says so once at its end, in the run's log format: rank 0's line alone is in train.log,
+    # rank 1's in its own task log.
+    done = "][submitit][INFO] - Job completed successfully"
+    assert train_log.count(done) == 1, train_log[-3000:]
+    assert done in tasks[1], tasks[1][-3000:]
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "checkpoints" / "last.ckpt").exists()

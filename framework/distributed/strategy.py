@@ -23,6 +23,7 @@ killed mid-save keeps its last good checkpoint. What each rank holds is measured
 
 from __future__ import annotations
 
+import os
 import shutil
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Generator
 
 import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy, Strategy
 
 from framework.distributed.config import StrategyConfig
@@ -230,3 +232,32 @@ def build_strategy(cfg: StrategyConfig, precision: str) -> Strategy | str:
     return FSDPStrategy(cfg.sharding, fsdp_param_dtype(precision, cfg.mixed_precision),
                         sharded_checkpoint=cfg.sharded_checkpoint, async_save=cfg.async_save,
                         sequence_parallel=cfg.sequence_parallel, timeout_s=cfg.timeout_s)
+
+
+def tasks_per_node() -> int:
+    """srun's tasks on this node (SLURM_NTASKS_PER_NODE, e.g. `8` or `8(x2)`); 1 outside Slurm."""
+    return int(os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+
+
+class TaskGPUAccelerator(CUDAAccelerator):
+    """CUDA on Slurm sites that bind one GPU to each task (`--gpus-per-task=1`, `--gpu-bind=single:1`).
+
+    Each task of the node then sees one device, cuda:0. Lightning, given trainer.devices=<tasks per node> as
+    launch/train.sbatch passes it, would refuse the count (one GPU visible) and then put local rank k on cuda:k; here
+    every local rank takes the one device it sees, while the ranks, the node's task count and Streaming's local ranks
+    stay Slurm's. framework.train picks it (lightning_accelerator)."""
+
+    @staticmethod
+    def parse_devices(devices: Any) -> list[int]:
+        if isinstance(devices, (list, tuple)):
+            return list(devices)
+        count = tasks_per_node() if str(devices) in ("auto", "-1") else int(devices)
+        return list(range(count))
+
+    @staticmethod
+    def get_parallel_devices(devices: list[int]) -> list[torch.device]:
+        return [torch.device("cuda", 0) for _ in devices]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return tasks_per_node()
