@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import torch
 
 from framework.inference.sampling import SamplingPlan
 from tests.helpers import FROZEN, STEPS, TOL, fsdp, losses, probe, run_nodes, run_train, same_updates, train_args, weights
+from tests import zygote
 from tests.zygote import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,32 +334,44 @@ def test_grace_check_refuses_a_slurm_run_whose_save_outlasts_kill_wait(tmp_path,
         assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == 4
 
 
-def test_a_task_bound_to_one_gpu_takes_the_gpu_it_sees(monkeypatch, tmp_path, digits_shards):
+# Run in its own process: building a Trainer as rank 3 sets Lightning's process-wide rank (rank_zero_only.rank), after
+# which a test worker's later in-process runs would log nothing.
+ONE_GPU_TASK = """
+import sys
+from pathlib import Path
+
+import torch
+import lightning.fabric.accelerators.cuda as fabric_cuda
+import lightning.pytorch.accelerators.cuda as pytorch_cuda
+
+torch.cuda.device_count = lambda: 1
+torch.cuda.is_available = lambda: True
+fabric_cuda.num_cuda_devices = pytorch_cuda.num_cuda_devices = lambda: 1
+
+from framework import config as config_lib
+from framework.train import build_trainer
+from tests.helpers import compose_cfg
+
+config_lib.register()
+try:
+    trainer = build_trainer(config_lib.to_object(compose_cfg(sys.argv[2:])), Path(sys.argv[1]), [])
+except Exception as e:
+    print(f"refused: {e}")
+else:
+    print(f"device={trainer.strategy.root_device} ranks={trainer.global_rank},{trainer.local_rank},{trainer.world_size}")
+"""
+
+
+def test_a_task_bound_to_one_gpu_takes_the_gpu_it_sees(tmp_path, digits_shards):
     """`--gpus-per-task=1` sites: task 3 of a node's 4 sees one GPU, cuda:0. The trainer framework.train builds (as
     launch/train.sbatch runs it: trainer.devices=<tasks per node>) puts that task on cuda:0 as rank 3 of 4, where
     Lightning alone would refuse 4 devices with one visible. CUDA is faked: the trainer is built, not run."""
-    import lightning.fabric.accelerators.cuda as fabric_cuda
-    import lightning.pytorch.accelerators.cuda as pytorch_cuda
-
-    from framework import config as config_lib
-    from framework.train import build_trainer
-    from tests.helpers import compose_cfg
-
-    for key, value in slurm_task_env("4245", rank=3, ntasks=4).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for module in (fabric_cuda, pytorch_cuda):
-        monkeypatch.setattr(module, "num_cuda_devices", lambda: 1)
     overrides = train_args(tmp_path / "run", digits_shards, tmp_path / "cache", "strategy=ddp", "trainer.devices=4",
                            "trainer.accelerator=auto", "trainer.precision=32-true")
-    cfg = config_lib.to_object(compose_cfg(overrides))
-    try:
-        trainer = build_trainer(cfg, tmp_path / "run", [])
-    except Exception as e:  # Lightning's own refusal: 4 devices asked for, 1 visible
-        pytest.fail(f"the trainer was refused: {e}")
-    assert trainer.strategy.root_device == torch.device("cuda", 0)
-    assert (trainer.global_rank, trainer.local_rank, trainer.world_size) == (3, 3, 4)
+    env = {**os.environ, **slurm_task_env("4245", rank=3, ntasks=4), "TMPDIR": str(tmp_path)}
+    proc = zygote.run([sys.executable, "-c", ONE_GPU_TASK, str(tmp_path / "run"), *overrides], env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "device=cuda:0 ranks=3,3,4" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def srun_ranks(run_dir: Path, data: Path, *overrides: str, env: dict[str, str], ntasks: int = 2,

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -314,9 +315,11 @@ class SlurmPreemption(pl.Callback):
         path = trainer.strategy.broadcast(next_hpc_path(Path(trainer.default_root_dir)))
         then = "requeue the job" if action == REQUEUE else "requeue if Slurm is preempting the job, else stop"
         rank_zero_info(f"Slurm signal: saving step {trainer.global_step} to {path}, then {then}")
+        start = time.perf_counter()
         trainer.save_checkpoint(path)
         finish_saves(trainer)
         trainer.strategy.barrier()  # every rank's part is on disk before the job is requeued or ends
+        rank_zero_info(f"Slurm signal: step {trainer.global_step} saved in {time.perf_counter() - start:.1f} s")
         self.saved = action
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -416,8 +419,6 @@ class GraceCheck(pl.Callback):
         self._steps, self._last, self._then = 0, -1, 0.0
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        import time
-
         if trainer.global_step == self._last:
             return  # mid-accumulation: the optimizer step is not over
         self._last, self._steps, now = trainer.global_step, self._steps + 1, time.perf_counter()
