@@ -74,7 +74,8 @@ def export(cmd: ExportCommand) -> Path:
     return out
 
 
-# The stock diffusers pipeline of each family, and its backbone's component name.
+# The stock diffusers pipeline of each family, and its backbone's component name. A PixArt-Sigma model (a
+# pixart_sigma_* preset, or a run of a pixart_sigma_* experiment) is written as a PixArtSigmaPipeline.
 PIPELINES = {"pixart": ("PixArtAlphaPipeline", "transformer"), "dit": ("DiTPipeline", "transformer"),
              "sana": ("SanaPipeline", "transformer"), "unet": ("StableDiffusionPipeline", "unet")}
 
@@ -96,6 +97,10 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     family = denoiser.cfg.family
     pipeline_name, backbone = PIPELINES[family]
     info = with_encoders(extra["dataset"], cmd.vae, cmd.text_encoder, text=family != "dit")
+    if family == "pixart" and "sigma" in f"{denoiser.cfg.name} {extra['config'].get('name', '')}":
+        # A PixArt-Sigma preset or experiment: the same transformer, whose stock pipeline reads prompts up to Sigma's
+        # 300 tokens (PixArtAlphaPipeline would cut them at 120) and bins sizes up to 2048 px.
+        pipeline_name = "PixArtSigmaPipeline"
     objective = Objective(ObjectiveConfig(**extra["config"]["objective"]))
     parts: dict[str, Any] = {backbone: denoiser.net, "scheduler": objective.sampler(cmd.sampler or "dpm++")}
     # The codec the dataset was encoded with (a folder, a pipeline folder's vae/, KL or DC), loaded as sampling does.

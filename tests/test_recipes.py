@@ -453,6 +453,12 @@ def test_the_finetune_recipe_runs_from_a_released_folder_to_a_sampled_export(tmp
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (tmp_path / "export" / "transformer" / "config.json").is_file()
+    # the Sigma experiment's export: stock diffusers' Sigma pipeline (the Alpha one would cut prompts at 120 tokens)
+    index = tmp_path / "export" / "model_index.json"
+    assert json.loads(index.read_text()).get("_class_name") == "PixArtSigmaPipeline", index.read_text()
+    from diffusers import DiffusionPipeline
+
+    assert type(DiffusionPipeline.from_pretrained(tmp_path / "export")).__name__ == "PixArtSigmaPipeline"
 
 
 # --------------------------------------------------------------------------------------------
