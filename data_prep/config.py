@@ -56,6 +56,12 @@ class PrecomputeConfig:
     # aspect-ratio buckets (data_prep/buckets.py): pixart_256 | pixart_512 | pixart_1024 | sdxl | [[h, w], ...]; each
     # image is encoded at the size of nearest aspect ratio instead of a square crop; null = resolution x width
     buckets: Optional[Any] = None
+    # Video sources (source=video_folder): each video becomes a clip of num_frames frames from its start, taken fps
+    # times a second (null: every frame; the stride is the video's rate over fps, rounded, at least 1), each frame
+    # resized and cropped like an image and encoded by the image VAE: latents (C, num_frames, h, w). A video with fewer
+    # frames at that rate is skipped and counted with the unreadable ones. null: an image source.
+    num_frames: Optional[int] = None
+    fps: Optional[float] = None
     out: str = "data/digits"  # output dataset folder (index.json + dataset.json + shards), or s3://bucket/prefix
     # A local folder that files pass through on their way to or from an object store, needed when out or source.path
     # is remote (s3://...): each rank stages there, in rank_<rank>/, one part's shards until they are uploaded and the
@@ -128,6 +134,13 @@ class PrecomputeConfig:
             raise ValueError(f"caption_cache_mb={self.caption_cache_mb}: must be >= 0 (0 encodes every caption anew).")
         self._check_storage_and_filters()
         self._check_staging()
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"num_frames={self.num_frames}: the frames of each clip, >= 1 (null for images).")
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"fps={self.fps}: the rate frames are taken at, > 0 (null: every frame of the video).")
+        if self.num_frames is not None and self.buckets is not None:
+            raise ValueError(f"num_frames={self.num_frames} with buckets={self.buckets}: clips are cropped to one size "
+                             "(resolution, width) for now; drop buckets.")
         if self.buckets is not None and self.width is not None:
             raise ValueError(f"buckets={self.buckets} and width={self.width}: the buckets set every image's size; "
                              "drop width.")

@@ -66,7 +66,14 @@ class RecordFilter:
 
 
 def check_source(cfg: Any, source: Any) -> None:
-    """Refuse thresholds on a source whose records carry no metadata: every record would be dropped as missing."""
+    """Refuse thresholds on a source whose records carry no metadata (every record would be dropped as missing), and
+    a frame count the source cannot give (clips of an image source) or a video source without one."""
+    if source.is_video and cfg.num_frames is None:
+        raise ValueError(f"source={source.name} reads videos: give the frames of each clip, num_frames=F (and fps=R for "
+                         "the rate they are taken at; null: every frame).")
+    if cfg.num_frames is not None and not source.is_video:
+        raise ValueError(f"num_frames={cfg.num_frames}: source={source.name} holds images, not videos; drop num_frames "
+                         "(or read a folder of videos with source=video_folder).")
     if cfg.filters and not source.has_meta:
         raise ValueError(f"filters={cfg.filters} reads each sample's img2dataset .json, which source={source.name} "
                          "does not have (source=webdataset does); drop filters. min_size and max_aspect work with any "

@@ -97,13 +97,13 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
         "text_encoder": resolve(cfg.text_encoder, "minilm", "none"), "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
         "shard_size": cfg.shard_size, "compression": cfg.compression,
-        "format_version": record_version(cfg.text_storage, cfg.caption_layout, cfg.posterior),
+        "format_version": record_version(cfg.text_storage, cfg.caption_layout, cfg.posterior, cfg.num_frames),
     }
     # Only when set, like the keys below: datasets built without them keep their fingerprints.
     optional = {"text_storage": cfg.text_storage if cfg.text_storage != "fp16" else None, "min_size": cfg.min_size,
                 "max_aspect": cfg.max_aspect, "filters": cfg.filters or None,
                 "caption_layout": cfg.caption_layout if cfg.caption_layout != "per_caption" else None,
-                "text_prefix": cfg.text_prefix or None}
+                "text_prefix": cfg.text_prefix or None, "num_frames": cfg.num_frames, "fps": cfg.fps}
     content.update({k: v for k, v in optional.items() if v is not None})
     if cfg.width is not None:
         content["width"] = cfg.width
@@ -156,8 +156,11 @@ def cover_crop(img: Image.Image, out_h: int, out_w: int) -> tuple[Image.Image, i
 
 
 def to_tensor(img: Image.Image | np.ndarray) -> torch.Tensor:
-    """(C, H, W) float32 in [-1, 1], from a PIL image or its uint8 pixels (H, W) / (H, W, C)."""
+    """(C, H, W) float32 in [-1, 1], from a PIL image or its uint8 pixels (H, W) / (H, W, C); a clip's frames
+    (F, H, W, C) give (F, C, H, W)."""
     arr = np.asarray(img, dtype=np.float32)
+    if arr.ndim == 4:
+        return torch.from_numpy(arr).permute(0, 3, 1, 2) / 127.5 - 1.0
     arr = arr.reshape(arr.shape[0], arr.shape[1], -1)  # (H, W, C)
     return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0
 
@@ -270,6 +273,8 @@ def decode_record(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tup
         return Decoded(bare, skip=("filtered", dropped))
     if not r.captions:
         return Decoded(bare, skip=("missing_captions", f"{r.key}: missing caption"))
+    if cfg.num_frames is not None:
+        return decode_clip(r, bare, cfg, mode, keep)
     try:
         img = open_image(r.image, mode)
         if (dropped := keep.check_decoded(r.meta, img.size[1], img.size[0])) is not None:
@@ -285,6 +290,25 @@ def decode_record(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tup
         return Decoded(bare, b, np.array(img, dtype=np.uint8).reshape(h, w, -1), extra)
     except Exception as err:  # unreadable/truncated: skip, count, report
         return Decoded(bare, skip=("bad_images", f"{r.key}: unreadable image ({type(err).__name__}: {err})"))
+
+
+def decode_clip(r: Record, bare: Record, cfg: PrecomputeConfig, mode: str, keep: RecordFilter) -> Decoded:
+    """A video record's clip (data_prep/video.py), each frame cropped like an image: pixels (F, h, w, C)."""
+    from data_prep.video import ShortVideo, read_clip
+
+    h, w = cfg.resolution, cfg.width or cfg.resolution
+    try:
+        frames = read_clip(r.image, cfg.num_frames, cfg.fps, mode)
+    except ShortVideo as err:
+        return Decoded(bare, skip=("bad_images", f"{r.key}: too short ({err})"))
+    except Exception as err:  # not a video, truncated, no video stream
+        return Decoded(bare, skip=("bad_images", f"{r.key}: unreadable video ({type(err).__name__}: {err})"))
+    if (dropped := keep.check_decoded(r.meta, frames[0].size[1], frames[0].size[0])) is not None:
+        return Decoded(bare, skip=("filtered", dropped))
+    extra = {"bucket": -1, "original_size": np.array([frames[0].size[1], frames[0].size[0]], dtype=np.int32)}
+    cropped = [cover_crop(f, h, w) for f in frames]
+    extra["crop_top_left"] = np.array(cropped[0][1:], dtype=np.int32)
+    return Decoded(bare, -1, np.stack([np.array(c[0], dtype=np.uint8).reshape(h, w, -1) for c in cropped]), extra)
 
 
 def _pixels(d: Decoded, stats: dict) -> tuple[int, torch.Tensor, dict] | None:
@@ -341,11 +365,18 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
                   write: Callable[[dict], None], b: int, columns: dict[str, str], stats: dict, clock: dict) -> None:
     """Encode one batch's images of bucket `b` (b = -1 without buckets) and their captions; write their rows."""
     tick = time.perf_counter()
-    pixels = torch.stack([g[1] for g in group])
+    pixels = torch.stack([g[1] for g in group])  # (B, C, H, W), or clips (B, F, C, H, W)
+    frames = pixels.shape[1] if pixels.ndim == 5 else None
+    if frames is not None:  # the image VAE encodes every frame: (B * F, C, H, W)
+        pixels = pixels.flatten(0, 1)
     if "latents_std" in columns:
-        latents, stds = (t.cpu().numpy().astype(np.float16) for t in codec.encode_distribution(pixels))
+        encoded = list(codec.encode_distribution(pixels))
     else:
-        latents, stds = codec.encode(pixels).cpu().numpy().astype(np.float16), None  # (B, c, h, w)
+        encoded = [codec.encode(pixels)]  # (B, c, h, w)
+    if frames is not None:  # back to clips, channels first: (B, c, F, h, w)
+        encoded = [t.unflatten(0, (-1, frames)).transpose(1, 2) for t in encoded]
+    latents, stds = (t.cpu().numpy().astype(np.float16) for t in encoded) if len(encoded) == 2 else (
+        encoded[0].cpu().numpy().astype(np.float16), None)
     clock["encode"] += time.perf_counter() - tick  # the latents copied off the device: the work is done
     for i, ((r, _, extra), lat) in enumerate(zip(group, latents)):
         spread = {} if stds is None else {"latents_std": stds[i]}
@@ -554,13 +585,15 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     record = DatasetRecord(
-        format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior),
+        format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior, cfg.num_frames),
         fingerprint=fp["fingerprint"],
         image_codec={"name": cfg.vae, "class": codec.class_name},
         text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens,
                       **({"prefix": text.prefix} if text.prefix else {})},
         latent_channels=int(latent_shape[0]),
-        latent_size=[int(latent_shape[1]), int(latent_shape[2])],
+        latent_size=[int(latent_shape[-2]), int(latent_shape[-1])],
+        num_frames=cfg.num_frames,
+        fps=cfg.fps if cfg.num_frames is not None else None,
         downsample=codec.downsample,
         scaling_factor=codec.scaling_factor,
         shift_factor=codec.shift_factor,

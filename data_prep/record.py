@@ -18,10 +18,11 @@ DATASET_FILE = "dataset.json"
 #   2  text_storage: the rows' text may also be bf16 bits (uint16) or int8 with a text_scale column
 #   3  caption_layout per_image: a row per image holding all its captions (text_lengths, captions columns)
 #   4  posterior distribution: the KL VAE's posterior std beside its mean (latents_std column), sampled in training
+#   5  video clips: latents (C, num_frames, h, w), num_frames and fps recorded
 # A record says the oldest version that describes it (`record_version`), so an fp16 dataset stays readable by a
 # LatentForge that knows version 1 only, and one of another storage is refused by it instead of misread.
-FORMAT_VERSION = 4
-_OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec")  # present only for datasets that have them
+FORMAT_VERSION = 5
+_OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec", "num_frames", "fps")  # present only for datasets that have them
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
@@ -31,8 +32,12 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def record_version(text_storage: str, caption_layout: str = "per_caption", posterior: str = "mean") -> int:
-    """The oldest format version that describes a dataset of this text storage, caption layout and posterior."""
+def record_version(text_storage: str, caption_layout: str = "per_caption", posterior: str = "mean",
+                   num_frames: int | None = None) -> int:
+    """The oldest format version that describes a dataset of this text storage, caption layout, posterior and (video)
+    frame count."""
+    if num_frames is not None:
+        return 5
     if posterior == "distribution":
         return 4
     if caption_layout != "per_caption":
@@ -78,6 +83,8 @@ class DatasetRecord:
     # (docs/data.md "Several captions per image"); records older than it are per_caption
     caption_layout: str = "per_caption"
     num_captions: Optional[int] = None  # the captions encoded, in all
+    num_frames: Optional[int] = None  # video clips: the frames of each (latents (C, num_frames, h, w)); None: images
+    fps: Optional[float] = None  # video clips: the rate their frames were taken at (None: every frame of the video)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

@@ -64,11 +64,11 @@ def test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read(digits_s
     written = json.loads((digits_shards / "dataset.json").read_text())
     record = DatasetRecord.read(digits_shards)
     # fp16 text: still format 1, which LatentForge before text_storage reads too (format 2 adds the other storages,
-    # format 3 a row per image with several captions, format 4 the posterior's std)
-    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 4)
+    # format 3 a row per image with several captions, format 4 the posterior's std, format 5 video clips)
+    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 5)
     assert record.num_samples == 1438 * 3
     assert record.to_json() == written  # no field lost or added on the way through
-    assert "width" not in written and "buckets" not in written  # optional fields stay out when a dataset has none
+    assert not {"width", "buckets", "num_frames", "fps"} & set(written)  # optional fields stay out when a dataset has none
     record.write(tmp_path)
     assert json.loads((tmp_path / "dataset.json").read_text()) == written
     newer = {**written, "format_version": FORMAT_VERSION + 1}
@@ -842,3 +842,62 @@ def test_filter_and_storage_keys_are_checked_before_anything_is_written(tmp_path
     with pytest.raises(ValueError, match="source=folder does not have .source=webdataset does."):
         precompute(folder_config(src, tmp_path / "ds", "minilm", filters={"punsafe": {"max": 0.5}}), rank=0, world_size=1)
     assert not (tmp_path / "ds").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Video clips (source=video_folder)
+# --------------------------------------------------------------------------------------------
+
+
+def write_gray_video(path: Path, levels: list[int], fps: int = 24, size: int = 32) -> Path:
+    """An H.264 video (lossless, yuv444p) whose frame i is uniformly gray at levels[i]."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"qp": "0"})
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv444p"
+        for level in levels:
+            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), level, dtype=np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def test_video_folder_becomes_clips_of_num_frames_at_fps_with_short_and_broken_videos_counted(tmp_path,
+                                                                                           tiny_text_encoder_dir):
+    """source=video_folder num_frames=4 fps=12 on 24-fps videos: every 2nd frame from the start, each frame cropped and
+    encoded like an image (pixel codec: the frame itself), latents (C, 4, h, w); a video with too few frames at that
+    rate and a file that is no video are skipped and counted with the unreadable images; dataset.json records the clips
+    and training refuses them until a family reads video."""
+    from data_prep.record import DatasetRecord
+    from framework.data.datamodule import read_dataset_info
+
+    src = tmp_path / "videos"
+    src.mkdir()
+    write_gray_video(src / "ramp.mp4", [20 * i for i in range(12)])
+    write_gray_video(src / "short.mp4", [0, 100, 200])  # 2 frames at every 2nd: fewer than 4
+    (src / "broken.mp4").write_bytes(b"not a video at all")
+    for name in ("ramp", "short", "broken"):
+        (src / f"{name}.txt").write_text(f"a {name} clip")
+    cfg = {"source": {"name": "video_folder", "path": str(src)}, "vae": "pixel", "text_encoder": str(tiny_text_encoder_dir),
+           "resolution": 8, "image_mode": "L", "num_frames": 4, "fps": 12, "max_bad_fraction": 1.0,
+           "out": str(tmp_path / "clips"), "progress": False}
+    out = precompute(cfg, rank=0, world_size=1)
+    rec = DatasetRecord.read(out)
+    assert (rec.num_frames, rec.fps, rec.format_version, rec.num_samples) == (4, 12, 5, 1)
+    assert rec.skipped["bad_images"] == 2 and (rec.latent_channels, rec.latent_size) == (1, [8, 8])
+    (row,) = read_rows(out)
+    assert row["key"] == "ramp.mp4#0" and row["latents"].shape == (1, 4, 8, 8)
+    want = np.array([20 * i for i in (0, 2, 4, 6)]) / 127.5 - 1.0  # frames 0, 2, 4, 6 of the ramp
+    got = row["latents"].astype(np.float32)
+    np.testing.assert_allclose(got.mean(axis=(0, 2, 3)), want, atol=2 / 127.5)
+    assert float(np.ptp(got, axis=(0, 2, 3)).max()) <= 2 / 127.5  # each frame stays uniform
+    with pytest.raises(ValueError, match="trains on video"):
+        read_dataset_info(str(out))
+    with pytest.raises(ValueError, match="num_frames=F"):
+        precompute({**cfg, "num_frames": None, "out": str(tmp_path / "none")}, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="holds images, not videos"):
+        images = make_image_folder(tmp_path / "images", n=2)
+        precompute({**cfg, "source": {"name": "folder", "path": str(images)}, "out": str(tmp_path / "img")}, rank=0,
+                   world_size=1)

@@ -45,6 +45,7 @@ class ImageCaptionSource:
     default_image_mode: str = "RGB"  # what the pixel codec keeps when `image_mode` is None
     num_classes: int | None = None  # set by labelled sources; stored in dataset.json
     has_meta: bool = False  # its records carry per-sample metadata (Record.meta) that `filters=` thresholds read
+    is_video: bool = False  # its records are videos: precompute needs num_frames and writes clips (C, F, h, w)
     # Where remote input shards are downloaded, one at a time: this rank's folder under precompute's `staging`, set by
     # precompute before it asks for the shards (None: no staging given).
     staging: Path | None = None
@@ -116,6 +117,6 @@ def get_source(cfg: Any) -> ImageCaptionSource:
             raise
         raise ValueError(
             f"source={cfg.name}: no such source; add data_prep/sources/{cfg.name}.py or pick one of "
-            "digits, digit_pairs, shapes, folder, manifest, webdataset."
+            "digits, digit_pairs, shapes, folder, manifest, webdataset, video_folder."
         ) from None
     return module.SOURCE(cfg)

@@ -228,6 +228,10 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         raise FileNotFoundError(f"{file} not found: {path} is not a LatentForge dataset. Build one with "
                                 f"`python -m data_prep.precompute out={path}` (or set data.prepare).")
     rec = DatasetRecord.read(file)
+    if rec.num_frames is not None:
+        raise ValueError(f"{file}: video clips (latents {rec.latent_channels} x {rec.num_frames} frames x "
+                         f"{rec.latent_size[0]} x {rec.latent_size[1]}); training reads image datasets: no family of "
+                         "this LatentForge trains on video yet.")
     if rec.text_storage not in TEXT_STORAGES:
         raise ValueError(f"{file}: text_storage={rec.text_storage!r}, but this LatentForge reads "
                          f"{', '.join(TEXT_STORAGES)}; upgrade it, or precompute the dataset again with one of these.")
