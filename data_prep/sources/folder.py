@@ -19,14 +19,15 @@ def read_caption(path: Path) -> list[str]:
 
 class FolderSource(ImageCaptionSource):
     name = "folder"
+    extensions, kind = IMAGE_EXTENSIONS, "images"  # the files it reads
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.root = require_path(cfg, "folder")
+        self.root = require_path(cfg, self.name)
         pattern = "**/*" if cfg.recursive else "*"
-        self.files = sorted(p for p in self.root.glob(pattern) if p.suffix.lower() in IMAGE_EXTENSIONS)
+        self.files = sorted(p for p in self.root.glob(pattern) if p.suffix.lower() in self.extensions)
         if not self.files:
-            raise ValueError(f"source.path={self.root}: no images ({', '.join(IMAGE_EXTENSIONS)}) found.")
+            raise ValueError(f"source.path={self.root}: no {self.kind} ({', '.join(self.extensions)}) found.")
 
     def record(self, index: int) -> Record:
         # __init__ listed file names only: file `index`'s caption (and, in precompute, its image) is read here, by the
