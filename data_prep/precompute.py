@@ -305,10 +305,8 @@ def decode_clip(r: Record, bare: Record, cfg: PrecomputeConfig, mode: str, keep:
         return Decoded(bare, skip=("bad_images", f"{r.key}: unreadable video ({type(err).__name__}: {err})"))
     if (dropped := keep.check_decoded(r.meta, frames[0].size[1], frames[0].size[0])) is not None:
         return Decoded(bare, skip=("filtered", dropped))
-    extra = {"bucket": -1, "original_size": np.array([frames[0].size[1], frames[0].size[0]], dtype=np.int32)}
-    cropped = [cover_crop(f, h, w) for f in frames]
-    extra["crop_top_left"] = np.array(cropped[0][1:], dtype=np.int32)
-    return Decoded(bare, -1, np.stack([np.array(c[0], dtype=np.uint8).reshape(h, w, -1) for c in cropped]), extra)
+    # No micro-conditioning: it is written only with buckets, which clips do not take.
+    return Decoded(bare, -1, np.stack([np.array(cover_crop(f, h, w)[0], dtype=np.uint8).reshape(h, w, -1) for f in frames]))
 
 
 def _pixels(d: Decoded, stats: dict) -> tuple[int, torch.Tensor, dict] | None:
@@ -375,8 +373,8 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
         encoded = [codec.encode(pixels)]  # (B, c, h, w)
     if frames is not None:  # back to clips, channels first: (B, c, F, h, w)
         encoded = [t.unflatten(0, (-1, frames)).transpose(1, 2) for t in encoded]
-    latents, stds = (t.cpu().numpy().astype(np.float16) for t in encoded) if len(encoded) == 2 else (
-        encoded[0].cpu().numpy().astype(np.float16), None)
+    latents, *spread = (t.cpu().numpy().astype(np.float16) for t in encoded)
+    stds = spread[0] if spread else None
     clock["encode"] += time.perf_counter() - tick  # the latents copied off the device: the work is done
     for i, ((r, _, extra), lat) in enumerate(zip(group, latents)):
         spread = {} if stds is None else {"latents_std": stds[i]}

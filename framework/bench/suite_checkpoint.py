@@ -56,6 +56,7 @@ def _rank(rank: int, cfg: CheckpointBench, port: int, folder: str, results: Any)
     from framework.models.backbones import load_preset
     from framework.training.optim import OptimizerConfig, build_optimizer
     from framework.distributed.strategy import ShardedSaver
+    from framework.training.checkpointing import checkpoint_bytes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // cfg.world_size))
@@ -91,7 +92,7 @@ def _rank(rank: int, cfg: CheckpointBench, port: int, folder: str, results: Any)
             saver.finish()
             done = time.perf_counter() - t0
             if rank == 0:
-                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                size = checkpoint_bytes(path)
                 rows.append({"mode": mode, "save": i, "blocked_s": blocked, "complete_s": done, "bytes": size})
                 shutil.rmtree(path)  # one at a time on disk
     if rank == 0:

@@ -89,6 +89,21 @@ def finish_saves(trainer: pl.Trainer) -> None:
         finish()
 
 
+def save_and_wait(trainer: pl.Trainer, path: str | Path) -> float:
+    """Save a checkpoint to `path` and wait until every rank's part is on disk (an asynchronous save included); the
+    seconds it took."""
+    start = time.perf_counter()
+    trainer.save_checkpoint(path)
+    finish_saves(trainer)
+    trainer.strategy.barrier()
+    return time.perf_counter() - start
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """A checkpoint's size on disk: the file, or every file of a sharded folder."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
 def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], source: dict[str, Any],
                  model: dict[str, Any], record: dict[str, Any]) -> Path:
     """Write the weights of a model derived from checkpoint `source` (grown, pruned) as a checkpoint of ours.
@@ -315,11 +330,8 @@ class SlurmPreemption(pl.Callback):
         path = trainer.strategy.broadcast(next_hpc_path(Path(trainer.default_root_dir)))
         then = "requeue the job" if action == REQUEUE else "requeue if Slurm is preempting the job, else stop"
         rank_zero_info(f"Slurm signal: saving step {trainer.global_step} to {path}, then {then}")
-        start = time.perf_counter()
-        trainer.save_checkpoint(path)
-        finish_saves(trainer)
-        trainer.strategy.barrier()  # every rank's part is on disk before the job is requeued or ends
-        rank_zero_info(f"Slurm signal: step {trainer.global_step} saved in {time.perf_counter() - start:.1f} s")
+        seconds = save_and_wait(trainer, path)  # every rank's part is on disk before the job is requeued or ends
+        rank_zero_info(f"Slurm signal: step {trainer.global_step} saved in {seconds:.1f} s")
         self.saved = action
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -435,13 +447,9 @@ class GraceCheck(pl.Callback):
         if trainer.is_global_zero and self.probe.exists():
             _remove(self.probe)  # left by a job killed during its probe
         trainer.strategy.barrier()
-        start = time.perf_counter()
-        trainer.save_checkpoint(self.probe)
-        finish_saves(trainer)
-        trainer.strategy.barrier()  # complete on every rank
-        save_s = time.perf_counter() - start
+        save_s = save_and_wait(trainer, self.probe)  # complete on every rank
         if trainer.is_global_zero:
-            size = sum(f.stat().st_size for f in self.probe.rglob("*")) if self.probe.is_dir() else self.probe.stat().st_size
+            size = checkpoint_bytes(self.probe)
             _remove(self.probe)
         step_s, save_s = trainer.strategy.broadcast((step_s, save_s))
         need = math.ceil(self.MARGIN * (step_s + save_s))
