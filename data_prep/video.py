@@ -26,8 +26,16 @@ def frame_stride(source_fps: float | None, fps: float | None) -> int:
 
 def read_clip(video: Any, num_frames: int, fps: float | None = None, mode: str = "RGB") -> list[Image.Image]:
     """The first `num_frames` frames of `video` (a path or the file's bytes) at `fps` (null: every frame), as PIL
-    images in `mode`. Raises ShortVideo when the file ends first, and PyAV's error when it cannot be decoded."""
+    images in `mode`. Raises ShortVideo when the file ends first, and PyAV's error when it cannot be decoded.
+    A uint8 array (F, H, W) or (F, H, W, C) is a clip already decoded (a generated source's): it has no rate of its
+    own, so its frames are taken one after another."""
     import av
+    import numpy as np
+
+    if isinstance(video, np.ndarray):
+        if len(video) < num_frames:
+            raise ShortVideo(f"{len(video)} frames, fewer than num_frames={num_frames}")
+        return [Image.fromarray(frame).convert(mode) for frame in video[:num_frames]]
 
     with av.open(str(video) if isinstance(video, (str, Path)) else io.BytesIO(video)) as container:
         stream = container.streams.video[0]

@@ -77,7 +77,8 @@ def export(cmd: ExportCommand) -> Path:
 # The stock diffusers pipeline of each family, and its backbone's component name. A PixArt-Sigma model (a
 # pixart_sigma_* preset, or a run of a pixart_sigma_* experiment) is written as a PixArtSigmaPipeline.
 PIPELINES = {"pixart": ("PixArtAlphaPipeline", "transformer"), "dit": ("DiTPipeline", "transformer"),
-             "sana": ("SanaPipeline", "transformer"), "unet": ("StableDiffusionPipeline", "unet")}
+             "sana": ("SanaPipeline", "transformer"), "unet": ("StableDiffusionPipeline", "unet"),
+             "latte": ("LattePipeline", "transformer"), "wan": ("WanPipeline", "transformer")}
 
 
 def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
@@ -114,6 +115,7 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
         raise ValueError("export format=diffusers: this UNet is size-conditioned (model.size_conditioning=true), and "
                          "stock StableDiffusionPipeline passes no size ids to it; export format=safetensors for the UNet "
                          "alone, or sample with framework.sample")
+    check_video_pipeline(denoiser.cfg, parts["vae"])
     if family == "dit" and denoiser.cfg.num_classes != 1000:
         print(f"export: stock {pipeline_name} guides with class 1000 as the null class (ImageNet's); this model has "
               f"{denoiser.cfg.num_classes} classes: sample it with guidance_scale=1 there, or with framework.sample")
@@ -124,11 +126,19 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
         print(f"export: this model was trained with precompute's text_prefix before each caption: call stock "
               f"{pipeline_name} with complex_human_instruction set to its lines (its default is its own instruction) "
               f"and max_sequence_length={info['text_settings'].get('max_tokens')}")
+    if family == "latte":
+        print(f"export: stock {pipeline_name} guides with the empty prompt padded to the prompt's length, padding "
+              "attended; framework.sample guides with the dataset's empty caption alone: their guided samples differ, "
+              "unguided ones (guidance_scale=1) are the same")
+    if family == "wan":
+        print(f"export: call stock {pipeline_name} with max_sequence_length={denoiser.cfg.text_len} (this model's "
+              "model.text_len; its default is Wan's 512)")
     if family == "unet":
         print(f"export: stock {pipeline_name} pads prompts to the tokenizer's length and attends to the padding; "
               "LatentForge trained on each caption's own tokens (masked), so its images can differ from framework.sample's")
     if parts["vae"] is None:
-        print("export: the dataset's pixel codec is not a diffusers VAE; the pipeline has none (output_type='latent')")
+        print("export: the dataset's pixel codec is not a diffusers VAE; the pipeline has none: load it with "
+              "from_pretrained(folder, vae=None) and sample with output_type='latent'")
     elif abs(float(info.get("shift_factor", 0.0))) > 0:
         print(f"export: the VAE has shift_factor={info['shift_factor']}; stock {pipeline_name} decodes without it")
     if family != "dit":
@@ -139,6 +149,21 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     pipe = getattr(diffusers, pipeline_name)(**parts)
     pipe.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def check_video_pipeline(cfg: Any, vae: Any) -> None:
+    """Refuse a video model that its stock pipeline would sample wrongly: LattePipeline keeps the first half of the
+    prediction's channels (it assumes Latte's learned sigma) unless the scheduler says the variance is learned; the
+    WanPipeline decodes with an AutoencoderKLWan's latent statistics, which an image VAE has not."""
+    if cfg.family == "latte" and not cfg.learned_sigma and cfg.in_channels > 1:
+        raise ValueError(f"export format=diffusers: stock LattePipeline keeps the first half of the transformer's output "
+                         f"channels (Latte predicts a variance too), and this model predicts {cfg.in_channels} channels "
+                         "alone (model.learned_sigma=false): its samples would be wrong. Export format=safetensors, or "
+                         "train with model.learned_sigma=true")
+    if cfg.family == "wan" and vae is not None and type(vae).__name__ != "AutoencoderKLWan":
+        raise ValueError(f"export format=diffusers: stock WanPipeline decodes with an AutoencoderKLWan (its latents' mean "
+                         f"and std); this model's latents come from an {type(vae).__name__}. Export format=safetensors "
+                         "for the transformer alone, or encode the clips with the Wan VAE")
 
 
 @hydra.main(version_base="1.3", config_path=None, config_name="export_command")

@@ -55,6 +55,14 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
         raise ValueError(f"data.path={data.path} holds no captions ({info.path}: text_encoder=none, class labels only); "
                          f"model.family={dcfg.model.family} needs caption embeddings: train model.family=dit (a dit "
                          "preset) on it, or precompute the data with a text encoder")
+    from framework.models.backbones import VIDEO_FAMILIES
+
+    if (info.num_frames is not None) != (dcfg.model.family in VIDEO_FAMILIES):
+        kind = f"video clips ({info.num_frames} latent frames)" if info.num_frames is not None else "images"
+        raise ValueError(f"data.path={data.path} holds {kind} ({info.path}); model.family={dcfg.model.family} denoises "
+                         f"{'video' if dcfg.model.family in VIDEO_FAMILIES else 'images'}: pick a "
+                         f"{'video (' + ', '.join(VIDEO_FAMILIES) + ')' if info.num_frames is not None else 'image'} "
+                         "preset for it")
     chosen, changed = chosen_model_keys(dcfg), []
     for key, value in data_model_fields(info, dcfg.model.family).items():
         current = dcfg.model.get(key)

@@ -1,4 +1,6 @@
-"""`python -m framework.sample ckpt=PATH out=DIR prompts=[...]`: write one PNG per prompt and a grid.
+"""`python -m framework.sample ckpt=PATH out=DIR prompts=[...]`: write one PNG per prompt and a grid; a video model
+writes one MP4 and one GIF per prompt, a grid of their frames (a row a clip) and grid.gif (the clips side by side,
+playing).
 
 With `best_of=N judge=NAME` it draws N candidates per prompt and keeps the `pick` (default 1) that the
 judge prefers: by score (`selection=score`) or by a knockout tournament (`selection=tournament`).
@@ -16,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
-from framework.inference.pipeline import Pipeline, save_grid, to_pil
+from framework.inference.pipeline import Pipeline, save_grid, save_video, side_by_side, to_pil
 from framework.inference.sampling import SamplingPlan
 from framework.evaluation.prompts import prompt_labels
 from framework.evaluation.settings import ImageSize
@@ -52,10 +54,14 @@ class SampleCommand(RankSharing, EncoderPaths, ImageSize):
     cache_schedule: str | None = None
     """Cached sampling: a cache_schedule.json from experiment=cache_router (or its run dir), or uniform:K."""
     device: str = "auto"
+    fps: float | None = None
+    """Video models: frames a second of the MP4s and GIFs; null: the rate the dataset's clips were taken at (else 8)."""
 
     def __post_init__(self) -> None:
         from framework.inference.bestof import SELECTIONS
 
+        if self.fps is not None and self.fps <= 0:
+            raise ValueError(f"fps={self.fps} must be positive")
         if self.best_of < 1:
             raise ValueError(f"best_of={self.best_of} must be >= 1")
         if self.best_of > 1 and self.judge is None:
@@ -67,6 +73,7 @@ class SampleCommand(RankSharing, EncoderPaths, ImageSize):
 
 
 ConfigStore.instance().store(name="sample_command", node=SampleCommand)
+DEFAULT_FPS = 8.0  # a video model's frames a second when neither fps= nor its dataset gives one
 
 
 def run(cfg: SampleCommand) -> list[Path]:
@@ -84,19 +91,28 @@ def run(cfg: SampleCommand) -> list[Path]:
     seconds = time.perf_counter() - t0
     if images is None or not rank0:  # a rank that only helped (decode_ranks, sequence_parallel): rank 0 writes
         return []
-    print(f"generated {len(images)} images ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "
-          f"{len(images) / seconds:.1f} images/s")
+    what = "clips" if images.ndim == 5 else "images"
+    print(f"generated {len(images)} {what} ({len(prompts)} prompts x best_of {cfg.best_of}) in {seconds:.1f} s: "
+          f"{len(images) / seconds:.1f} {what}/s")
     kept = select(images.view(len(prompts), cfg.best_of, *images.shape[1:]), prompts, judge, cfg.selection, cfg.pick)
     chosen = kept.flatten(0, 1)
     prompts = [p for p in prompts for _ in range(cfg.pick)]
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
+    fps = cfg.fps or pipe.info.get("fps") or DEFAULT_FPS
     for i, (p, img) in enumerate(zip(prompts, chosen)):
-        path = out / f"{i:03d}_{re.sub(r'[^a-zA-Z0-9]+', '_', p).strip('_')[:60]}.png"
-        to_pil(img, 256).save(path)
-        paths.append(path)
-    paths.append(save_grid(chosen, prompts, out / "grid.png"))
+        stem = out / f"{i:03d}_{re.sub(r'[^a-zA-Z0-9]+', '_', p).strip('_')[:60]}"
+        if img.ndim == 4:  # a clip (F, C, H, W)
+            paths += [save_video(img, stem.with_suffix(".mp4"), fps), save_video(img, stem.with_suffix(".gif"), fps)]
+        else:
+            to_pil(img, 256).save(stem.with_suffix(".png"))
+            paths.append(stem.with_suffix(".png"))
+    paths.append(save_grid(chosen, prompts, out / "grid.png", ncol=1 if chosen.ndim == 5 else None))  # a row a clip
+    if chosen.ndim == 5:  # and every clip playing at once, side by side; tiny clips enlarged by a whole factor
+        both = side_by_side(chosen)  # (F, C, H, W')
+        factor = max(1, 128 // both.shape[-2])
+        paths.append(save_video(both, out / "grid.gif", fps, size=factor * max(both.shape[-2:])))
     return paths
 
 

@@ -75,7 +75,7 @@ KEYS: dict[str, dict] = {
         "tests/test_train.py::test_real_size_experiments_build_their_published_model",
     ], "mutant": None},
     "model.family": {"tests": [
-        "tests/test_blocks.py::test_unet_declares_no_stack",
+        "tests/test_blocks.py::test_families_without_one_stack_declare_it_and_say_why",
         "tests/test_models.py::test_bad_pixart_config_names_the_key",
         "tests/test_sequence.py::test_sizes_a_group_cannot_split_are_refused",
     ], "mutant": None},
@@ -117,6 +117,15 @@ KEYS: dict[str, dict] = {
         "tests/test_evaluation.py::test_best_of_one_is_plain_sampling_and_candidates_do_not_depend_on_n",
         "tests/test_train.py::test_a_preset_takes_its_input_and_caption_widths_from_the_dataset",
     ], "mutant": None},
+    "model.num_frames": {"tests": [
+        "tests/test_video.py::test_check_compatible_names_the_frames",
+        "tests/test_video.py::test_latte_latents_must_have_the_frames_it_was_built_for",
+        "tests/test_video.py::test_video_keys_are_checked_naming_the_key",
+    ], "mutant": "num_frames_not_checked"},
+    "model.text_len": {"tests": [
+        "tests/test_video.py::test_video_keys_are_checked_naming_the_key",
+        "tests/test_video.py::test_wan_pads_every_caption_to_text_len_and_refuses_a_longer_one",
+    ], "mutant": "text_len_ignored"},
     "model.patch_size": {"tests": [
         "tests/test_models.py::test_bad_family_config_names_the_key",
     ], "mutant": None},

@@ -78,6 +78,17 @@ def pairs_shards(tmp_path_factory) -> Path:
     return precompute(cfg, rank=0, world_size=1)
 
 
+@pytest.fixture(scope="session")
+def moving_shards(tmp_path_factory) -> Path:
+    """The moving digits' training clips (5,752: each training digit in 4 directions, 1 caption each), 8 frames of
+    16x16, pixel codec, MiniLM text: latents (1, 8, 16, 16)."""
+    from data_prep.precompute import precompute
+
+    cfg = {"source": {"name": "moving_digits", "rows_per_image": 1}, "vae": "pixel", "text_encoder": "minilm",
+           "resolution": 16, "num_frames": 8, "out": str(tmp_path_factory.mktemp("moving") / "data"), "progress": False}
+    return precompute(cfg, rank=0, world_size=1)
+
+
 # The longest modules (by their summed test time in a full run, 2026-11-26) start first, one per worker, the rest
 # following in file order: each module runs whole on one worker (--dist loadfile), and xdist's own order (most tests
 # first) left the Slurm module, with few but long tests, for the end, where one worker ran it alone for minutes.

@@ -27,6 +27,23 @@ def test_bench_train_writes_one_row_per_mode(tmp_path):
     assert "samples_per_s" in proc.stdout  # the printed table
 
 
+@pytest.mark.slow
+def test_bench_train_runs_a_video_preset_at_the_frames_given(tmp_path):
+    """A video preset's step on clips (C, F, h, w) of the frames and size given: each frame more costs more than the one
+    before (its 3D attention grows with their square; its linear layers and the caption's projection would not)."""
+    flops = {}
+    for frames in (1, 2, 4):
+        out = tmp_path / f"bench{frames}.json"
+        proc = zygote.run([sys.executable, "-m", "framework.bench", "train", "model=wan_debug", f"num_frames={frames}",
+                           "sample_size=4", "batch_size=2", "warmup=1", "steps=1", "modes=[precomputed]", f"out={out}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (row,) = json.loads(out.read_text())
+        assert row["samples_per_s"] > 0
+        flops[frames] = row["flops_per_sample"]
+    assert flops[4] - flops[2] > 2 * (flops[2] - flops[1]) > 0, flops
+
+
 def test_bench_rejects_an_unknown_suite():
     proc = zygote.run([sys.executable, "-m", "framework.bench", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "SUITE is one of" in proc.stderr

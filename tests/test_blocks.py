@@ -9,7 +9,7 @@ from torch import nn
 from framework.models.blocks import block_views, blocks, has_stack, replace_blocks, silence_block
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_preset
 
-DEBUG = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug"]
+DEBUG = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug", "latte_debug", "wan_debug"]
 
 
 def _net(name: str) -> Denoiser:
@@ -18,7 +18,7 @@ def _net(name: str) -> Denoiser:
 
 
 def _inputs(cfg: ModelConfig) -> tuple:
-    x = torch.randn(2, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+    x = torch.randn(2, cfg.in_channels, *cfg.latent_shape)  # (2, C, h, w), clips (2, C, F, h, w)
     t = torch.tensor([10.0, 700.0])
     if cfg.family == "dit":
         return x, t, None, None, torch.tensor([1, 2])
@@ -26,6 +26,8 @@ def _inputs(cfg: ModelConfig) -> tuple:
 
 
 def _expected_blocks(cfg: ModelConfig) -> int:
+    if cfg.family == "latte":  # a spatial and a temporal block per layer
+        return 2 * cfg.num_layers
     if cfg.family != "unet":
         return cfg.num_layers
     down = sum(t.startswith("CrossAttn") for t in cfg.kwargs["down_block_types"]) * cfg.num_layers
@@ -57,7 +59,8 @@ def test_views_list_every_block_with_its_branches(name):
     assert [v.index for v in views] == list(range(len(views)))
     kinds = ["self_attn", "mlp"] if net.cfg.family == "dit" else ["self_attn", "cross_attn", "mlp"]
     for v in views:
-        assert [b.kind for b in v.branches] == kinds
+        temporal = v.name.startswith("temporal_")  # latte's temporal blocks attend across frames, to no caption
+        assert [b.kind for b in v.branches] == (["self_attn", "mlp"] if temporal else kinds)
         assert all(isinstance(b.out_proj, (nn.Linear, nn.Conv2d)) for b in v.branches)
         assert v.module is net.net.get_submodule(v.name)
 
@@ -79,11 +82,21 @@ def test_sana_self_attention_is_the_linear_one():
     assert isinstance(view.branches[2].out_proj, nn.Conv2d)  # GLUMBConv's conv_point
 
 
-def test_unet_declares_no_stack():
-    net = _net("sd2_unet_debug")
+@pytest.mark.parametrize("name", ["sd2_unet_debug", "latte_debug", "wan_debug"])
+def test_families_without_one_stack_declare_it_and_say_why(name):
+    net = _net(name)
     assert not has_stack(net)
-    with pytest.raises(NotImplementedError, match="model.family=unet"):
+    with pytest.raises(NotImplementedError, match=f"model.family={net.cfg.family} has no uniform block stack"):
         blocks(net)
+
+
+def test_latte_views_alternate_spatial_and_temporal_blocks_and_wan_wraps_its_ffn():
+    names = [v.name for v in block_views(_net("latte_debug"))]
+    assert names == ["transformer_blocks.0", "temporal_transformer_blocks.0", "transformer_blocks.1",
+                     "temporal_transformer_blocks.1"]
+    wan = block_views(_net("wan_debug"))[0]
+    assert [b.attr for b in wan.branches] == ["attn1", "attn2", "ffn"]
+    assert wan.branches[2].module is wan.module.ffn
 
 
 @pytest.mark.parametrize("name", ["pixart_debug", "sana_debug", "dit_debug"])

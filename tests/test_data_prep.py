@@ -868,8 +868,8 @@ def test_video_folder_becomes_clips_of_num_frames_at_fps_with_short_and_broken_v
                                                                                            tiny_text_encoder_dir):
     """source=video_folder num_frames=4 fps=12 on 24-fps videos: every 2nd frame from the start, each frame cropped and
     encoded like an image (pixel codec: the frame itself), latents (C, 4, h, w); a video with too few frames at that
-    rate and a file that is no video are skipped and counted with the unreadable images; dataset.json records the clips
-    and training refuses them until a family reads video."""
+    rate and a file that is no video are skipped and counted with the unreadable images; dataset.json records the clips,
+    which training reads as clips."""
     from data_prep.record import DatasetRecord
     from framework.data.datamodule import read_dataset_info
 
@@ -893,8 +893,8 @@ def test_video_folder_becomes_clips_of_num_frames_at_fps_with_short_and_broken_v
     got = row["latents"].astype(np.float32)
     np.testing.assert_allclose(got.mean(axis=(0, 2, 3)), want, atol=2 / 127.5)
     assert float(np.ptp(got, axis=(0, 2, 3)).max()) <= 2 / 127.5  # each frame stays uniform
-    with pytest.raises(ValueError, match="trains on video"):
-        read_dataset_info(str(out))
+    info = read_dataset_info(str(out))
+    assert (info.num_frames, info.fps, info.latent_size) == (4, 12, (8, 8))
     with pytest.raises(ValueError, match="num_frames=F"):
         precompute({**cfg, "num_frames": None, "out": str(tmp_path / "none")}, rank=0, world_size=1)
     with pytest.raises(ValueError, match="holds images, not videos"):

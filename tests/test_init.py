@@ -37,6 +37,17 @@ FAMILIES = {
         ["net.down_blocks.0.resnets.0.conv2.weight", "net.up_blocks.1.resnets.1.conv2.bias",
          "net.mid_block.resnets.1.conv2.weight", "net.down_blocks.0.attentions.0.proj_out.weight",
          "net.mid_block.attentions.0.proj_out.bias", "net.conv_out.weight", "net.conv_out.bias"], [], {}),
+    # PixArt's rules on Latte's spatial and temporal blocks
+    "latte_debug": ({},
+        ["net.transformer_blocks.0.attn2.to_out.0.weight", "net.transformer_blocks.1.attn2.to_out.0.bias",
+         "net.proj_out.weight", "net.proj_out.bias", "net.temporal_transformer_blocks.1.attn1.to_k.bias"],
+        ["net.adaln_single.emb.timestep_embedder.linear_1.weight", "net.adaln_single.linear.weight",
+         "net.caption_projection.linear_1.weight"], {}),
+    "wan_debug": ({},
+        ["net.proj_out.weight", "net.blocks.0.attn1.to_q.bias", "net.blocks.1.ffn.net.2.bias",
+         "net.condition_embedder.time_proj.bias"],
+        ["net.condition_embedder.text_embedder.linear_1.weight", "net.condition_embedder.text_embedder.linear_2.weight",
+         "net.condition_embedder.time_embedder.linear_2.weight"], {}),
 }
 # xavier-uniform weights: (name, fan_in, fan_out), the fan-out of the reference's fused projection where diffusers
 # splits it (self-attention's qkv: 3 x width; cross-attention's kv: 2 x width)
@@ -50,6 +61,11 @@ XAVIER = {
     "sana_debug": [("net.transformer_blocks.0.attn1.to_q.weight", 64, 192), ("net.patch_embed.proj.weight", 4, 64),
                    ("net.transformer_blocks.0.attn2.to_out.0.weight", 64, 64), ("net.proj_out.weight", 64, 4)],
     "sd2_unet_debug": [],
+    "latte_debug": [("net.temporal_transformer_blocks.0.attn1.to_q.weight", 128, 384),
+                    ("net.transformer_blocks.1.attn2.to_v.weight", 128, 256), ("net.pos_embed.proj.weight", 16, 128)],
+    # Wan's own projections are separate linears; its 3D patch conv over (in x 1 x 2 x 2)
+    "wan_debug": [("net.blocks.0.attn1.to_k.weight", 128, 128), ("net.patch_embedding.weight", 16, 128),
+                  ("net.condition_embedder.time_proj.weight", 128, 768), ("net.blocks.1.ffn.net.0.proj.weight", 128, 256)],
 }
 # Parameters no rule names: the constructor's draw stays (the same seed gives the diffusers build's values).
 KEPT = {
@@ -58,6 +74,9 @@ KEPT = {
     "sana_debug": ["net.transformer_blocks.0.ff.conv_depth.weight", "net.scale_shift_table", "net.patch_embed.proj.bias"],
     "sd2_unet_debug": ["net.down_blocks.0.resnets.0.conv1.weight", "net.conv_in.weight",
                        "net.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"],
+    "latte_debug": ["net.scale_shift_table", "net.temporal_transformer_blocks.0.scale_shift_table"],
+    "wan_debug": ["net.scale_shift_table", "net.blocks.0.scale_shift_table", "net.patch_embedding.bias",
+                  "net.blocks.0.attn1.norm_q.weight"],
 }
 
 

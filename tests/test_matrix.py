@@ -57,6 +57,14 @@ MATRIX = [
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
      ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
       "data.global_batch_size=32", "optimizer.lr_scaling=sqrt"]),
+    # Video ({video}: the moving digits' 8-frame clips): Latte's spatial and temporal blocks checkpointed, in bf16 with
+    # low-precision norms; its grids frame strips, its evaluation the clips' digits and directions.
+    ("single-1-csv-latte-norms", "single", 1, "csv",
+     ["{video}", "model=latte_debug", "strategy.activation_checkpointing=true", "plugins=[low_precision_norm]",
+      "trainer.precision=bf16-mixed"]),
+    # Wan's 3D attention sharded, from the reference init, with an EMA and the 8-bit optimizer.
+    ("fsdp-2-csv-wan-ema-came8bit", "fsdp", 2, "csv",
+     ["{video}", "model=wan_debug", "model.init=reference", "plugins=[ema]", "plugins.ema.start=1", "optimizer=came8bit"]),
 ]
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")
@@ -159,6 +167,9 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         source = request.getfixturevalue("growth_source")
         extra = [e.replace("{growth_source}", str(source)) for e in extra]
     data, env_extra = request.getfixturevalue("pairs_shards" if pairs else "digits_shards"), None
+    video = "{video}" in extra
+    if video:
+        data, extra = request.getfixturevalue("moving_shards"), [e for e in extra if e != "{video}"]
     own = "{own}" in extra
     if own:
         own_data, nets = request.getfixturevalue("own_data"), request.getfixturevalue("metric_nets")
@@ -178,6 +189,11 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
     if own:  # the 2-rank evaluation equals framework.eval's in one process on the final checkpoint
         assert (metrics["num_real"], metrics["num_images"]) == (10, 10) and metrics["fid"] >= 0
         check_own_eval(run_dir / "checkpoints" / "last.ckpt", extra, metrics, tmp_path / "eval1")
+    elif video:  # every digit in every direction, in one training and two held-out phrasings
+        assert 0.0 <= metrics["digit_accuracy"] <= 1.0 and 0.0 <= metrics["direction_accuracy"] <= 1.0
+        assert metrics["num_clips"] == 10 * 4 * 3 and metrics["fd"] >= 0.0
+        assert sum(line.startswith("digit_accuracy ") for line in stdout.splitlines()) == 1
+        assert (run_dir / "eval" / "judged.png").is_file()
     else:
         headline = "pair_accuracy" if pairs else "prompt_accuracy"
         assert 0.0 <= metrics[headline] <= 1.0 and metrics["fd"] >= 0.0

@@ -82,8 +82,9 @@ class SyntheticBatches(torch.utils.data.Dataset):
     """Samples shaped exactly like the data module's (latents + padded text), or raw images/tokens for
     online encoding (`online`: {"downsample": f, "vocab": V})."""
 
-    def __init__(self, n: int, C: int, S: int, D: int, L: int, num_classes: int | None, online: dict | None) -> None:
-        self.n, self.C, self.S, self.D, self.L, self.k, self.online = n, C, S, D, L, num_classes, online
+    def __init__(self, n: int, shape: tuple[int, ...], D: int, L: int, num_classes: int | None, online: dict | None) -> None:
+        # shape: one sample's latents, (C, h, w) or a clip's (C, F, h, w)
+        self.n, self.shape, self.D, self.L, self.k, self.online = n, tuple(shape), D, L, num_classes, online
 
     def __len__(self) -> int:
         return self.n
@@ -93,18 +94,19 @@ class SyntheticBatches(torch.utils.data.Dataset):
         item = {"text_mask": torch.ones(self.L, dtype=torch.bool), "label": torch.tensor(i % (self.k or 1))}
         if self.online:
             f = self.online["downsample"]
-            item["pixels"] = torch.rand(3, self.S * f, self.S * f, generator=g) * 2 - 1
+            h, w = self.shape[-2:]
+            item["pixels"] = torch.rand(3, h * f, w * f, generator=g) * 2 - 1
             item["input_ids"] = torch.randint(0, self.online["vocab"], (self.L,), generator=g)
         else:
-            item["latents"] = torch.randn(self.C, self.S, self.S, generator=g)  # (C, S, S)
+            item["latents"] = torch.randn(self.shape, generator=g)  # (C, h, w) or (C, F, h, w)
             item["text_embeds"] = torch.randn(self.L, self.D, generator=g)  # (L, D)
         return item
 
 
 def synthetic_batches(model_cfg: ModelConfig, n: int, text_len: int, online: dict | None = None) -> SyntheticBatches:
-    """`n` samples that fit `model_cfg` (its latent channels and size, text dim and classes)."""
+    """`n` samples that fit `model_cfg` (its latent channels, frames and size, text dim and classes)."""
     m = model_cfg
-    return SyntheticBatches(n, m.in_channels, m.sample_size, m.text_dim or 1, text_len, m.num_classes, online)
+    return SyntheticBatches(n, (m.in_channels, *m.latent_shape), m.text_dim or 1, text_len, m.num_classes, online)
 
 
 def bench_optimizer(name: str = "adamw") -> OptimizerConfig:

@@ -25,8 +25,10 @@ class TrainBench:
     """Model preset (conf/model/NAME.yaml)."""
     sample_size: int | None = None
     """Latent side; null: the preset's (e.g. 32 for 256 px through an 8x VAE)."""
+    num_frames: int | None = None
+    """Video presets: latent frames per clip; null: the preset's (e.g. 21 for Wan's 81 frames)."""
     text_len: int = 77
-    """Caption tokens per sample."""
+    """Caption tokens per sample (at most a wan model's own text_len)."""
     batch_size: int = 8
     """Micro-batch per step."""
     precision: str | None = None
@@ -111,13 +113,17 @@ def _module(cfg: TrainBench, mcfg: ModelConfig, mode: str) -> tuple[DiffusionMod
 
 
 def run_train_mode(cfg: TrainBench, mode: str, device: torch.device) -> dict[str, Any]:
-    mcfg = load_preset(cfg.model, **({} if cfg.sample_size is None else {"sample_size": cfg.sample_size}))
+    sizes = {k: v for k, v in (("sample_size", cfg.sample_size), ("num_frames", cfg.num_frames)) if v is not None}
+    if cfg.sample_size is not None:
+        sizes["sample_width"] = None  # a square latent of that side
+    mcfg = load_preset(cfg.model, **sizes)
     on_gpu = device.type == "cuda"
     base = cfg.precision or ("bf16-mixed" if on_gpu else "32-true")
     precision = {"fp32": "32-true", "bf16": "bf16-mixed"}.get(mode, base)
     module, online = _module(cfg, mcfg, mode)
+    text_len = min(cfg.text_len, mcfg.text_len or cfg.text_len)  # wan pads every caption to its own text_len
     row = measure_fit(module, mcfg, batch_size=cfg.batch_size, warmup=cfg.warmup, steps=cfg.steps, device=device,
-                      precision=precision, text_len=cfg.text_len, online=online)
+                      precision=precision, text_len=text_len, online=online)
     return {"mode": mode, "model": cfg.model, **row}
 
 

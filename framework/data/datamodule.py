@@ -159,6 +159,8 @@ class DatasetInfo:
     prompt_embeds: dict[str, torch.Tensor] = field(default_factory=dict)  # grid prompt -> (L, D) fp16, precomputed
     text_storage: str = "fp16"  # how the rows hold text (framework/data/text_storage.py)
     caption_layout: str = "per_caption"  # per_image: a row per image with all its captions
+    num_frames: Optional[int] = None  # video clips: latents (C, num_frames, h, w); None: images
+    fps: Optional[float] = None  # video clips: the rate their frames were taken at (None: the source's own)
 
     def summary(self) -> dict:
         """What generation needs to know (the Pipeline's `info`); plain values, so checkpoints load with weights_only."""
@@ -169,6 +171,7 @@ class DatasetInfo:
             "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
             "prompts": list(self.prompt_embeds), "prompt_embeds": dict(self.prompt_embeds),
             "downsample": self.downsample, "buckets": [list(b["latent_size"]) for b in self.buckets],
+            "num_frames": self.num_frames, "fps": self.fps,
             # how prompts are encoded as the captions were (load_text_encoder's max_tokens and prefix)
             "text_settings": {k: v for k, v in (self.record.text_encoder if self.record else {}).items()
                               if k in ("max_tokens", "prefix")},
@@ -228,10 +231,6 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         raise FileNotFoundError(f"{file} not found: {path} is not a LatentForge dataset. Build one with "
                                 f"`python -m data_prep.precompute out={path}` (or set data.prepare).")
     rec = DatasetRecord.read(file)
-    if rec.num_frames is not None:
-        raise ValueError(f"{file}: video clips (latents {rec.latent_channels} x {rec.num_frames} frames x "
-                         f"{rec.latent_size[0]} x {rec.latent_size[1]}); training reads image datasets: no family of "
-                         "this LatentForge trains on video yet.")
     if rec.text_storage not in TEXT_STORAGES:
         raise ValueError(f"{file}: text_storage={rec.text_storage!r}, but this LatentForge reads "
                          f"{', '.join(TEXT_STORAGES)}; upgrade it, or precompute the dataset again with one of these.")
@@ -257,7 +256,7 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         num_samples=int(rec.num_samples), empty_text_embeds=empty, downsample=int(rec.downsample),
         posterior=rec.posterior, record=rec, prompt_embeds=prompt_embeds,
         buckets=[b for b in rec.buckets or [] if b["num_samples"] > 0], text_storage=rec.text_storage,
-        caption_layout=rec.caption_layout,
+        caption_layout=rec.caption_layout, num_frames=rec.num_frames, fps=rec.fps,
     )
 
 
@@ -295,10 +294,11 @@ def build_missing(cfg: DataConfig, rank: int = 0, timeout_s: float = 3600.0) -> 
 
 # The model keys a dataset fixes, and how each is read off dataset.json.
 def data_model_fields(info: DatasetInfo, family: str) -> dict[str, Any]:
-    """model.* values that dataset.json decides: latent channels, latent height (and width when it differs),
-    and the caption width (not for the class-conditional dit, which reads no captions)."""
+    """model.* values that dataset.json decides: latent channels, latent height (and width when it differs), a clip's
+    latent frames, and the caption width (not for the class-conditional dit, which reads no captions)."""
     h, w = info.latent_size
-    fields: dict[str, Any] = {"in_channels": info.latent_channels, "sample_size": h, "sample_width": None if w == h else w}
+    fields: dict[str, Any] = {"in_channels": info.latent_channels, "sample_size": h, "sample_width": None if w == h else w,
+                              "num_frames": info.num_frames}
     if family != "dit":
         fields["text_dim"] = info.text_dim
     return fields
@@ -309,9 +309,20 @@ def latent_size_keys(height: int, width: int) -> str:
     return f"model.sample_size={height}" + ("" if width == height else f" model.sample_width={width}")
 
 
-def check_compatible(info: DatasetInfo, in_channels: int, latent_hw: tuple[int, int], text_dim: Optional[int]) -> None:
-    """Raise ValueError naming the model key, the dataset value and dataset.json when they do not fit."""
+def check_compatible(info: DatasetInfo, in_channels: int, latent_hw: tuple[int, int], text_dim: Optional[int],
+                     num_frames: Optional[int] = None) -> None:
+    """Raise ValueError naming the model key, the dataset value and dataset.json when they do not fit (num_frames: the
+    model's latent frames, None for an image model)."""
+    from framework.models.backbones import VIDEO_FAMILIES
+
+    if (num_frames is None) != (info.num_frames is None):
+        what = (f"video clips of {info.num_frames} latent frames, which model.family={'|'.join(VIDEO_FAMILIES)} "
+                "denoises" if info.num_frames is not None else "images, which the image families denoise")
+        raise ValueError(f"the model does not fit the dataset described by {info.path}: it holds {what}. Pick a "
+                         "model= preset of that kind, or point data.path at a dataset built for this one.")
     problems = []
+    if num_frames is not None and num_frames != info.num_frames:
+        problems.append(f"model.num_frames={num_frames} but the clips have {info.num_frames} latent frames")
     if in_channels != info.latent_channels:
         problems.append(f"model.in_channels={in_channels} but the latents have {info.latent_channels} channels")
     if tuple(latent_hw) != tuple(info.latent_size):

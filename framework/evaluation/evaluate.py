@@ -65,6 +65,17 @@ def save_judged_grid(ps: PromptSet, images: torch.Tensor, path: str | Path) -> P
     from framework.evaluation.metrics import digit_scorer
 
     scorer = digit_scorer()
+    if ps.kind == "motion":  # one clip per digit and direction, a row per digit
+        from framework.evaluation.motion import read_clips
+
+        first = {}
+        for i, t in enumerate(ps.targets):
+            first.setdefault(tuple(t), i)
+        order = list(first.values())
+        read = read_clips(images[order])
+        caps = [f"{ps.prompts[i]} -> {' '.join(map(str, digits))} {way}"
+                for i, digits, way in zip(order, read["digits"], read["directions"])]
+        return save_grid(images[order], caps, path, ncol=4)
     if ps.kind == "digits":
         pred = scorer.predict(images)
         per_digit = [[i for i, t in enumerate(ps.targets) if t == d] for d in range(10)]  # seen, then held out
@@ -84,6 +95,10 @@ def save_judged_grid(ps: PromptSet, images: torch.Tensor, path: str | Path) -> P
 
 def eval_summary(metrics: dict[str, Any]) -> str:
     """One line for people: the headline accuracy, held-out accuracy and fd (or fid / clip_score on own data)."""
+    if "direction_accuracy" in metrics:
+        from framework.evaluation.motion import motion_summary
+
+        return motion_summary(metrics)
     if "num_real" in metrics:
         from framework.evaluation.realdata import real_summary
 

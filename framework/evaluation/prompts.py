@@ -17,9 +17,9 @@ import numpy as np
 class PromptSet:
     """What is generated (one entry per prompt and seed) and how the images are scored."""
 
-    kind: str  # "digits" or "pairs"
+    kind: str  # "digits", "pairs" or "motion" (moving digits' clips)
     prompts: list[str]
-    targets: list[Any]  # digit, or (left, right)
+    targets: list[Any]  # digit, (left, right), or (digit, direction)
     heldout: np.ndarray  # bool: a held-out phrasing (digits) or a held-out pair (pairs)
     labels: list[int] | None  # class labels for class-conditional models
 
@@ -42,8 +42,10 @@ def digit_prompts(phrasings: int) -> list[tuple[str, int]]:
 
 
 def dataset_kind(info: dict[str, Any]) -> str | None:
-    """'digits', 'pairs' or None (no classifier knows this data) from a dataset.json."""
+    """'digits', 'pairs', 'motion' or None (no classifier knows this data) from a dataset.json."""
     name = str((info.get("source") or {}).get("name", ""))
+    if name == "moving_digits":
+        return "motion"
     if name == "digit_pairs" and info.get("num_classes") == 100:
         return "pairs"
     if info.get("num_classes") == 10 and "digits" in name:
@@ -62,6 +64,17 @@ def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
         items += [(c, d, False) for c, d in digit_prompts(phrasings)]
         items += [(c, d, True) for d in range(10) for c in heldout_digit_captions(d)]
         label = lambda t: t
+    elif kind == "motion":
+        from data_prep.sources.moving_digits import DIRECTIONS, heldout_motion_captions, motion_captions
+
+        for d in range(10):
+            for way in DIRECTIONS:
+                caps = motion_captions(d, way)
+                if phrasings > len(caps):
+                    raise ValueError(f"phrasings={phrasings}: the moving digits' captions have only {len(caps)} phrasings")
+                items += [(c, (d, way), False) for c in caps[:phrasings]]
+                items += [(c, (d, way), True) for c in heldout_motion_captions(d, way)]
+        label = lambda t: t[0]
     else:
         for a in range(10):
             for b in range(10):

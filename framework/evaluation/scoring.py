@@ -28,6 +28,13 @@ def real_reference(kind: str) -> torch.Tensor:
 
     if kind == "digits":
         return real_digit_images("heldout")[0]
+    if kind == "motion":  # the digit crops of the held-out digits' clips' frames, read as generated frames are
+        from data_prep.sources.moving_digits import MovingDigitsSource
+        from framework.evaluation.motion import digit_crops
+
+        source = MovingDigitsSource(type("Settings", (), {"split": "heldout", "rows_per_image": 1})())
+        clips = np.stack([source.record(i).image for i in range(source.size())])  # (N, F, H, W) uint8
+        return digit_crops(torch.from_numpy(clips).flatten(0, 1).unsqueeze(1).float() / 127.5 - 1)
     from data_prep.sources.digit_pairs import PAIR_SEED, make_pairs
 
     images, _ = make_pairs("heldout", [(a, b) for a in range(10) for b in range(10)], 4, PAIR_SEED + 1)
@@ -49,10 +56,15 @@ def per_image_correct(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) 
 
 
 def score_images(ps: PromptSet, images: torch.Tensor, per_prompt: int = 1) -> dict[str, Any]:
-    """Metrics of `images` ((P * per_prompt, C, H, W), each prompt's kept images together)."""
+    """Metrics of `images` ((P * per_prompt, C, H, W), each prompt's kept images together; clips (.., F, C, H, W))."""
     from framework.evaluation.metrics import digit_scorer, frechet_distance
 
     scorer = digit_scorer()
+    if ps.kind == "motion":
+        from framework.evaluation.motion import score_clips
+
+        out = score_clips(ps.targets, ps.heldout, images, per_prompt, real_reference("motion"))
+        return {**out, "classifier_heldout_accuracy": scorer.heldout_accuracy}
     heldout = np.repeat(ps.heldout, per_prompt)
     mean = lambda mask: float(mask.mean()) if mask.size else float("nan")
     ok = per_image_correct(ps, images, per_prompt)

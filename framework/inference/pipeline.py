@@ -227,8 +227,13 @@ class Pipeline:
         return resolve_schedule(spec, self.model, self.objective.cfg.name, name, steps)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling)."""
+        """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling): images (B, C, H, W) of latents
+        (B, c, h, w); clips (B, F, C, H, W) of latents (B, c, F, h, w), an image codec decoding each frame."""
         raw = z / self.info["scaling_factor"] + self.info["shift_factor"]
+        if raw.ndim == 5:
+            b, frames = raw.shape[0], raw.shape[2]
+            out = self.codec.decode(raw.transpose(1, 2).flatten(0, 1))  # (B * F, C, H, W)
+            return out.float().clamp(-1, 1).cpu().unflatten(0, (b, frames))
         return self.codec.decode(raw).float().clamp(-1, 1).cpu()
 
 
@@ -237,8 +242,21 @@ class Pipeline:
 # --------------------------------------------------------------------------------------------
 
 
+def frame_strips(images: torch.Tensor) -> torch.Tensor:
+    """Clips (N, F, C, H, W) -> (N, C, H, F * (W + 1) - 1): each clip's frames side by side, left to right, a white
+    column between two; images unchanged."""
+    if images.ndim != 5:
+        return images
+    gap = images.new_ones(*images.shape[:-1], 1)  # (N, F, C, H, 1)
+    strips = torch.cat([images, gap], -1).permute(0, 2, 3, 1, 4).flatten(3, 4)  # (N, C, H, F * (W + 1))
+    return strips[..., :-1]
+
+
 def to_pil(img: torch.Tensor, size: int | None = None) -> Image.Image:
-    """(C, H, W) in [-1, 1] -> PIL image, upscaled with nearest neighbour to `size` (tiny latents stay crisp)."""
+    """(C, H, W) in [-1, 1] -> PIL image, upscaled with nearest neighbour to `size` (tiny latents stay crisp); a clip
+    (F, C, H, W) becomes the strip of its frames."""
+    if img.ndim == 4:
+        img = frame_strips(img[None])[0]
     arr = ((img.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
     im = Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
     if size and max(im.size) < size:  # keep the aspect ratio (digit pairs are 8x16)
@@ -249,7 +267,8 @@ def to_pil(img: torch.Tensor, size: int | None = None) -> Image.Image:
 
 def save_grid(images: torch.Tensor, captions: Sequence[str], path: str | os.PathLike, ncol: int | None = None,
               cell: int = 96) -> Path:
-    """Write a PNG grid with each image's prompt printed under it."""
+    """Write a PNG grid with each image's prompt printed under it; a clip is shown as the strip of its frames."""
+    images = frame_strips(images)
     n = len(images)
     ncol = ncol or min(n, 10)
     nrow = math.ceil(n / ncol)
@@ -279,3 +298,47 @@ def _wrap(text: str, width: int) -> list[str]:
         else:
             cur = f"{cur} {word}".strip()
     return lines + ([cur] if cur else [])
+
+
+# --------------------------------------------------------------------------------------------
+# Clips
+# --------------------------------------------------------------------------------------------
+
+def side_by_side(clips: torch.Tensor) -> torch.Tensor:
+    """Clips (N, F, C, H, W) -> one clip (F, C, H, N * (W + 1) - 1): the clips next to each other, a white column
+    between two, frame by frame (grid.gif: every prompt's clip playing at once)."""
+    gap = clips.new_ones(*clips.shape[:-1], 1)
+    return torch.cat([clips, gap], -1).permute(1, 2, 3, 0, 4).flatten(3, 4)[..., :-1]
+
+
+def video_frames(clip: torch.Tensor, size: int | None = None) -> list[Image.Image]:
+    """(F, C, H, W) in [-1, 1] -> F RGB frames, each upscaled as to_pil does (and to even sides, which H.264 needs)."""
+    frames = [to_pil(f, size).convert("RGB") for f in clip]
+    w, h = frames[0].size
+    if w % 2 or h % 2:
+        frames = [f.resize((w + w % 2, h + h % 2), Image.NEAREST) for f in frames]
+    return frames
+
+
+def save_video(clip: torch.Tensor, path: str | os.PathLike, fps: float, size: int | None = 256) -> Path:
+    """Write a clip (F, C, H, W) in [-1, 1] as an H.264 MP4 (PyAV) or, for a .gif path, an animated GIF (Pillow),
+    `fps` frames a second; tiny clips are upscaled with nearest neighbour to `size`."""
+    from fractions import Fraction
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames = video_frames(clip, size)
+    if path.suffix == ".gif":
+        frames[0].save(path, save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+        return path
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "12"}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(frame)))
+        container.mux(stream.encode())
+    return path

@@ -104,11 +104,13 @@ class Sampler:
             raise ValueError(f"size={plan.size}: the model was trained at latent sizes {pipe.sizes()}")
         self.pipe, self.plan, self.batch_size, self.progress = pipe, plan, batch_size, progress
         cfg = pipe.model.cfg
-        self.shape = (cfg.in_channels, *(plan.size or cfg.latent_hw))  # one image's latents
+        frames = cfg.latent_shape[:-2]  # (F,) for a video family
+        self.shape = (cfg.in_channels, *frames, *(plan.size or cfg.latent_hw))  # one image's (clip's) latents
         self.schedule = pipe.schedule(plan.cache_schedule, plan.sampler, plan.steps)
 
     def images(self, draws: Draws, decode: bool = True, progress: bool | None = None) -> torch.Tensor:
-        """The draws' images (n, C, H, W) in [-1, 1], in order; decode=False: their scaled latents."""
+        """The draws' images (n, C, H, W) (clips: (n, F, C, H, W)) in [-1, 1], in order; decode=False: their scaled
+        latents."""
         from tqdm import tqdm
 
         show = self.progress if progress is None else progress

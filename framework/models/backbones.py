@@ -1,4 +1,4 @@
-"""Diffusion backbones: typed config, the four diffusers families, one uniform `Denoiser`, weight loading.
+"""Diffusion backbones: typed config, the diffusers families, one uniform `Denoiser`, weight loading.
 
 Reads top to bottom: the config, helpers that turn it into diffusers arguments, the attention backend,
 the `Denoiser` wrapper, `build_denoiser`, `load_weights`, and the presets (YAML files in conf/model/).
@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from diffusers import (
     DiTTransformer2DModel,
+    LatteTransformer3DModel,
     PixArtTransformer2DModel,
     SanaTransformer2DModel,
     UNet2DConditionModel,
+    WanTransformer3DModel,
 )
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
@@ -32,7 +34,12 @@ FAMILIES: dict[str, type[nn.Module]] = {
     "sana": SanaTransformer2DModel,
     "dit": DiTTransformer2DModel,
     "unet": UNet2DConditionModel,
+    "latte": LatteTransformer3DModel,
+    "wan": WanTransformer3DModel,
 }
+# Families whose latents are clips (B, C, F, h, w): Latte's spatial blocks attend within each frame and its temporal
+# blocks across frames (ST-DiT); Wan's blocks attend over all frames' tokens at once, with 3D RoPE.
+VIDEO_FAMILIES = ("latte", "wan")
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 
@@ -47,6 +54,16 @@ _DERIVED = {
     "unet": {"in_channels", "out_channels", "sample_size", "layers_per_block", "cross_attention_dim",
              "attention_head_dim", "num_attention_heads", "addition_embed_type", "addition_time_embed_dim",
              "projection_class_embeddings_input_dim"},
+    "latte": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
+              "sample_size", "patch_size", "caption_channels", "cross_attention_dim", "video_length"},
+    "wan": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
+            "patch_size", "text_dim"},
+}
+# Constructor arguments that make the diffusers class the released model's, where its defaults differ (a preset's
+# kwargs may still set them): Latte's blocks are PixArt's (adaLN-single, tanh GELU, biased attention, no affine norms).
+_FAMILY_DEFAULTS = {
+    "latte": {"norm_type": "ada_norm_single", "activation_fn": "gelu-approximate", "attention_bias": True,
+              "norm_elementwise_affine": False, "norm_eps": 1e-6, "num_embeds_ada_norm": 1000},
 }
 
 
@@ -61,13 +78,18 @@ class ModelConfig:
     name: str = "pixart_debug"
     # preset name, for logs and checkpoints; conf/model/<name>.yaml
     family: str = "pixart"
-    # "pixart" | "sana" | "dit" | "unet": which diffusers class is built
+    # "pixart" | "sana" | "dit" | "unet" (images) | "latte" | "wan" (video): which diffusers class is built
     in_channels: int = 4
     # latent channels (4 for SD-VAE, 32 for DC-AE, 1 for the quickstart's pixel digits)
     sample_size: int = 8
     # latent side length h = w the net is built for (image side / VAE downsample)
     sample_width: int | None = None
     # latent width when it differs from sample_size (non-square data such as the 8x16 digit pairs); null = square
+    num_frames: int | None = None
+    # video families: latent frames per clip (the dataset's, after a video VAE's temporal compression); null for images
+    text_len: int | None = None
+    # wan: captions are zero-padded to this many tokens, as Wan pads its T5 prompts to 512 (its cross-attention takes
+    # no mask, so the padding is part of the model); null for the other families
     patch_size: int = 2
     # transformer patch side; the unet works on pixels of the latent, so 1
     num_layers: int = 4
@@ -123,6 +145,7 @@ class ModelConfig:
             self._check_transformer()
         if self.family == "dit" and (self.num_classes is None or self.num_classes <= 0):
             raise ValueError("model.num_classes must be set (> 0) for model.family=dit: DiT is class-conditional.")
+        self._check_frames()
         if self.family != "dit" and not self.text_dim:
             raise ValueError(f"model.text_dim must be set for model.family={self.family}: it is the caption "
                              "embedding size of the dataset's text encoder.")
@@ -157,6 +180,30 @@ class ModelConfig:
             if heads * dim != self.hidden_size:
                 raise ValueError(f"model.kwargs.num_cross_attention_heads * model.kwargs.cross_attention_head_dim "
                                  f"= {heads} * {dim} must equal the width {self.hidden_size}.")
+
+    def _check_frames(self) -> None:
+        video = self.family in VIDEO_FAMILIES
+        if video and (self.num_frames is None or self.num_frames <= 0):
+            raise ValueError(f"model.num_frames must be set (> 0) for model.family={self.family}: the latent frames "
+                             "of a clip (training takes it from the dataset's dataset.json).")
+        if not video and self.num_frames is not None:
+            raise ValueError(f"model.num_frames={self.num_frames}: model.family={self.family} denoises images; the "
+                             f"video families are {', '.join(VIDEO_FAMILIES)}.")
+        if (self.family == "wan") != (self.text_len is not None):
+            raise ValueError(f"model.text_len={self.text_len}: it is set for model.family=wan only (the token count "
+                             "captions are zero-padded to), and must be set there.")
+        if self.text_len is not None and self.text_len <= 0:
+            raise ValueError(f"model.text_len={self.text_len} must be positive.")
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the latents are clips (C, F, h, w)."""
+        return self.family in VIDEO_FAMILIES
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        """The latents of one sample after the channels: (h, w), or (F, h, w) for a video family."""
+        return ((self.num_frames,) if self.is_video else ()) + self.latent_hw
 
     def _check_unet(self) -> None:
         if self.num_heads is not None:
@@ -255,6 +302,12 @@ def diffusers_kwargs(cfg: ModelConfig) -> dict[str, Any]:
                     num_cross_attention_heads=heads, cross_attention_head_dim=dim)
     elif cfg.family == "dit":
         args.update(num_embeds_ada_norm=cfg.num_classes)
+    elif cfg.family == "latte":
+        args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size, video_length=cfg.num_frames)
+    elif cfg.family == "wan":  # no sample size: RoPE positions any clip; frames are never patched together here
+        del args["sample_size"]
+        args.update(patch_size=(1, cfg.patch_size, cfg.patch_size), text_dim=cfg.text_dim)
+    args.update(_FAMILY_DEFAULTS.get(cfg.family, {}))
     args.update(cfg.kwargs)
     return args
 
@@ -346,6 +399,20 @@ class Denoiser(nn.Module):
             return None
         return torch.full((batch_size,), self.cfg.num_classes, dtype=torch.long, device=device)
 
+    def padded_text(self, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """wan: the caption tokens (B, L, D), padding zeroed, then zero-padded to (B, text_len, D). Wan's cross-attention
+        reads the padding too, so every caption is padded to the same length whatever the batch's longest one is."""
+        n = self.cfg.text_len
+        if mask is not None:
+            text = text * mask.unsqueeze(-1).to(text.dtype)
+        if text.shape[1] > n:  # only then is the captions' length read (a host synchronisation)
+            longest = text.shape[1] if mask is None or mask.is_meta else int(mask.sum(1).max())
+            if longest > n:
+                raise ValueError(f"a caption of {longest} tokens is longer than model.text_len={n}; raise "
+                                 "model.text_len (or shorten the captions)")
+        text = text[:, :n]
+        return torch.nn.functional.pad(text, (0, 0, 0, n - text.shape[1]))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -355,7 +422,8 @@ class Denoiser(nn.Module):
         labels: torch.Tensor | None = None,
         size_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (B, C, h, w), t (B,) on the 0..1000 scale, text (B, L, D), text_mask (B, L) True = token; size_ids (B, 6)
+        """x (B, C, h, w) (video families: (B, C, F, h, w)), t (B,) on the 0..1000 scale, text (B, L, D), text_mask
+        (B, L) True = token; size_ids (B, 6)
         for a size-conditioned UNet (SIZE_IDS; None: default_size_ids), ignored by the other families."""
         t = t.expand(x.shape[0]) if t.ndim == 0 else t  # (B,)
         family = self.cfg.family
@@ -377,6 +445,14 @@ class Denoiser(nn.Module):
                                added_cond_kwargs=sizes, return_dict=False)[0]
             elif family == "sana":
                 out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
+                               return_dict=False)[0]
+            elif family == "latte":
+                # Its spatial blocks see each frame as a sample: the caption's additive bias, one per frame.
+                bias = None if mask is None else ((1 - mask) * -10000.0).repeat_interleave(x.shape[2], 0).unsqueeze(1)
+                out = self.net(x, timestep=t, encoder_hidden_states=text, encoder_attention_mask=bias,
+                               return_dict=False)[0]
+            elif family == "wan":
+                out = self.net(x, timestep=t, encoder_hidden_states=self.padded_text(text, text_mask),
                                return_dict=False)[0]
             else:
                 added = None

@@ -12,6 +12,11 @@ SanaTransformerBlock (linear self-attention, softmax cross-attention, GLUMBConv 
 1x1 conv). Those three are one stack of blocks that `blocks()` returns and `replace_blocks()` swaps.
 The unet's BasicTransformerBlocks live inside its down / mid / up stages, between resnets: it has
 views of its blocks (`block_views`) but no stack (`has_stack` is False).
+
+Video families: latte's spatial blocks (`net.transformer_blocks`, each frame's tokens, with cross-attention) and
+temporal blocks (`net.temporal_transformer_blocks`, each position's frames, no cross-attention) are BasicTransformerBlocks
+that alternate, spatial first: views of both in that order. wan's WanTransformerBlocks (`net.blocks`) keep their MLP in
+`ffn`, and only their self-attention and MLP are gated (cross-attention is added as it is).
 """
 
 from __future__ import annotations
@@ -20,14 +25,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from torch import nn
 
 from framework.models.plans import plan_of, unet_stages
 from framework.models.backbones import Denoiser
 
 BranchKind = Literal["self_attn", "cross_attn", "mlp"]
-# Where diffusers' blocks keep each branch's module (BasicTransformerBlock and SanaTransformerBlock alike).
-# Both call it and only then apply the adaLN gate, so the module's output is the branch's ungated output.
+# Where diffusers' blocks keep each branch's module (BasicTransformerBlock and SanaTransformerBlock alike; wan's MLP
+# is `ffn`). They call it and only then apply the adaLN gate, so the module's output is the branch's ungated output.
 BRANCH_ATTRS: dict[str, str] = {"self_attn": "attn1", "cross_attn": "attn2", "mlp": "ff"}
 
 
@@ -45,11 +51,11 @@ class Branch:
     # the branch's module (diffusers Attention, FeedForward or GLUMBConv)
     out_proj: nn.Linear | nn.Conv2d
     # last op of the branch; an nn.Linear, except SANA's MLP whose last op is a 1x1 nn.Conv2d
+    attr: str = ""
+    # the block's attribute holding `module` (attn1, attn2, ff; wan's MLP: ffn): swap it to wrap the branch
 
-    @property
-    def attr(self) -> str:
-        """The block's attribute holding `module` (attn1, attn2 or ff): swap it to wrap the branch."""
-        return BRANCH_ATTRS[self.kind]
+    def __post_init__(self) -> None:
+        self.attr = self.attr or BRANCH_ATTRS[self.kind]
 
 
 @dataclass
@@ -80,7 +86,9 @@ def _branches(block: nn.Module) -> list[Branch]:
     out = [Branch("self_attn", block.attn1, block.attn1.to_out[0])]
     if getattr(block, "attn2", None) is not None:
         out.append(Branch("cross_attn", block.attn2, block.attn2.to_out[0]))
-    if isinstance(block, BasicTransformerBlock):
+    if isinstance(block, WanTransformerBlock):
+        out.append(Branch("mlp", block.ffn, _last_linear(block.ffn), attr="ffn"))
+    elif isinstance(block, BasicTransformerBlock):
         # FeedForward.net = [activation(proj_in), Dropout, Linear(out), (Dropout)]
         out.append(Branch("mlp", block.ff, _last_linear(block.ff)))
     else:  # SanaTransformerBlock: GLUMBConv ends with the 1x1 conv_point
@@ -106,16 +114,21 @@ def has_stack(denoiser: Denoiser) -> bool:
 def blocks(denoiser: Denoiser) -> nn.ModuleList:
     """The container of the residual stack (swap it with `replace_blocks`)."""
     if not has_stack(denoiser):
-        raise NotImplementedError(
-            f"model.family={denoiser.cfg.family} has no uniform block stack (its transformer blocks sit "
-            "between resnets in down/mid/up blocks); use block_views() for per-block access.")
+        raise NotImplementedError(f"model.family={denoiser.cfg.family} has no uniform block stack "
+                                  f"({plan_of(denoiser.cfg.family).why_not}); use block_views() for per-block access.")
     return denoiser.net.transformer_blocks
 
 
 def block_views(denoiser: Denoiser) -> list[BlockView]:
     """Every block of the backbone with its branches, in forward order."""
-    if denoiser.cfg.family == "unet":
-        named = _unet_blocks(denoiser.net)
+    family, net = denoiser.cfg.family, denoiser.net
+    if family == "unet":
+        named = _unet_blocks(net)
+    elif family == "latte":  # spatial block i, then temporal block i
+        named = [(f"{stack}.{i}", getattr(net, stack)[i]) for i in range(len(net.transformer_blocks))
+                 for stack in ("transformer_blocks", "temporal_transformer_blocks")]
+    elif family == "wan":
+        named = [(f"blocks.{i}", b) for i, b in enumerate(net.blocks)]
     else:
         named = [(f"transformer_blocks.{i}", b) for i, b in enumerate(denoiser.net.transformer_blocks)]
     return [BlockView(i, name, block, _branches(block)) for i, (name, block) in enumerate(named)]

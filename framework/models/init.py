@@ -9,6 +9,10 @@ not what the papers trained from. Each family's reference code re-initialises af
             y_norm_scale_factor = 0.01 (diffusion/model/nets/sana_blocks.py RMSNorm with scale_factor)
     unet    Stability-AI/stablediffusion ldm/modules/diffusionmodules/openaimodel.py and ldm/modules/attention.py:
             zero_module on each ResBlock's last conv, each SpatialTransformer's proj_out and the output conv
+    latte   Vchitect/Latte's text-to-video model starts from PixArt-alpha's weights and has no init of its own: from
+            scratch here, PixArt's rules, its temporal blocks' self-attention as the spatial blocks'
+    wan     Wan-Video/Wan2.1 wan/modules/model.py, WanModel.init_weights: xavier linears with zero bias, the 3D patch
+            conv xavier over its flattened view, the text and time embedding MLPs N(0, 0.02), the head's linear zeroed
 
 The rules, on diffusers' parameter names (`rules`): every nn.Linear xavier-uniform with zero bias (the transformers'
 `_basic_init`), its bound that of the fused projection the reference has where diffusers splits one (self-attention's
@@ -97,9 +101,23 @@ SPECIFIC: dict[str, list[tuple[str, Rule]]] = {
         (r"net\.(down_blocks|up_blocks|mid_block)\.(\d+\.)?attentions\.\d+\.proj_out\.(weight|bias)", ZERO),
         (r"net\.conv_out\.(weight|bias)", ZERO),
     ],
+    "latte": [
+        (r"net\.(temporal_)?transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),
+        (r"net\.transformer_blocks\.\d+\.attn2\.to_[kv]\.weight", fused_xavier(2)),
+        (r"net\.transformer_blocks\.\d+\.attn2\.to_out\.0\.(weight|bias)", ZERO),
+        (r"net\.proj_out\.(weight|bias)", ZERO),
+        (r"net\.adaln_single\.emb\.timestep_embedder\.linear_[12]\.weight", N002),
+        (r"net\.adaln_single\.linear\.weight", N002),
+        (r"net\.caption_projection\.linear_[12]\.weight", N002),
+    ],
+    "wan": [  # its time_projection (diffusers' time_proj) keeps the basic init; only the head's weight is zeroed
+        (r"net\.condition_embedder\.(text|time)_embedder\.linear_[12]\.weight", N002),
+        (r"net\.proj_out\.weight", ZERO),
+    ],
 }
 # The convolution the references give the basic init (their x_embedder / PatchEmbed); the UNet's keep PyTorch's.
-PATCH_CONV = {"dit": "net.pos_embed.proj", "pixart": "net.pos_embed.proj", "sana": "net.patch_embed.proj"}
+PATCH_CONV = {"dit": "net.pos_embed.proj", "pixart": "net.pos_embed.proj", "sana": "net.patch_embed.proj",
+              "latte": "net.pos_embed.proj", "wan": "net.patch_embedding"}
 
 
 def rules(model: nn.Module, family: str) -> dict[str, Rule]:

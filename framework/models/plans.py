@@ -65,6 +65,15 @@ def _unet_stages(net: nn.Module) -> list[nn.Module]:
     return [stage for _, stage in unet_stages(net)]
 
 
+def _latte_blocks(net: nn.Module) -> list[nn.Module]:
+    """Spatial block i, then temporal block i: the order Latte's forward runs them."""
+    return [b for pair in zip(net.transformer_blocks, net.temporal_transformer_blocks) for b in pair]
+
+
+def _wan_blocks(net: nn.Module) -> list[nn.Module]:
+    return list(net.blocks)
+
+
 PLANS: dict[str, ParallelPlan] = {
     "pixart": ParallelPlan(_transformer_blocks, stack=True, sequence=SequencePlan("pos_embed", "proj_out", "softmax")),
     # diffusers' DiT final layer reads block 0's norm1.emb (its timestep and class embedding)
@@ -76,6 +85,12 @@ PLANS: dict[str, ParallelPlan] = {
                          sequence=SequencePlan("patch_embed", "proj_out", "linear", rows_arg=5)),
     "unet": ParallelPlan(_unet_stages, stack=False, sequence=None,
                          why_not="its transformer blocks sit between resnets and convolutions at several resolutions"),
+    "latte": ParallelPlan(_latte_blocks, stack=False, sequence=None,
+                          why_not="its spatial and temporal blocks are two stacks that alternate, each attending "
+                                  "along another axis; growth, pruning and sequence parallelism do not split them yet"),
+    "wan": ParallelPlan(_wan_blocks, stack=False, sequence=None,
+                        why_not="its blocks (net.blocks) attend over every frame's tokens at once; growth, pruning and "
+                                "sequence parallelism do not take them yet"),
 }
 
 

@@ -82,9 +82,12 @@ class SampleGrid(pl.Callback):
             self._pipeline(pl_module).free_text_encoder()  # not held between grids
         if trainer.global_rank != 0:
             return None
-        # Column = prompt, row = seed.
-        order = [i * c.per_prompt + r for r in range(c.per_prompt) for i in range(len(columns))]
-        path = save_grid(images[order], [prompts[i] for i in order], self.out_dir / f"step{step:07d}.png", ncol=len(columns))
+        # Column = prompt, row = seed; clips (their frames a strip): a row each, each prompt's seeds together.
+        video = images.ndim == 5
+        order = ([i * c.per_prompt + r for i in range(len(columns)) for r in range(c.per_prompt)] if video else
+                 [i * c.per_prompt + r for r in range(c.per_prompt) for i in range(len(columns))])
+        path = save_grid(images[order], [prompts[i] for i in order], self.out_dir / f"step{step:07d}.png",
+                         ncol=1 if video else len(columns))
         self.paths.append(path)
         # To W&B: one image per prompt and seed with its prompt as the caption (the grid stays in run.dir/samples/).
         captions = [prompts[i] + (f" (seed {k // len(columns)})" if c.per_prompt > 1 else "") for k, i in enumerate(order)]

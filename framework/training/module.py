@@ -95,7 +95,8 @@ class DiffusionModule(pl.LightningModule):
         from framework.data.datamodule import check_compatible
 
         info = dm.info
-        check_compatible(info, self.model_cfg.in_channels, self.model_cfg.latent_hw, self.model_cfg.text_dim)
+        m = self.model_cfg
+        check_compatible(info, m.in_channels, m.latent_hw, m.text_dim, m.num_frames)
         self.empty_text = info.empty_text_embeds.float()
         self.dataset_info = info.summary()
 
