@@ -630,7 +630,8 @@ def _check_existing(out: Location, fp: dict) -> bool:
     """True when a finished dataset with this config exists; raises when `out` holds a different one. An unfinished
     one with this config is resumed, on any number of ranks."""
     if not out.exists(FINGERPRINT_FILE):
-        if not out.is_empty():
+        # Another rank of this run may be writing precompute.json this instant: its temporary file does not count.
+        if not out.is_empty() and any(not n.startswith(f"{FINGERPRINT_FILE}.tmp") for n in out.names()):
             raise FileExistsError(f"out={out} exists, is not empty and was not written by data_prep.precompute "
                                   "(no precompute.json). Pick an empty or new folder.")
         return False

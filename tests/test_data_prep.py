@@ -901,3 +901,19 @@ def test_video_folder_becomes_clips_of_num_frames_at_fps_with_short_and_broken_v
         images = make_image_folder(tmp_path / "images", n=2)
         precompute({**cfg, "source": {"name": "folder", "path": str(images)}, "out": str(tmp_path / "img")}, rank=0,
                    world_size=1)
+
+
+def test_a_folder_another_rank_is_writing_the_fingerprint_into_is_not_refused(tmp_path):
+    """Ranks start at once: one may find the other's temporary precompute.json (written, then renamed) and must not take
+    the folder for someone else's; any other file in a folder without precompute.json is still refused."""
+    from data_prep.location import open_output
+    from data_prep.precompute import FINGERPRINT_FILE, _check_existing, as_config, fingerprint
+
+    fp = fingerprint(as_config(digits_config(tmp_path / "out")))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f"{FINGERPRINT_FILE}.tmp4242").write_text("{")  # another rank, between its write and its rename
+    assert _check_existing(open_output(str(out), None), fp) is False
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty and was not written by data_prep.precompute"):
+        _check_existing(open_output(str(out), None), fp)
