@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.cli import EncoderPaths, RankSharing, quiet_hydra, resolve_device, share_ranks
-from framework.inference.pipeline import Pipeline, save_grid, save_video, side_by_side, to_pil
+from framework.inference.pipeline import Pipeline, frame_strips, save_grid, save_video, to_pil
 from framework.inference.sampling import SamplingPlan
 from framework.evaluation.prompts import prompt_labels
 from framework.evaluation.settings import ImageSize
@@ -110,7 +110,7 @@ def run(cfg: SampleCommand) -> list[Path]:
             paths.append(stem.with_suffix(".png"))
     paths.append(save_grid(chosen, prompts, out / "grid.png", ncol=1 if chosen.ndim == 5 else None))  # a row a clip
     if chosen.ndim == 5:  # and every clip playing at once, side by side; tiny clips enlarged by a whole factor
-        both = side_by_side(chosen)  # (F, C, H, W')
+        both = frame_strips(chosen.transpose(0, 1))  # frame f of every clip side by side: (F, C, H, W')
         factor = max(1, 128 // both.shape[-2])
         paths.append(save_video(both, out / "grid.gif", fps, size=factor * max(both.shape[-2:])))
     return paths

@@ -29,10 +29,11 @@ def real_reference(kind: str) -> torch.Tensor:
     if kind == "digits":
         return real_digit_images("heldout")[0]
     if kind == "motion":  # the digit crops of the held-out digits' clips' frames, read as generated frames are
+        from data_prep.config import SourceConfig
         from data_prep.sources.moving_digits import MovingDigitsSource
         from framework.evaluation.motion import digit_crops
 
-        source = MovingDigitsSource(type("Settings", (), {"split": "heldout", "rows_per_image": 1})())
+        source = MovingDigitsSource(SourceConfig(name="moving_digits", split="heldout", rows_per_image=1))
         clips = np.stack([source.record(i).image for i in range(source.size())])  # (N, F, H, W) uint8
         return digit_crops(torch.from_numpy(clips).flatten(0, 1).unsqueeze(1).float() / 127.5 - 1)
     from data_prep.sources.digit_pairs import PAIR_SEED, make_pairs

@@ -304,13 +304,6 @@ def _wrap(text: str, width: int) -> list[str]:
 # Clips
 # --------------------------------------------------------------------------------------------
 
-def side_by_side(clips: torch.Tensor) -> torch.Tensor:
-    """Clips (N, F, C, H, W) -> one clip (F, C, H, N * (W + 1) - 1): the clips next to each other, a white column
-    between two, frame by frame (grid.gif: every prompt's clip playing at once)."""
-    gap = clips.new_ones(*clips.shape[:-1], 1)
-    return torch.cat([clips, gap], -1).permute(1, 2, 3, 0, 4).flatten(3, 4)[..., :-1]
-
-
 def video_frames(clip: torch.Tensor, size: int | None = None) -> list[Image.Image]:
     """(F, C, H, W) in [-1, 1] -> F RGB frames, each upscaled as to_pil does (and to even sides, which H.264 needs)."""
     frames = [to_pil(f, size).convert("RGB") for f in clip]
