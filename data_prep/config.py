@@ -47,7 +47,14 @@ class PrecomputeConfig:
     """Encode a source once into MDS shards + dataset.json; the trainer never runs these encoders."""
 
     source: SourceConfig = field(default_factory=SourceConfig)
-    vae: str = "pixel"  # "pixel" or a local diffusers AutoencoderKL/AutoencoderDC folder
+    # "pixel", or a local diffusers VAE folder: an image VAE (AutoencoderKL, AutoencoderDC; clips are encoded frame by
+    # frame) or, for clips, a video VAE (AutoencoderKLWan, AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo), which
+    # compresses time too: num_frames = 1 + 4k frames make 1 + k latent frames (data_prep/encoders.py VideoVAECodec)
+    vae: str = "pixel"
+    # A video VAE's tiles, in pixels a side: frames larger than this are encoded (and, at sampling, decoded) in
+    # overlapping tiles, a quarter overlapping, so a long high-resolution clip fits in memory; recorded in dataset.json.
+    # null: whole frames.
+    vae_tile: Optional[int] = None
     # "minilm", a local transformers text-encoder folder, or "none": no captions encoded, for a class-conditional model
     # that reads the source's class labels only (DiT); the source must have labels
     text_encoder: str = "minilm"
@@ -58,8 +65,9 @@ class PrecomputeConfig:
     buckets: Optional[Any] = None
     # Video sources (source=video_folder): each video becomes a clip of num_frames frames from its start, taken fps
     # times a second (null: every frame; the stride is the video's rate over fps, rounded, at least 1), each frame
-    # resized and cropped like an image and encoded by the image VAE: latents (C, num_frames, h, w). A video with fewer
-    # frames at that rate is skipped and counted with the unreadable ones. null: an image source.
+    # resized and cropped like an image and encoded by the VAE: latents (C, num_frames, h, w) with an image VAE, (C, 1 +
+    # (num_frames - 1) / 4, h, w) with a video VAE. A video with fewer frames at that rate is skipped and counted with
+    # the unreadable ones. null: an image source.
     num_frames: Optional[int] = None
     fps: Optional[float] = None
     out: str = "data/digits"  # output dataset folder (index.json + dataset.json + shards), or s3://bucket/prefix
@@ -138,6 +146,9 @@ class PrecomputeConfig:
             raise ValueError(f"num_frames={self.num_frames}: the frames of each clip, >= 1 (null for images).")
         if self.fps is not None and not self.fps > 0:
             raise ValueError(f"fps={self.fps}: the rate frames are taken at, > 0 (null: every frame of the video).")
+        if self.vae_tile is not None and (self.vae_tile < 1 or self.num_frames is None):
+            raise ValueError(f"vae_tile={self.vae_tile}: a video VAE's tile side in pixels (> 0), for clips (num_frames=); "
+                             "null: whole frames.")
         if self.num_frames is not None and self.buckets is not None:
             raise ValueError(f"num_frames={self.num_frames} with buckets={self.buckets}: clips are cropped to one size "
                              "(resolution, width) for now; drop buckets.")

@@ -53,15 +53,22 @@ def _read_config(path: Path) -> dict:
 
 
 class ImageCodec:
-    """Pixels (B, C, H, W) in [-1, 1] <-> unscaled latents (B, c, H/downsample, W/downsample)."""
+    """Pixels (B, C, H, W) in [-1, 1] <-> unscaled latents (B, c, H/downsample, W/downsample).
+
+    A video codec (`is_video`) takes clips instead: (B, C, F, H, W) <-> (B, c, f, h, w), f = 1 + (F - 1) /
+    temporal_compression (the first frame alone, then each `temporal_compression` frames one latent frame)."""
 
     name: str = "pixel"
     class_name: str = "pixel"
     latent_channels: int
     downsample: int = 1
-    scaling_factor: float = 1.0
-    shift_factor: float = 0.0
+    # a float, or one per latent channel (a video VAE's latents_mean / latents_std): scaled = (raw - shift) * scaling
+    scaling_factor: float | list[float] = 1.0
+    shift_factor: float | list[float] = 0.0
     posterior: str = "none"  # what encode() returns for a VAE: "mean" or "sample"
+    is_video: bool = False
+    temporal_compression: int = 1  # video codecs: pixel frames per latent frame after the first
+    tile: int | None = None  # video codecs: the side in pixels of the tiles encode and decode work on (None: whole)
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -99,7 +106,8 @@ class VAECodec(ImageCodec):
         class_name = _read_config(path).get("_class_name")
         if class_name not in ("AutoencoderKL", "AutoencoderDC"):
             raise ValueError(f"vae={path}: config.json says {class_name or 'no _class_name'}, not a diffusers "
-                             "AutoencoderKL/AutoencoderDC. Point vae= at the VAE folder (e.g. <pipeline>/vae).")
+                             f"AutoencoderKL/AutoencoderDC or a video VAE ({', '.join(VIDEO_VAES)}). Point vae= at "
+                             "the VAE folder (e.g. <pipeline>/vae).")
         self.vae = getattr(diffusers, class_name).from_pretrained(path, torch_dtype=dtype).to(device).eval()
         cfg = self.vae.config
         self.name, self.class_name = str(path), class_name
@@ -136,9 +144,83 @@ class VAECodec(ImageCodec):
         return self.vae.decode(latents.to(self.device, self.dtype)).sample.float().clamp(-1, 1)
 
 
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLCogVideoX", "AutoencoderKLHunyuanVideo")
+
+
+class VideoVAECodec(ImageCodec):
+    """A diffusers video VAE from a local folder (Wan 2.1's, CogVideoX's, HunyuanVideo's): 3D causal convolutions that
+    compress time as well as space, the first frame on its own. `tile`: encode and decode in overlapping spatial tiles
+    of that many pixels a side (a quarter's overlap; diffusers' tiling, blended at the seams), so a long high-resolution
+    clip fits in memory; the latents then differ slightly from whole-frame ones, so a dataset records its tile and
+    sampling decodes with the same."""
+
+    is_video = True
+
+    def __init__(self, path: Path, device: str, dtype: torch.dtype, posterior: str = "mean",
+                 tile: int | None = None) -> None:
+        import diffusers
+
+        if posterior == "distribution":
+            raise ValueError(f"posterior=distribution: not for a video VAE yet (vae={path}); use posterior=mean or "
+                             "sample")
+        class_name = _read_config(path)["_class_name"]
+        self.vae = getattr(diffusers, class_name).from_pretrained(path, torch_dtype=dtype).to(device).eval()
+        cfg = self.vae.config
+        self.name, self.class_name = str(path), class_name
+        self.device, self.dtype, self.posterior = device, dtype, posterior
+        self.latent_channels = int(cfg.z_dim if class_name == "AutoencoderKLWan" else cfg.latent_channels)
+        if class_name == "AutoencoderKLWan":  # its strides follow from the blocks (scale_factor_* are only notes)
+            self.downsample = 2 ** (len(cfg.dim_mult) - 1)
+            self.temporal_compression = 2 ** sum(map(bool, cfg.temperal_downsample))
+            # WanPipeline: latents = (raw - latents_mean) / latents_std, channel by channel
+            self.shift_factor = [float(m) for m in cfg.latents_mean]
+            self.scaling_factor = [1.0 / float(s) for s in cfg.latents_std]
+        else:
+            self.downsample = int(getattr(cfg, "spatial_compression_ratio", 0) or 2 ** (len(cfg.block_out_channels) - 1))
+            self.temporal_compression = int(cfg.temporal_compression_ratio)
+            self.scaling_factor = float(cfg.scaling_factor)
+            self.shift_factor = float(getattr(cfg, "shift_factor", None) or 0.0)
+        if tile is not None:
+            if tile < 2 * self.downsample or tile % self.downsample:
+                raise ValueError(f"vae_tile={tile}: a tile side in pixels, a multiple of the VAE's downsample factor "
+                                 f"{self.downsample} and at least twice it (or null: no tiling)")
+            # a quarter's overlap, the stride a whole number of latent cells (diffusers crops each tile's latents to
+            # stride / downsample cells: any other stride would lose rows)
+            stride = max(self.downsample, (tile - tile // 4) // self.downsample * self.downsample)
+            if class_name == "AutoencoderKLCogVideoX":
+                self.vae.enable_tiling(tile, tile, 1 - stride / tile, 1 - stride / tile)
+            else:
+                self.vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                                       tile_sample_stride_height=stride, tile_sample_stride_width=stride)
+        self.tile = tile
+
+    def check_frames(self, num_frames: int) -> None:
+        """Raise unless a clip of `num_frames` frames fills whole latent frames."""
+        r = self.temporal_compression
+        if (num_frames - 1) % r:
+            below = 1 + (num_frames - 1) // r * r
+            raise ValueError(f"num_frames={num_frames}: vae={self.name} ({self.class_name}) makes a latent frame of the "
+                             f"first frame, then one of every {r}: use 1 + {r}k frames ({below} or {below + r}; Wan "
+                             "takes 81, CogVideoX 49, HunyuanVideo 129)")
+
+    def latent_frames(self, num_frames: int) -> int:
+        return 1 + (num_frames - 1) // self.temporal_compression
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist  # (B, C, F, H, W) in
+        return (dist.mean if self.posterior == "mean" else dist.sample()).float()  # (B, c, f, h, w)
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(latents.to(self.device, self.dtype)).sample.float().clamp(-1, 1)  # (B, C, F, H, W)
+
+
 def load_image_codec(spec: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                     image_mode: str = "RGB", posterior: str = "mean") -> ImageCodec:
-    """"pixel" or a local diffusers VAE folder (a full pipeline folder works too: its vae/ is used)."""
+                     image_mode: str = "RGB", posterior: str = "mean", tile: int | None = None) -> ImageCodec:
+    """"pixel" or a local diffusers VAE folder (a full pipeline folder works too: its vae/ is used): an image VAE
+    (AutoencoderKL, AutoencoderDC) or a video VAE (VIDEO_VAES; `tile`: its tiles' side in pixels, None: whole
+    frames)."""
     if spec == "pixel":
         if posterior == "distribution":
             raise ValueError("posterior=distribution: vae=pixel stores the image itself, which has no posterior to "
@@ -149,6 +231,10 @@ def load_image_codec(spec: str, device: str = "cpu", dtype: str | torch.dtype | 
         raise ValueError(f"vae={spec}: not 'pixel' and not a local folder.")
     if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file():
         path = path / "vae"
+    if _read_config(path).get("_class_name") in VIDEO_VAES:
+        return VideoVAECodec(path, device, resolve_dtype(device, dtype), posterior, tile)
+    if tile is not None:
+        raise ValueError(f"vae_tile={tile}: tiling is for a video VAE ({', '.join(VIDEO_VAES)}); vae={spec} is not one")
     return VAECodec(path, device, resolve_dtype(device, dtype), posterior)
 
 

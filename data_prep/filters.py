@@ -71,9 +71,9 @@ def check_source(cfg: Any, source: Any) -> None:
     if source.is_video and cfg.num_frames is None:
         raise ValueError(f"source={source.name} reads videos: give the frames of each clip, num_frames=F (and fps=R for "
                          "the rate they are taken at; null: every frame).")
-    if cfg.num_frames is not None and not source.is_video:
+    if cfg.num_frames is not None and not (source.is_video or source.takes_videos):
         raise ValueError(f"num_frames={cfg.num_frames}: source={source.name} holds images, not videos; drop num_frames "
-                         "(or read a folder of videos with source=video_folder).")
+                         "(or read videos with source=video_folder, manifest or webdataset).")
     if cfg.filters and not source.has_meta:
         raise ValueError(f"filters={cfg.filters} reads each sample's img2dataset .json, which source={source.name} "
                          "does not have (source=webdataset does); drop filters. min_size and max_aspect work with any "

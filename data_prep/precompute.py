@@ -103,7 +103,8 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
     optional = {"text_storage": cfg.text_storage if cfg.text_storage != "fp16" else None, "min_size": cfg.min_size,
                 "max_aspect": cfg.max_aspect, "filters": cfg.filters or None,
                 "caption_layout": cfg.caption_layout if cfg.caption_layout != "per_caption" else None,
-                "text_prefix": cfg.text_prefix or None, "num_frames": cfg.num_frames, "fps": cfg.fps}
+                "text_prefix": cfg.text_prefix or None, "num_frames": cfg.num_frames, "fps": cfg.fps,
+                "vae_tile": cfg.vae_tile}
     content.update({k: v for k, v in optional.items() if v is not None})
     if cfg.width is not None:
         content["width"] = cfg.width
@@ -364,8 +365,10 @@ def _encode_group(group: list[tuple[Record, torch.Tensor, dict]], codec: ImageCo
     """Encode one batch's images of bucket `b` (b = -1 without buckets) and their captions; write their rows."""
     tick = time.perf_counter()
     pixels = torch.stack([g[1] for g in group])  # (B, C, H, W), or clips (B, F, C, H, W)
-    frames = pixels.shape[1] if pixels.ndim == 5 else None
-    if frames is not None:  # the image VAE encodes every frame: (B * F, C, H, W)
+    frames = pixels.shape[1] if pixels.ndim == 5 and not codec.is_video else None
+    if codec.is_video:  # a video VAE takes clips channels first: (B, C, F, H, W) -> (B, c, f, h, w)
+        pixels = pixels.transpose(1, 2)
+    elif frames is not None:  # the image VAE encodes every frame: (B * F, C, H, W)
         pixels = pixels.flatten(0, 1)
     if "latents_std" in columns:
         encoded = list(codec.encode_distribution(pixels))
@@ -583,15 +586,17 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     record = DatasetRecord(
-        format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior, cfg.num_frames),
+        format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior, cfg.num_frames,
+                                      codec.is_video),
         fingerprint=fp["fingerprint"],
-        image_codec={"name": cfg.vae, "class": codec.class_name},
+        image_codec={"name": cfg.vae, "class": codec.class_name, **({"tile": codec.tile} if codec.tile else {})},
         text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens,
                       **({"prefix": text.prefix} if text.prefix else {})},
         latent_channels=int(latent_shape[0]),
         latent_size=[int(latent_shape[-2]), int(latent_shape[-1])],
         num_frames=cfg.num_frames,
         fps=cfg.fps if cfg.num_frames is not None else None,
+        temporal_compression=codec.temporal_compression if codec.is_video else None,
         downsample=codec.downsample,
         scaling_factor=codec.scaling_factor,
         shift_factor=codec.shift_factor,
@@ -661,7 +666,12 @@ def _encoders(cfg: PrecomputeConfig, source, device: str) -> tuple[ImageCodec, T
         raise ValueError(f"text_encoder=none encodes no captions, so the rows must carry class labels, and source="
                          f"{cfg.source.name} has none (a manifest needs its label_key column); use a text encoder")
     mode = cfg.image_mode or (source.default_image_mode if cfg.vae == "pixel" else "RGB")
-    codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior)
+    codec = load_image_codec(cfg.vae, device, cfg.dtype, mode, cfg.posterior, cfg.vae_tile)
+    if codec.is_video and cfg.num_frames is None:
+        raise ValueError(f"vae={cfg.vae} is a video VAE ({codec.class_name}): it encodes clips; give num_frames= (and a "
+                         "video source), or use an image VAE for images")
+    if codec.is_video:
+        codec.check_frames(cfg.num_frames)
     for key, side in (("resolution", cfg.resolution), ("width", cfg.width)):
         if side is not None and side % codec.downsample and cfg.buckets is None:
             raise ValueError(f"{key}={side} is not a multiple of the VAE's downsample factor {codec.downsample}.")
@@ -704,6 +714,9 @@ def _build(cfg: PrecomputeConfig, out: Location, rank: int, world: int, local_ra
     source.staging = inputs
     check_source(cfg, source)  # before anything is written: a refused config leaves no folder behind
     shards = source.shards(cfg.records_per_part)  # likewise: a missing input tar is refused before
+    # cuda:<local rank>, or the one GPU Slurm left visible to this task (--gpus-per-task=1 binds one to each)
+    device = cfg.device or (f"cuda:{local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+    codec, text, mode, buckets = _encoders(cfg, source, device)  # likewise: a VAE the settings do not fit
     if not out.exists(FINGERPRINT_FILE):  # written first; every rank writes the same content
         out.write_json(FINGERPRINT_FILE, fp)
     check_parts(out, shards)
@@ -712,9 +725,6 @@ def _build(cfg: PrecomputeConfig, out: Location, rank: int, world: int, local_ra
         f"(round {round_})")
     if not mine and rank != 0:
         return
-    # cuda:<local rank>, or the one GPU Slurm left visible to this task (--gpus-per-task=1 binds one to each)
-    device = cfg.device or (f"cuda:{local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
-    codec, text, mode, buckets = _encoders(cfg, source, device)
     if mine:
         t = encode_rank(cfg, source, shards, mine, codec, text, mode, out, round_, rank, world, buckets)
         log(f"rank {rank}: {len(mine)} parts, {t['images']} images -> {t['rows']} rows in {t['seconds']:.1f}s "

@@ -19,10 +19,32 @@ DATASET_FILE = "dataset.json"
 #   3  caption_layout per_image: a row per image holding all its captions (text_lengths, captions columns)
 #   4  posterior distribution: the KL VAE's posterior std beside its mean (latents_std column), sampled in training
 #   5  video clips: latents (C, num_frames, h, w), num_frames and fps recorded
+#   6  video VAEs: latents (C, 1 + (num_frames - 1) / temporal_compression, h, w); scaling_factor and shift_factor may
+#      be lists, one per latent channel
 # A record says the oldest version that describes it (`record_version`), so an fp16 dataset stays readable by a
 # LatentForge that knows version 1 only, and one of another storage is refused by it instead of misread.
-FORMAT_VERSION = 5
-_OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec", "num_frames", "fps")  # present only for datasets that have them
+FORMAT_VERSION = 6
+# present only for datasets that have them
+_OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec", "num_frames", "fps", "temporal_compression")
+
+
+def scale_latents(raw: Any, scaling_factor: float | list[float], shift_factor: float | list[float]) -> Any:
+    """Latents as a dataset stores them (unscaled) -> as the model sees them: (raw - shift) * scaling, the factors
+    floats or one per channel (dim 1 of raw: (B, C, ...))."""
+    return (raw - _per_channel(shift_factor, raw)) * _per_channel(scaling_factor, raw)
+
+
+def unscale_latents(z: Any, scaling_factor: float | list[float], shift_factor: float | list[float]) -> Any:
+    """The inverse of scale_latents: the model's latents -> the codec's."""
+    return z / _per_channel(scaling_factor, z) + _per_channel(shift_factor, z)
+
+
+def _per_channel(factor: float | list[float], like: Any) -> Any:
+    if isinstance(factor, (int, float)):
+        return float(factor)
+    import torch
+
+    return torch.tensor(factor, dtype=torch.float32, device=like.device).view(-1, *[1] * (like.ndim - 2))
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
@@ -33,9 +55,11 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def record_version(text_storage: str, caption_layout: str = "per_caption", posterior: str = "mean",
-                   num_frames: int | None = None) -> int:
-    """The oldest format version that describes a dataset of this text storage, caption layout, posterior and (video)
-    frame count."""
+                   num_frames: int | None = None, video_vae: bool = False) -> int:
+    """The oldest format version that describes a dataset of this text storage, caption layout, posterior, (video)
+    frame count and codec (`video_vae`: one that compresses time, with per-channel scaling)."""
+    if video_vae:
+        return 6
     if num_frames is not None:
         return 5
     if posterior == "distribution":
@@ -49,13 +73,13 @@ def record_version(text_storage: str, caption_layout: str = "per_caption", poste
 class DatasetRecord:
     """What a dataset's latents and text embeddings are and how they were made."""
 
-    image_codec: dict[str, Any]  # {"name": pixel | a VAE folder, "class"}
+    image_codec: dict[str, Any]  # {"name": pixel | a VAE folder, "class", "tile" (a tiled video VAE's tile side)}
     text_encoder: dict[str, Any]  # {"name": minilm | a folder, "class", "max_tokens", "prefix" (only when one is set)}
     latent_channels: int
     latent_size: list[int]  # [h, w] of every latent (the base size when bucketed)
     text_dim: int
-    scaling_factor: float
-    shift_factor: float
+    scaling_factor: float | list[float]  # a list: one per latent channel (a video VAE's 1 / latents_std)
+    shift_factor: float | list[float]  # a list: one per latent channel (a video VAE's latents_mean)
     num_samples: int  # rows: one per caption, or one per image with caption_layout per_image
     resolution: int
     empty_caption: str  # the file holding the empty caption's embedding (L0, D)
@@ -83,9 +107,18 @@ class DatasetRecord:
     # (docs/data.md "Several captions per image"); records older than it are per_caption
     caption_layout: str = "per_caption"
     num_captions: Optional[int] = None  # the captions encoded, in all
-    num_frames: Optional[int] = None  # video clips: the frames of each (latents (C, num_frames, h, w)); None: images
+    num_frames: Optional[int] = None  # video clips: the frames of each (pixels); None: images
     fps: Optional[float] = None  # video clips: the rate their frames were taken at (None: every frame of the video)
+    # video clips: pixel frames per latent frame after the first (a video VAE's; absent: 1, an image VAE per frame)
+    temporal_compression: Optional[int] = None
     format_version: int = FORMAT_VERSION
+
+    @property
+    def latent_frames(self) -> Optional[int]:
+        """The frames of each clip's latents (C, latent_frames, h, w); None: images."""
+        if self.num_frames is None:
+            return None
+        return 1 + (self.num_frames - 1) // (self.temporal_compression or 1)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -133,13 +133,17 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     if family == "wan":
         print(f"export: call stock {pipeline_name} with max_sequence_length={denoiser.cfg.text_len} (this model's "
               "model.text_len; its default is Wan's 512)")
+    if info.get("vae_tile"):
+        print(f"export: the clips were encoded in tiles of {info['vae_tile']} pixels, and framework.sample decodes so; "
+              "stock pipelines decode whole frames unless you call pipe.vae.enable_tiling()")
     if family == "unet":
         print(f"export: stock {pipeline_name} pads prompts to the tokenizer's length and attends to the padding; "
               "LatentForge trained on each caption's own tokens (masked), so its images can differ from framework.sample's")
     if parts["vae"] is None:
         print("export: the dataset's pixel codec is not a diffusers VAE; the pipeline has none: load it with "
               "from_pretrained(folder, vae=None) and sample with output_type='latent'")
-    elif abs(float(info.get("shift_factor", 0.0))) > 0:
+    elif not isinstance(info.get("shift_factor"), list) and abs(float(info.get("shift_factor", 0.0))) > 0:
+        # (a list is a video VAE's latents_mean, which its stock pipeline reads from the VAE's config)
         print(f"export: the VAE has shift_factor={info['shift_factor']}; stock {pipeline_name} decodes without it")
     if family != "dit":
         text = load_text_encoder(info["text_encoder"], **info.get("text_settings", {}))
@@ -153,13 +157,18 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
 
 def check_video_pipeline(cfg: Any, vae: Any) -> None:
     """Refuse a video model that its stock pipeline would sample wrongly: LattePipeline keeps the first half of the
-    prediction's channels (it assumes Latte's learned sigma) unless the scheduler says the variance is learned; the
-    WanPipeline decodes with an AutoencoderKLWan's latent statistics, which an image VAE has not."""
+    prediction's channels (it assumes Latte's learned sigma) unless the scheduler says the variance is learned, and
+    decodes frame by frame with an image VAE; the WanPipeline decodes with an AutoencoderKLWan's latent statistics,
+    which an image VAE has not."""
     if cfg.family == "latte" and not cfg.learned_sigma and cfg.in_channels > 1:
         raise ValueError(f"export format=diffusers: stock LattePipeline keeps the first half of the transformer's output "
                          f"channels (Latte predicts a variance too), and this model predicts {cfg.in_channels} channels "
                          "alone (model.learned_sigma=false): its samples would be wrong. Export format=safetensors, or "
                          "train with model.learned_sigma=true")
+    if cfg.family == "latte" and vae is not None and type(vae).__name__ != "AutoencoderKL":
+        raise ValueError(f"export format=diffusers: stock LattePipeline decodes each frame with an image VAE "
+                         f"(AutoencoderKL); this model's latents come from an {type(vae).__name__}. Export "
+                         "format=safetensors for the transformer alone, or sample with framework.sample")
     if cfg.family == "wan" and vae is not None and type(vae).__name__ != "AutoencoderKLWan":
         raise ValueError(f"export format=diffusers: stock WanPipeline decodes with an AutoencoderKLWan (its latents' mean "
                          f"and std); this model's latents come from an {type(vae).__name__}. Export format=safetensors "

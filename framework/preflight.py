@@ -175,9 +175,11 @@ def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
     prompts = cfg.sample.prompts or grid_prompts(info)
     evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and (dataset_kind(info) or cfg.eval.real))
     if evaluates and cfg.eval.real:  # one's own data: the real images and the metric networks, checked now
-        from framework.evaluation.realdata import check_real_eval
+        from framework.evaluation.realdata import check_real_eval, check_real_networks
+        from framework.models.backbones import VIDEO_FAMILIES
 
         check_real_eval(cfg.eval)
+        check_real_networks(cfg.eval, cfg.model.family in VIDEO_FAMILIES)
     text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
     with_encoders(info, cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"), text)
 

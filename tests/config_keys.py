@@ -971,7 +971,11 @@ KEYS: dict[str, dict] = {
     ], "mutant": None},
     "eval.clip": {"tests": [
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
-    ], "mutant": None},
+        "tests/test_video.py::test_eval_scores_own_clips_with_fvd_and_per_frame_clip_score",
+    ], "mutant": "clip_score_of_first_frames"},
+    "eval.i3d": {"tests": [
+        "tests/test_video.py::test_eval_scores_own_clips_with_fvd_and_per_frame_clip_score",
+    ], "mutant": "i3d_key_ignored"},
     "eval.bootstrap": {"tests": [
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_own_data.py::test_training_ends_with_the_own_data_evaluation",

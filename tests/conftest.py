@@ -51,6 +51,20 @@ def tiny_vae_dir(tmp_path_factory) -> Path:
     return make_tiny_vae(tmp_path_factory.mktemp("tiny_vae"))
 
 
+@pytest.fixture
+def extra_callback(monkeypatch):
+    """extra_callback(cb): the next train() runs with `cb` among its callbacks."""
+    import framework.train as train_lib
+
+    base = train_lib.build_callbacks
+
+    def add(cb):
+        monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), cb])
+        return cb
+
+    return add
+
+
 @pytest.fixture(scope="session")
 def tiny_text_encoder_dir(tmp_path_factory) -> Path:
     return make_tiny_text_encoder(tmp_path_factory.mktemp("tiny_text_encoder"))

@@ -71,6 +71,50 @@ def make_tiny_vae(root: Path, scaling_factor: float = 0.5, shift_factor: float =
     return Path(root)
 
 
+def make_tiny_video_vae(root: Path, kind: str = "wan", seed: int = 0) -> Path:
+    """A random video VAE saved as a diffusers folder: 4 latent channels, space / 4, time / 4 after the first frame
+    (9 frames make 3 latent frames). kind: wan (per-channel latents_mean / latents_std), cogvideox or hunyuan (a
+    scaling factor)."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    if kind == "wan":
+        vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1,
+                                         temperal_downsample=[True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                         latents_std=[1.5, 0.5, 2.0, 1.0], scale_factor_spatial=4,
+                                         scale_factor_temporal=4)
+    elif kind == "cogvideox":
+        vae = diffusers.AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8), down_block_types=("CogVideoXDownBlock3D",) * 3,
+                                               up_block_types=("CogVideoXUpBlock3D",) * 3, latent_channels=4,
+                                               layers_per_block=1, norm_num_groups=2, scaling_factor=0.7)
+    else:
+        vae = diffusers.AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8), latent_channels=4, layers_per_block=1,
+                                                  down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+                                                  up_block_types=("HunyuanVideoUpBlock3D",) * 3, norm_num_groups=4,
+                                                  spatial_compression_ratio=4, scaling_factor=0.6)
+    vae.save_pretrained(root)
+    return Path(root)
+
+
+def write_video(path: Path, frames: list[np.ndarray], fps: int = 24) -> Path:
+    """An H.264 video, lossless (qp 0, yuv444p), of uint8 frames (H, W, 3)."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"qp": "0"})
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv444p"
+        for pixels in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def write_gray_video(path: Path, levels: list[int], fps: int = 24, size: int = 32) -> Path:
+    """A lossless video whose frame i is uniformly gray at levels[i]."""
+    return write_video(path, [np.full((size, size, 3), level, dtype=np.uint8) for level in levels], fps)
+
+
 def make_tiny_dc_ae(root: Path, scaling_factor: float = 0.5, seed: int = 0) -> Path:
     """A random 2-level AutoencoderDC (SANA's deterministic autoencoder; downsample 2, 4 latent channels) saved as a
     diffusers folder."""
@@ -314,12 +358,15 @@ UPDATE_TOL = dict(rtol=1e-2, atol=1e-5)
 LR = ["optimizer.lr=1e-3", "optimizer.warmup_steps=0", "optimizer.schedule=constant"]
 
 
-def train_args(run_dir: Path, data: Path, cache: Path, *overrides: str) -> list[str]:
-    """tests.workers.dist_train's arguments: the digits shards, the debug model, per-step logging, no grids or eval."""
+DIGITS_MODEL = ("model=pixart_debug", "model.in_channels=1", "model.sample_size=8", "model.text_dim=384")
+
+
+def train_args(run_dir: Path, data: Path, cache: Path, *overrides: str, model: tuple[str, ...] = DIGITS_MODEL) -> list[str]:
+    """tests.workers.dist_train's arguments: the digits shards, the debug model (`model`: its overrides, for other
+    data), per-step logging, no grids or eval."""
     return [
-        f"run.dir={run_dir}", f"data.path={data}",
-        f"data.local={cache}", "model=pixart_debug", "model.in_channels=1", "model.sample_size=8",
-        "model.text_dim=384", "trainer.accelerator=cpu", "trainer.log_every_n_steps=1",
+        f"run.dir={run_dir}", f"data.path={data}", f"data.local={cache}", *model, "trainer.accelerator=cpu",
+        "trainer.log_every_n_steps=1",
         "trainer.enable_progress_bar=false", "eval.at_end=false", "sample.every_n_steps=0",
         "sample.per_prompt=1", "sample.steps=1", "sample.prompts=[a handwritten 3]", "resume=auto", *LR,
         # Streaming orders samples by canonical node: the same count on 1 and 2 nodes, so they see the same batches
@@ -363,11 +410,13 @@ def forked_children(monkeypatch, module: str = "framework.train") -> list[list[s
 
 
 def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, env: dict | None = None,
-              wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
-    """Start `python -m tests.workers.dist_train` on the digits shards with its own run.dir, cache and TMPDIR."""
+              wait: bool = True, model: tuple[str, ...] = DIGITS_MODEL) -> subprocess.CompletedProcess | subprocess.Popen:
+    """Start `python -m tests.workers.dist_train` on the digits shards (or `data`, with `model` for it) with its own
+    run.dir, cache and TMPDIR."""
     tmp = run_dir.parent / f"{run_dir.name}_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tests.workers.dist_train", *train_args(run_dir, data, tmp / "cache", *overrides)]
+    cmd = [sys.executable, "-m", "tests.workers.dist_train",
+           *train_args(run_dir, data, tmp / "cache", *overrides, model=model)]
     full_env = train_env(tmp, env)
     if not wait:  # one process (the caller starts the ranks, with their Slurm variables)
         return zygote.popen(cmd, env=full_env)
@@ -563,6 +612,23 @@ class TinyFeatures(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(x.float() / 127.5 - 1).relu().mean((2, 3))
+
+
+class TinyI3D(torch.nn.Module):
+    """A random video network in the calling convention of FVD's I3D TorchScript: float (N, 3, T, H, W) in [-1, 1] ->
+    (N, 4) features with return_features (their softmax without); it refuses to rescale or resize, as the evaluation
+    does both itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv3d(3, 4, (2, 16, 16), stride=(1, 16, 16))
+
+    def forward(self, x: torch.Tensor, rescale: bool = False, resize: bool = False,
+                return_features: bool = False) -> torch.Tensor:
+        if rescale or resize:
+            raise ValueError("the caller rescales and resizes")
+        feats = self.conv(x).tanh().mean((2, 3, 4))
+        return feats if return_features else feats.softmax(-1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """data_prep: sources, encoders, the precompute app's guarantees (no-op re-run, refusal, restart, bad input)."""
 from __future__ import annotations
 
+import io
 import json
 import sys
 import time
@@ -14,7 +15,7 @@ from data_prep.precompute import load_pixels, precompute
 from data_prep.sources.digits import digit_captions, load_digits
 from tests.helpers import (
     BUCKETS, MIXED_SIZES, as_jpeg, digits_config, folder_config, make_image_folder, make_mixed_folder, read_rows,
-    write_tars,
+    write_gray_video, write_tars,
 )
 from tests import zygote
 
@@ -64,11 +65,13 @@ def test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read(digits_s
     written = json.loads((digits_shards / "dataset.json").read_text())
     record = DatasetRecord.read(digits_shards)
     # fp16 text: still format 1, which LatentForge before text_storage reads too (format 2 adds the other storages,
-    # format 3 a row per image with several captions, format 4 the posterior's std, format 5 video clips)
-    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 5)
+    # format 3 a row per image with several captions, format 4 the posterior's std, format 5 video clips, format 6 a
+    # video VAE's clips)
+    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 6)
     assert record.num_samples == 1438 * 3
     assert record.to_json() == written  # no field lost or added on the way through
-    assert not {"width", "buckets", "num_frames", "fps"} & set(written)  # optional fields stay out when a dataset has none
+    # optional fields stay out when a dataset has none
+    assert not {"width", "buckets", "num_frames", "fps", "temporal_compression"} & set(written)
     record.write(tmp_path)
     assert json.loads((tmp_path / "dataset.json").read_text()) == written
     newer = {**written, "format_version": FORMAT_VERSION + 1}
@@ -849,21 +852,6 @@ def test_filter_and_storage_keys_are_checked_before_anything_is_written(tmp_path
 # --------------------------------------------------------------------------------------------
 
 
-def write_gray_video(path: Path, levels: list[int], fps: int = 24, size: int = 32) -> Path:
-    """An H.264 video (lossless, yuv444p) whose frame i is uniformly gray at levels[i]."""
-    import av
-
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=fps, options={"qp": "0"})
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv444p"
-        for level in levels:
-            frame = av.VideoFrame.from_ndarray(np.full((size, size, 3), level, dtype=np.uint8), format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return path
-
-
 def test_video_folder_becomes_clips_of_num_frames_at_fps_with_short_and_broken_videos_counted(tmp_path,
                                                                                            tiny_text_encoder_dir):
     """source=video_folder num_frames=4 fps=12 on 24-fps videos: every 2nd frame from the start, each frame cropped and
@@ -885,7 +873,7 @@ def test_video_folder_becomes_clips_of_num_frames_at_fps_with_short_and_broken_v
            "out": str(tmp_path / "clips"), "progress": False}
     out = precompute(cfg, rank=0, world_size=1)
     rec = DatasetRecord.read(out)
-    assert (rec.num_frames, rec.fps, rec.format_version, rec.num_samples) == (4, 12, 5, 1)
+    assert (rec.num_frames, rec.fps, rec.format_version, rec.num_samples) == (4, 12, 5, 1) and rec.latent_frames == 4
     assert rec.skipped["bad_images"] == 2 and (rec.latent_channels, rec.latent_size) == (1, [8, 8])
     (row,) = read_rows(out)
     assert row["key"] == "ramp.mp4#0" and row["latents"].shape == (1, 4, 8, 8)
@@ -901,6 +889,41 @@ def test_video_folder_becomes_clips_of_num_frames_at_fps_with_short_and_broken_v
         images = make_image_folder(tmp_path / "images", n=2)
         precompute({**cfg, "source": {"name": "folder", "path": str(images)}, "out": str(tmp_path / "img")}, rank=0,
                    world_size=1)
+
+
+def test_manifest_and_webdataset_videos_become_clips(tmp_path, tiny_text_encoder_dir):
+    """A manifest whose rows name videos, and video2dataset-style tars (<key>.mp4 + <key>.txt), give clips with
+    num_frames as a folder of videos does: the first frames of each, in order; without num_frames they are refused
+    as videos are by the image path (unreadable images)."""
+    import tarfile
+
+    from data_prep.record import DatasetRecord
+
+    src = tmp_path / "videos"
+    src.mkdir()
+    levels = {"up": [20 * i for i in range(6)], "down": [200 - 30 * i for i in range(6)]}
+    for name, values in levels.items():
+        write_gray_video(src / f"{name}.mp4", values)
+    (src / "clips.jsonl").write_text("".join(json.dumps({"image": f"{n}.mp4", "caption": f"going {n}"}) + "\n"
+                                             for n in levels))
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    with tarfile.open(tars / "00000.tar", "w") as tar:
+        for i, name in enumerate(levels):
+            for ext, data in (("mp4", (src / f"{name}.mp4").read_bytes()), ("txt", f"going {name}".encode())):
+                info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    common = {"vae": "pixel", "text_encoder": str(tiny_text_encoder_dir), "resolution": 8, "image_mode": "L",
+              "num_frames": 4, "progress": False}
+    for source in ({"name": "manifest", "path": str(src / "clips.jsonl")}, {"name": "webdataset", "path": str(tars)}):
+        out = precompute({**common, "source": source, "out": str(tmp_path / source["name"])}, rank=0, world_size=1)
+        assert DatasetRecord.read(out).num_frames == 4
+        rows = read_rows(out)
+        assert [r["caption"] for r in rows] == ["going up", "going down"]
+        for row, values in zip(rows, levels.values()):
+            got = row["latents"].astype(np.float32).mean(axis=(0, 2, 3))  # (1, 4, 8, 8): a level a frame
+            np.testing.assert_allclose(got, np.array(values[:4]) / 127.5 - 1.0, atol=2 / 127.5)
 
 
 def test_a_folder_another_rank_is_writing_the_fingerprint_into_is_not_refused(tmp_path):

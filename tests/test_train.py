@@ -448,20 +448,6 @@ class BlockCalls(pl.Callback):
         self._in_step = False
 
 
-@pytest.fixture
-def extra_callback(monkeypatch):
-    """extra_callback(cb): the next train() runs with `cb` among its callbacks."""
-    import framework.train as train_lib
-
-    base = train_lib.build_callbacks
-
-    def add(cb: pl.Callback) -> pl.Callback:
-        monkeypatch.setattr(train_lib, "build_callbacks", lambda cfg, run_dir: [*base(cfg, run_dir), cb])
-        return cb
-
-    return add
-
-
 def test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_losses(tmp_path, digits_shards, extra_callback):
     """strategy.activation_checkpointing=true: each block's forward runs again in backward (twice per forward and
     backward, once without), and the losses are bit-identical to the run that keeps its activations."""

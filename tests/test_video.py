@@ -8,12 +8,17 @@ source's known motion (real clips score direction accuracy 1, reversed ones 0), 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from framework.models.backbones import build_denoiser, load_preset
-from tests.helpers import cheap, compose_cfg
+from tests.helpers import (
+    TOL, CompiledBlocks, TinyI3D, cheap, compose_cfg, losses, make_tiny_vae, make_tiny_video_vae, read_rows, run_train,
+    same_updates, weights, write_video,
+)
 
 VIDEO_PRESETS = ["latte_debug", "wan_debug"]
 STRIP_WIDTH = round(96 * (8 * 17 - 1) / 16)  # a grid cell 96 high: 8 frames of 16 side by side, a column between two
@@ -263,6 +268,49 @@ def test_latte_trains_on_clips_and_samples_mp4_gif_and_a_frame_grid(tmp_path, tr
         assert (frame[:, 16] == 255).all()
 
 
+@pytest.mark.slow
+def test_clips_train_alike_on_two_ddp_ranks_and_resume_exactly(tmp_path, moving_shards):
+    """The training step on clips under the strategies and objectives images have. Latte under the v objective: two
+    DDP ranks of 8 clips follow one process of 16 (losses within round-off, the same updates). Wan under the eps
+    objective: a run stopped after step 2 and resumed gives the uninterrupted run's losses and weights bit for bit."""
+    latte = ("model=latte_debug", "objective=v")
+    every2 = "trainer.checkpoint_every_n_steps=2"
+    run_train(tmp_path / "ref", moving_shards, "data.batch_size=16", every2, "trainer.max_steps=4", model=latte)
+    run_train(tmp_path / "ddp", moving_shards, "strategy=ddp", "trainer.devices=2", "data.batch_size=8",
+              "data.num_workers=1", every2, "trainer.max_steps=4", model=latte)
+    ref, ddp = losses(tmp_path / "ref"), losses(tmp_path / "ddp")
+    assert sorted(ddp) == list(range(4))
+    torch.testing.assert_close(torch.tensor([ddp[s] for s in range(4)]), torch.tensor([ref[s] for s in range(4)]), **TOL)
+    same_updates(tmp_path / "ddp", tmp_path / "ref")
+
+    wan = ("model=wan_debug", "objective=eps")
+    run_train(tmp_path / "full", moving_shards, every2, "trainer.max_steps=4", model=wan)
+    run_train(tmp_path / "split", moving_shards, every2, "trainer.max_steps=2", model=wan)
+    run_train(tmp_path / "split", moving_shards, every2, "trainer.max_steps=4", model=wan)
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert sorted(split) == list(range(4)) and [split[s] for s in range(4)] == [full[s] for s in range(4)]
+    wf, ws = weights(tmp_path / "full" / "checkpoints" / "last.ckpt"), weights(tmp_path / "split" / "checkpoints" / "last.ckpt")
+    for k in wf:
+        torch.testing.assert_close(ws[k], wf[k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_compiled_video_blocks_run_compiled_and_follow_the_eager_losses(tmp_path, moving_shards, extra_callback):
+    """strategy.compile=true on Latte: each spatial and temporal block runs inside a torch.compile trace, and the
+    losses follow the eager run's."""
+    from framework.train import train
+
+    runs = {}
+    for name, extra in (("eager", ()), ("compiled", ("strategy.compile=true",))):
+        probe = extra_callback(CompiledBlocks())
+        runs[name] = (probe, train(compose_cfg(cheap(tmp_path, moving_shards, "model=latte_debug", *extra, steps=3,
+                                                     run=name))))
+    assert not any(runs["eager"][0].compiled) and all(runs["compiled"][0].compiled)
+    assert len(runs["compiled"][0].compiled) == 2 * load_preset("latte_debug").num_layers
+    le, lc = (losses(Path(r[1]["run_dir"])) for r in runs.values())
+    torch.testing.assert_close(torch.tensor(list(lc.values())), torch.tensor(list(le.values())), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("model,data,message", [
     ("pixart_debug", "moving", "holds video clips \\(8 latent frames\\).*model.family=pixart denoises images"),
     ("wan_debug", "digits", "holds images .*model.family=wan denoises video"),
@@ -367,3 +415,262 @@ def test_train_flops_count_the_temporal_and_3d_attention(name):
         else:
             per_layer = cost(1, frames * n, frames * n) + cost(1, frames * n, cfg.text_len)
         assert attention_flops(frames) == per_layer * cfg.num_layers, frames
+
+
+# --------------------------------------------------------------------------------------------------
+# Video VAEs: clips encoded whole, time compressed
+# --------------------------------------------------------------------------------------------------
+
+VIDEO_VAE_SCALING = {"wan": ([1 / 1.5, 1 / 0.5, 1 / 2.0, 1.0], [0.1, -0.2, 0.3, 0.0]), "cogvideox": (0.7, 0.0),
+                     "hunyuan": (0.6, 0.0)}  # (scaling, shift) of make_tiny_video_vae's VAEs
+
+
+def _video_folder(root, count: int = 4) -> str:
+    """`count` lossless 16x16 videos of 9 frames at 24 fps, each a gradient sliding one pixel a frame, captioned."""
+    if not root.exists():
+        root.mkdir()
+        ramp = np.add.outer(np.arange(16), np.arange(48)) * 4  # (16, 48)
+        for k in range(count):
+            frames = [np.stack([np.roll(ramp, 3 * k + i, 1)[:, :16], ramp[:, k:k + 16], np.full((16, 16), 40 * k)],
+                               -1).clip(0, 255).astype(np.uint8) for i in range(9)]
+            write_video(root / f"v{k}.mp4", frames)
+            (root / f"v{k}.txt").write_text(f"clip number {k}")
+    return str(root)
+
+
+def _clip_config(tmp_path, text_dir, vae, out: str, **keys) -> dict:
+    return {"source": {"name": "video_folder", "path": _video_folder(tmp_path / "videos")}, "vae": str(vae),
+            "text_encoder": str(text_dir), "resolution": 16, "num_frames": 9, "out": str(tmp_path / out),
+            "progress": False, **keys}
+
+
+def _encoded_by_hand(vae_dir, source: str, tile: int | None = None) -> list:
+    """Each video's first 9 frames, through the VAE's own encode (the posterior mean): (4, 3, 4, 4) each."""
+    import diffusers
+
+    from data_prep.encoders import _read_config
+    from data_prep.precompute import to_tensor
+    from data_prep.video import read_clip
+
+    vae = getattr(diffusers, _read_config(vae_dir)["_class_name"]).from_pretrained(vae_dir).eval()
+    if tile is not None:
+        vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_sample_stride_height=4,
+                          tile_sample_stride_width=4)  # 8-pixel tiles: 3/4 of 8 rounded down to whole 4-pixel cells
+    out = []
+    for k in range(4):
+        clip = torch.stack([to_tensor(f) for f in read_clip(f"{source}/v{k}.mp4", 9)])  # (F, C, H, W)
+        with torch.no_grad():
+            out.append(vae.encode(clip.transpose(0, 1)[None]).latent_dist.mean[0])
+    return out
+
+
+@pytest.mark.parametrize("kind", list(VIDEO_VAE_SCALING))
+def test_a_video_vae_encodes_each_clip_whole_into_fewer_latent_frames(tmp_path, tiny_text_encoder_dir, kind):
+    """precompute vae=<a Wan / CogVideoX / HunyuanVideo VAE folder> num_frames=9: each clip goes through the VAE whole,
+    9 frames making 3 latent frames (the first alone, then one per 4), the rows holding the VAE's own posterior mean of
+    the clip; dataset.json records the compression and the VAE's scaling (Wan's per channel), which the trainer's
+    batches apply channel by channel."""
+    from data_prep.precompute import precompute
+    from data_prep.record import DatasetRecord
+    from framework.data.datamodule import LatentCollate, read_dataset_info
+
+    vae = make_tiny_video_vae(tmp_path / "vae", kind)
+    out = precompute(_clip_config(tmp_path, tiny_text_encoder_dir, vae, "clips"), rank=0, world_size=1)
+    rec = DatasetRecord.read(out)
+    assert (rec.num_frames, rec.temporal_compression, rec.latent_frames, rec.format_version) == (9, 4, 3, 6)
+    assert (rec.latent_channels, rec.latent_size, rec.downsample) == (4, [4, 4], 4)
+    scaling, shift = VIDEO_VAE_SCALING[kind]
+    assert (rec.scaling_factor, rec.shift_factor) == (pytest.approx(scaling), pytest.approx(shift))
+    rows = sorted(read_rows(out), key=lambda r: r["key"])
+    for row, want in zip(rows, _encoded_by_hand(vae, tmp_path / "videos")):
+        assert row["latents"].shape == (4, 3, 4, 4)
+        np.testing.assert_allclose(row["latents"].astype(np.float32), want.numpy(), rtol=2e-3, atol=2e-3)
+    info = read_dataset_info(str(out))
+    assert info.num_frames == 3  # the model's model.num_frames: latent frames
+    batch = LatentCollate(info.scaling_factor, info.shift_factor)(rows[:2])
+    raw = torch.from_numpy(np.stack([r["latents"] for r in rows[:2]])).float()
+    scale = torch.tensor(scaling).view(-1, 1, 1, 1) if kind == "wan" else scaling
+    torch.testing.assert_close(batch["latents"], (raw - torch.tensor(shift).view(-1, 1, 1, 1)) * scale
+                               if kind == "wan" else raw * scale)
+
+
+def test_a_video_vae_is_refused_frames_it_cannot_compress_images_and_tiles_it_cannot_take(tmp_path,
+                                                                                       tiny_text_encoder_dir):
+    from data_prep.precompute import precompute
+
+    vae = make_tiny_video_vae(tmp_path / "vae")
+    cfg = _clip_config(tmp_path, tiny_text_encoder_dir, vae, "clips")
+    for keys, message in [({"num_frames": 8}, r"num_frames=8: .* use 1 \+ 4k frames \(5 or 9"),
+                          ({"vae_tile": 6}, "vae_tile=6: a tile side in pixels, a multiple of the VAE's downsample factor 4"),
+                          ({"vae": str(make_tiny_vae(tmp_path / "image_vae")), "vae_tile": 8},
+                           "vae_tile=8: tiling is for a video VAE"),
+                          ({"source": {"name": "digits"}, "num_frames": None, "resolution": 8},
+                           "is a video VAE .AutoencoderKLWan.: it encodes clips")]:
+        with pytest.raises(ValueError, match=message):
+            precompute({**cfg, **keys, "out": str(tmp_path / "refused")}, rank=0, world_size=1)
+        assert not (tmp_path / "refused").exists()  # refused before anything is written
+
+
+def test_a_tiled_video_vae_encodes_in_tiles_and_sampling_decodes_with_the_same_tiles(tmp_path, tiny_text_encoder_dir):
+    """vae_tile=8 on 16-pixel frames: the VAE works on overlapping 8-pixel tiles (diffusers' tiling, blended), which
+    gives other latents than whole frames; dataset.json records the tile, and sampling's codec tiles likewise."""
+    from data_prep.precompute import precompute
+    from data_prep.record import DatasetRecord
+    from framework.data.datamodule import read_dataset_info
+    from framework.inference.pipeline import Pipeline
+    from framework.models.objectives import Objective, ObjectiveConfig
+
+    vae = make_tiny_video_vae(tmp_path / "vae")
+    out = precompute(_clip_config(tmp_path, tiny_text_encoder_dir, vae, "tiled", vae_tile=8), rank=0, world_size=1)
+    assert DatasetRecord.read(out).image_codec["tile"] == 8
+    rows = sorted(read_rows(out), key=lambda r: r["key"])
+    tiled, whole = _encoded_by_hand(vae, tmp_path / "videos", 8), _encoded_by_hand(vae, tmp_path / "videos")
+    for row, want, other in zip(rows, tiled, whole):
+        assert row["latents"].shape == (4, 3, 4, 4)
+        np.testing.assert_allclose(row["latents"].astype(np.float32), want.numpy(), rtol=2e-3, atol=2e-3)
+        assert np.abs(row["latents"].astype(np.float32) - other.numpy()).max() > 1e-2
+    summary = read_dataset_info(str(out)).summary()
+    assert summary["vae_tile"] == 8
+    pipe = Pipeline(build_denoiser(load_preset("wan_debug", in_channels=4, sample_size=4, num_frames=3, text_dim=32)),
+                    Objective(ObjectiveConfig()), torch.zeros(1, 32), summary)
+    assert pipe.codec.tile == 8 and pipe.codec.vae.use_tiling
+
+
+def test_wan_trains_on_video_vae_latents_samples_their_frames_and_exports_a_pipeline_with_the_vae(
+        tmp_path, tiny_text_encoder_dir, capsys):
+    """Wan on the Wan VAE's latents: training runs, framework.sample decodes each clip whole through the VAE (3 latent
+    frames back to 9, undoing the per-channel scaling), and the exported WanPipeline, VAE included, draws the same
+    pixels from the same noise."""
+    from diffusers import AutoencoderKLWan, DiffusionPipeline
+
+    from data_prep.precompute import precompute
+    from framework.export import ExportCommand, export
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import SamplingPlan, noise_seeds
+    from framework.sample import SampleCommand, run as sample
+    from framework.train import train
+
+    vae = make_tiny_video_vae(tmp_path / "vae")
+    data = precompute(_clip_config(tmp_path, tiny_text_encoder_dir, vae, "clips"), rank=0, world_size=1)
+    result = train(compose_cfg(cheap(tmp_path, data, "model=wan_debug", "data.batch_size=2", "sample.prompts=[clip 1]",
+                                     steps=2)))
+    pipe = Pipeline.from_checkpoint(result["checkpoint"])
+    z = torch.randn(2, 4, 3, 4, 4)
+    mean, std = torch.tensor([0.1, -0.2, 0.3, 0.0]).view(-1, 1, 1, 1), torch.tensor([1.5, 0.5, 2.0, 1.0]).view(-1, 1, 1, 1)
+    with torch.no_grad():
+        want = AutoencoderKLWan.from_pretrained(vae).decode(z * std + mean).sample.clamp(-1, 1)  # (B, C, 9, H, W)
+    torch.testing.assert_close(pipe.decode(z), want.transpose(1, 2), rtol=0, atol=1e-5)
+    paths = sample(SampleCommand(ckpt=result["checkpoint"], out=str(tmp_path / "out"), prompts=["clip number 2"],
+                                 steps=2, device="cpu"))
+    import av
+
+    with av.open(str(paths[0])) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 9
+
+    folder = export(ExportCommand(ckpt=result["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers"))
+    assert "load it with from_pretrained(folder, vae=None)" not in capsys.readouterr().out
+    stock = DiffusionPipeline.from_pretrained(folder)
+    assert type(stock.vae).__name__ == "AutoencoderKLWan"
+    prompt, seed = "clip number 2", 3
+    ours = pipe.generate([prompt], SamplingPlan(2, 1.0, "dpm++", seed))  # (1, 9, 3, 16, 16) in [-1, 1]
+    (s,) = noise_seeds(seed, 1)
+    latents = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(s))
+    got = stock(prompt, num_inference_steps=2, guidance_scale=1.0, latents=latents, height=16, width=16, num_frames=9,
+                max_sequence_length=32, output_type="pt").frames  # (1, 9, 3, 16, 16) in [0, 1]
+    torch.testing.assert_close(got, (ours + 1) / 2, rtol=0, atol=2e-3)
+
+
+# --------------------------------------------------------------------------------------------------
+# One's own clips: FVD and per-frame CLIP score
+# --------------------------------------------------------------------------------------------------
+
+def _heldout_videos(root, count: int = 8) -> str:
+    """`count` lossless 16x16 videos of 10 frames, a bright square drifting, captioned like the moving digits."""
+    root.mkdir()
+    for k in range(count):
+        frames = []
+        for i in range(10):
+            pixels = np.zeros((16, 16, 3), dtype=np.uint8)
+            top, left = (3 * k) % 9, (k + i) % 9
+            pixels[top:top + 7, left:left + 7] = 200 + 5 * k
+            frames.append(pixels)
+        write_video(root / f"held{k}.mp4", frames)
+        (root / f"held{k}.txt").write_text(f"a {k} drifting to the right")
+    return str(root)
+
+
+def test_video_features_feed_i3d_224_pixel_frames_in_minus_one_to_one(tmp_path):
+    """The I3D gets each frame resized to cover 224 x 224 and centre-cropped, gray as 3 channels, (N, 3, F, 224, 224):
+    a uniform clip reaches it as that value everywhere; a 112 x 168 one as torch's bilinear 2x enlargement, its middle
+    224 columns."""
+    from framework.evaluation.realdata import VideoFeatures
+
+    torch.manual_seed(0)
+    net = TinyI3D()
+    torch.jit.script(net).save(str(tmp_path / "i3d.pt"))
+    features = VideoFeatures(tmp_path / "i3d.pt")
+    assert features.kwargs == {"return_features": True, "rescale": False, "resize": False}
+    clip = torch.full((2, 8, 1, 16, 24), 0.25)  # 2 clips of 8 wide gray frames
+    with torch.no_grad():
+        want = net(torch.full((2, 3, 8, 224, 224), 0.25), return_features=True)
+    torch.testing.assert_close(features(clip), want)
+    clip = torch.randn(2, 4, 1, 112, 168, generator=torch.Generator().manual_seed(1)).clamp(-1, 1)
+    frames = torch.nn.functional.interpolate(clip.flatten(0, 1), scale_factor=2, mode="bilinear", align_corners=False)
+    seen = frames[..., 56:280].clamp(-1, 1).expand(-1, 3, -1, -1).unflatten(0, (2, 4)).transpose(1, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(features(clip), net(seen, return_features=True))
+
+
+def test_eval_scores_own_clips_with_fvd_and_per_frame_clip_score(tmp_path, trained, metric_nets, moving_shards,
+                                                                capsys):
+    """framework.eval real=<videos> i3d=FILE clip=DIR on a video model: fvd is the Fréchet distance of the I3D features
+    of the clips it draws for the held-out captions to those of the held-out videos (taken as precompute takes clips),
+    clip_score the CLIP score of every frame against its prompt, averaged over each clip, then over clips; both with
+    bootstrap intervals. A network for the other kind of model is refused, naming the key."""
+    import json
+
+    from framework.eval import EvalCommand, run
+    from framework.evaluation.realdata import (
+        VideoFeatures, clip_scores, fid_from_features, real_clips, video_features,
+    )
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import SamplingPlan
+
+    _, ckpt = trained("latte")
+    torch.manual_seed(0)
+    torch.jit.script(TinyI3D()).save(str(tmp_path / "i3d.pt"))
+    real_dir = _heldout_videos(tmp_path / "heldout")
+    nets = dict(real=real_dir, i3d=str(tmp_path / "i3d.pt"), clip=str(metric_nets["clip"]))
+    run(EvalCommand(ckpt=ckpt, out=str(tmp_path / "eval"), seeds=2, steps=2, bootstrap=30, device="cpu", **nets))
+    lines = capsys.readouterr().out.strip().splitlines()
+    metrics = json.loads(lines[-1])
+    assert "fvd" in lines[-2] and "clips of 8 frames" in lines[-2]
+    assert (metrics["num_images"], metrics["num_real"], metrics["num_frames"]) == (16, 8, 8)
+    assert {"fvd", "clip_score"} <= set(metrics) and "fid" not in metrics
+    for key in ("fvd", "clip_score"):
+        lo, hi = metrics[f"{key}_interval"]
+        assert lo <= metrics[key] <= hi, (key, metrics)
+
+    pipe = Pipeline.from_checkpoint(ckpt)
+    real, captions = real_clips(real_dir, 8, None, 16, 16)
+    assert real.shape == (8, 8, 3, 16, 16) and captions[3] == "a 3 drifting to the right"
+    drawn = [c for c in captions for _ in range(2)]
+    clips = pipe.generate(drawn, SamplingPlan(2, 4.0, None, seed=0))  # (16, 8, 1, 16, 16)
+    i3d = VideoFeatures(tmp_path / "i3d.pt")
+    want = fid_from_features(video_features(i3d, real), video_features(i3d, clips))
+    assert metrics["fvd"] == pytest.approx(want, rel=1e-6) and want > 0
+    per_frame = clip_scores(clips.flatten(0, 1), [p for p in drawn for _ in range(8)], metric_nets["clip"])
+    assert metrics["clip_score"] == pytest.approx(float(per_frame.view(16, 8).mean()), rel=1e-5)
+    assert (tmp_path / "eval" / "samples.png").is_file()
+
+    with pytest.raises(ValueError, match="eval.inception scores images, and this model makes clips"):
+        run(EvalCommand(ckpt=ckpt, out=str(tmp_path / "bad"), seeds=1, steps=1, device="cpu", real=real_dir,
+                        inception=str(metric_nets["inception"])))
+    with pytest.raises(ValueError, match="does not give a clip of 12 frames"):
+        real_clips(real_dir, 12, None, 16, 16)
+    from framework.train import train
+
+    with pytest.raises(ValueError, match="eval.inception scores images, and this model makes clips"):  # before training
+        train(compose_cfg(cheap(tmp_path, moving_shards, "model=latte_debug", "eval.every_n_steps=2",
+                                f"eval.real={real_dir}", f"eval.inception={metric_nets['inception']}", run="refused")))
+    assert not (tmp_path / "refused" / "checkpoints").exists()

@@ -46,6 +46,7 @@ class ImageCaptionSource:
     num_classes: int | None = None  # set by labelled sources; stored in dataset.json
     has_meta: bool = False  # its records carry per-sample metadata (Record.meta) that `filters=` thresholds read
     is_video: bool = False  # its records are videos: precompute needs num_frames and writes clips (C, F, h, w)
+    takes_videos: bool = False  # its records may be videos (a manifest's paths, a tar's .mp4): read as clips with num_frames
     # Where remote input shards are downloaded, one at a time: this rank's folder under precompute's `staging`, set by
     # precompute before it asks for the shards (None: no staging given).
     staging: Path | None = None

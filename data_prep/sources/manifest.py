@@ -1,4 +1,5 @@
-"""A parquet or jsonl manifest: one row per image with a local path and a caption (optional label).
+"""A parquet or jsonl manifest: one row per image with a local path and a caption (optional label); or one row per video,
+read as a clip with precompute's num_frames.
 
 The caption column may hold a list of captions per image (COCO's five: `"caption": ["a dog", "a brown dog"]`, or a
 parquet list column): each becomes a row with caption_layout=per_caption, or all of them one row with per_image.
@@ -30,6 +31,7 @@ def _clean_caption(value) -> list[str]:
 
 class ManifestSource(ImageCaptionSource):
     name = "manifest"
+    takes_videos = True
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)

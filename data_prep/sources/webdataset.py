@@ -1,5 +1,6 @@
 """WebDataset tar shards of image + .txt pairs, as img2dataset writes them (00000.tar: 000000001.jpg,
-000000001.txt, 000000001.json, ...). Read with the standard library.
+000000001.txt, 000000001.json, ...), or of video + .txt pairs (000000001.mp4, as video2dataset writes them), read as
+clips with precompute's num_frames. Read with the standard library.
 
 `source.path` is one .tar file, a folder searched recursively for *.tar, or a brace pattern as img2dataset and
 webdataset write them (/data/{00000..00099}.tar, expanded by the `braceexpand` package webdataset uses); each .tar is
@@ -23,6 +24,7 @@ from typing import Iterator
 
 from data_prep.location import RemoteLocation, common_folder, is_remote, staging_error
 from data_prep.sources.base import IMAGE_EXTENSIONS, ImageCaptionSource, Record, require_path
+from data_prep.video import VIDEO_EXTENSIONS
 
 
 def _split_member(name: str) -> tuple[str, str]:
@@ -43,6 +45,7 @@ def _meta(raw: bytes | None) -> dict:
 class WebDatasetSource(ImageCaptionSource):
     name = "webdataset"
     has_meta = True
+    takes_videos = True
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -119,7 +122,7 @@ class WebDatasetSource(ImageCaptionSource):
 
     @staticmethod
     def _record(tar_path: Path, key: str, group: dict[str, bytes]) -> Record:
-        image = next((group[e] for e in group if f".{e}" in IMAGE_EXTENSIONS), None)
+        image = next((group[e] for e in group if f".{e}" in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS), None)
         text = group.get("txt", b"").decode("utf-8", errors="replace").strip()
         return Record(key=f"{tar_path.name}:{key}", image=image, captions=[text] if text else [],
                       meta=_meta(group.get("json")))

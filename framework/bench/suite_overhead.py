@@ -161,6 +161,7 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
     from streaming import StreamingDataset
 
+    from data_prep.record import scale_latents
     from framework import config as config_lib
     from framework.data.datamodule import canonical_nodes
     from framework.data.shards import open_streaming
@@ -191,7 +192,7 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
     scale, shift = info.scaling_factor, info.shift_factor
 
     def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-        latents = (torch.from_numpy(np.stack([s["latents"] for s in samples])).float() - shift) * scale
+        latents = scale_latents(torch.from_numpy(np.stack([s["latents"] for s in samples])).float(), scale, shift)
         text = torch.nn.utils.rnn.pad_sequence([decode_text(s, info.text_storage) for s in samples],
                                                batch_first=True)  # (B, L, D) as stored (fp16 / bf16; int8 as float32)
         lengths = torch.tensor([len(s["text_embeds"]) for s in samples])

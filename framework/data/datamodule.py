@@ -31,7 +31,7 @@ import torch
 
 from data_prep.config import TEXT_STORAGES
 from data_prep.location import is_remote
-from data_prep.record import DATASET_FILE, DatasetRecord
+from data_prep.record import DATASET_FILE, DatasetRecord, scale_latents
 from framework.models.conditioning import pad_and_stack
 from framework.data.shards import VALIDATE_MODES, check_shards, open_streaming
 from framework.data.text_storage import decode_captions, decode_text
@@ -140,8 +140,8 @@ class DatasetInfo:
     latent_channels: int
     latent_size: tuple[int, int]
     text_dim: int
-    scaling_factor: float
-    shift_factor: float
+    scaling_factor: float | list[float]  # a list: one per latent channel (a video VAE's)
+    shift_factor: float | list[float]
     num_classes: Optional[int]
     image_codec: str
     text_encoder: str
@@ -159,8 +159,9 @@ class DatasetInfo:
     prompt_embeds: dict[str, torch.Tensor] = field(default_factory=dict)  # grid prompt -> (L, D) fp16, precomputed
     text_storage: str = "fp16"  # how the rows hold text (framework/data/text_storage.py)
     caption_layout: str = "per_caption"  # per_image: a row per image with all its captions
-    num_frames: Optional[int] = None  # video clips: latents (C, num_frames, h, w); None: images
+    num_frames: Optional[int] = None  # video clips: latents (C, num_frames, h, w), latent frames; None: images
     fps: Optional[float] = None  # video clips: the rate their frames were taken at (None: the source's own)
+    vae_tile: Optional[int] = None  # a tiled video VAE's tile side in pixels (sampling decodes with the same)
 
     def summary(self) -> dict:
         """What generation needs to know (the Pipeline's `info`); plain values, so checkpoints load with weights_only."""
@@ -171,7 +172,7 @@ class DatasetInfo:
             "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
             "prompts": list(self.prompt_embeds), "prompt_embeds": dict(self.prompt_embeds),
             "downsample": self.downsample, "buckets": [list(b["latent_size"]) for b in self.buckets],
-            "num_frames": self.num_frames, "fps": self.fps,
+            "num_frames": self.num_frames, "fps": self.fps, "vae_tile": self.vae_tile,
             # how prompts are encoded as the captions were (load_text_encoder's max_tokens and prefix)
             "text_settings": {k: v for k, v in (self.record.text_encoder if self.record else {}).items()
                               if k in ("max_tokens", "prefix")},
@@ -249,15 +250,21 @@ def read_dataset_info(path: str, local: Optional[str] = None) -> DatasetInfo:
         prompt_embeds = {text: tensors[str(i)] for i, text in enumerate(rec.prompts["texts"])}
     return DatasetInfo(
         latent_channels=int(rec.latent_channels), latent_size=tuple(rec.latent_size),
-        text_dim=int(rec.text_dim), scaling_factor=float(rec.scaling_factor),
-        shift_factor=float(rec.shift_factor), num_classes=rec.num_classes,
+        text_dim=int(rec.text_dim), scaling_factor=_factor(rec.scaling_factor),
+        shift_factor=_factor(rec.shift_factor), num_classes=rec.num_classes,
         image_codec=rec.image_codec["name"], text_encoder=rec.text_encoder["name"],
         image_mode=rec.image_mode, resolution=int(rec.resolution), path=str(file),
         num_samples=int(rec.num_samples), empty_text_embeds=empty, downsample=int(rec.downsample),
         posterior=rec.posterior, record=rec, prompt_embeds=prompt_embeds,
         buckets=[b for b in rec.buckets or [] if b["num_samples"] > 0], text_storage=rec.text_storage,
-        caption_layout=rec.caption_layout, num_frames=rec.num_frames, fps=rec.fps,
+        caption_layout=rec.caption_layout, num_frames=rec.latent_frames, fps=rec.fps,
+        vae_tile=rec.image_codec.get("tile"),
     )
+
+
+def _factor(value: Any) -> float | list[float]:
+    """A scaling or shift factor of dataset.json: a float, or one per latent channel."""
+    return [float(v) for v in value] if isinstance(value, list) else float(value)
 
 
 def build_missing(cfg: DataConfig, rank: int = 0, timeout_s: float = 3600.0) -> None:
@@ -346,20 +353,20 @@ class LatentCollate:
     aspect-ratio buckets also give `size_ids` (B, 6): their original size and crop corner (over the codec's
     `downsample`) and the latents' size, what a size-conditioned UNet is fed (framework.models.backbones.SIZE_IDS)."""
 
-    def __init__(self, scaling_factor: float, shift_factor: float, downsample: int = 1, text_storage: str = "fp16",
-                 caption_layout: str = "per_caption") -> None:
+    def __init__(self, scaling_factor: float | list[float], shift_factor: float | list[float], downsample: int = 1,
+                 text_storage: str = "fp16", caption_layout: str = "per_caption") -> None:
         self.scaling_factor, self.shift_factor, self.downsample = scaling_factor, shift_factor, downsample
         self.text_storage, self.caption_layout = text_storage, caption_layout
 
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
         latents = torch.from_numpy(np.stack([s["latents"] for s in samples])).float()  # (B, C, h, w)
-        latents = (latents - self.shift_factor) * self.scaling_factor
+        latents = scale_latents(latents, self.scaling_factor, self.shift_factor)
         # fp16 and bf16 as stored: half the bytes of float32 through the loader's queue and the host-to-device copy;
         # the training step converts them on the device. int8 rows come dequantized, in float32.
         batch: dict[str, Any] = {"latents": latents, "key": [s.get("key", "") for s in samples]}
         if "latents_std" in samples[0]:  # posterior distribution: its std, in the scaled latents' units
-            batch["latents_std"] = torch.from_numpy(np.stack([s["latents_std"] for s in samples])).float() \
-                * self.scaling_factor
+            std = torch.from_numpy(np.stack([s["latents_std"] for s in samples])).float()
+            batch["latents_std"] = scale_latents(std, self.scaling_factor, 0.0)
         if self.caption_layout == "per_image":  # every caption; the module draws one per sample and step
             embeds = [decode_captions(s, self.text_storage) for s in samples]  # [[(L_k, D), ...], ...]
             batch["caption_embeds"], batch["caption_mask"] = pad_and_stack([e for each in embeds for e in each])

@@ -49,14 +49,18 @@ class EvalSettings(ImageSize):
     """Cached sampling (framework/inference/caching.py): a cache_schedule.json from experiment=cache_router (or its run
     dir), or uniform:K (a full step every K steps); null: every branch at every step."""
     real: str | None = None
-    """One's own data (framework/evaluation/realdata.py): a folder of held-out real images (same-named .txt captions are the
-    prompts unless `prompts` is given); fid and clip_score are measured against it."""
+    """One's own data (framework/evaluation/realdata.py): a folder of held-out real images, or videos for a video model
+    (same-named .txt captions are the prompts unless `prompts` is given); fid (fvd) and clip_score are measured
+    against it."""
     prompts: str | None = None
     """With `real`: a text file of prompts, one per line; null: the real images' captions."""
     inception: str | None = None
     """With `real`: the feature network of fid, a local TorchScript file (e.g. inception-2015-12-05.pt)."""
+    i3d: str | None = None
+    """With `real`, for a video model: the I3D network of fvd, a local TorchScript file (e.g. i3d_torchscript.pt, which
+    StyleGAN-V's FVD loads)."""
     clip: str | None = None
-    """With `real`: a local CLIP folder (transformers) for clip_score."""
+    """With `real`: a local CLIP folder (transformers) for clip_score (of clips: per frame, averaged)."""
     bootstrap: int = 200
     """With `real`: bootstrap resamples of the 95% intervals."""
 

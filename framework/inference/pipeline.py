@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from data_prep.record import unscale_latents
 from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
 from framework.inference.caching import CacheSchedule, resolve_schedule
 from framework.inference.sampling import Draws, Sampler, SamplingPlan
@@ -178,7 +179,7 @@ class Pipeline:
             from data_prep.encoders import load_image_codec
 
             self._codec = load_image_codec(self.info["image_codec"], device=self.device,
-                                           image_mode=self.info.get("image_mode", "RGB"))
+                                           image_mode=self.info.get("image_mode", "RGB"), tile=self.info.get("vae_tile"))
         return self._codec
 
     def encode(self, prompts: Sequence[str]) -> list[torch.Tensor]:
@@ -228,8 +229,11 @@ class Pipeline:
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Scaled latents -> pixels in [-1, 1] (undoes the data module's scaling): images (B, C, H, W) of latents
-        (B, c, h, w); clips (B, F, C, H, W) of latents (B, c, F, h, w), an image codec decoding each frame."""
-        raw = z / self.info["scaling_factor"] + self.info["shift_factor"]
+        (B, c, h, w); clips (B, F, C, H, W) of latents (B, c, f, h, w), a video codec decoding them whole (F = 1 + (f -
+        1) x its temporal compression), an image codec each frame (F = f)."""
+        raw = unscale_latents(z, self.info["scaling_factor"], self.info["shift_factor"])
+        if raw.ndim == 5 and self.codec.is_video:
+            return self.codec.decode(raw).float().clamp(-1, 1).cpu().transpose(1, 2)  # (B, C, F, H, W) -> (B, F, ...)
         if raw.ndim == 5:
             b, frames = raw.shape[0], raw.shape[2]
             out = self.codec.decode(raw.transpose(1, 2).flatten(0, 1))  # (B * F, C, H, W)
