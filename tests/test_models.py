@@ -263,6 +263,37 @@ def test_train_flops_count_attention_and_leave_grads_alone():
     assert flops > linear_only
 
 
+@pytest.mark.parametrize("name", ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug", "latte_debug",
+                                  "wan_debug"])
+def test_train_flops_are_counted_on_a_meta_replica_as_on_the_model_itself(name, monkeypatch):
+    """The count runs on a meta-device build of the model's config: the live model never runs (a real-size model
+    sharded over ranks would gather its blocks and keep a forward's activations for it), and the count is what the
+    live model gives on real tensors, its fused attention with a padded caption's mask included. A model that is not
+    its config's build (a module added) is counted on itself."""
+    from framework.models import flops
+
+    net = build_denoiser(load_preset(name))
+    cfg = net.cfg
+    g = torch.Generator().manual_seed(0)
+    batch = {"latents": torch.randn(2, cfg.in_channels, *cfg.latent_shape, generator=g),
+             "text_embeds": torch.randn(2, 7, cfg.text_dim or 1, generator=g), "text_mask": torch.ones(2, 7, dtype=torch.bool)}
+    batch["text_mask"][1, 5:] = False
+    if cfg.num_classes:
+        batch["label"] = torch.tensor([1, 2])
+    with monkeypatch.context() as m:
+        m.setattr(flops, "meta_replica", lambda denoiser: None)
+        on_the_model = count_train_flops_per_sample(net, batch)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the live model ran")
+
+    net.forward = refuse
+    assert count_train_flops_per_sample(net, batch) == on_the_model
+    del net.forward
+    net.extra = torch.nn.Linear(2, 2)
+    assert flops.meta_replica(net) is None
+
+
 @pytest.mark.parametrize("groups", [1, 4, 16])
 def test_a_grouped_convolutions_backward_counts_twice_its_forward(groups):
     """Input gradient and weight gradient each cost what the forward does, grouped or not (torch's own formula

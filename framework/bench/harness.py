@@ -152,8 +152,8 @@ def timed_fit(module: pl.LightningModule, data: torch.utils.data.Dataset, *, bat
 
 def flops_per_sample(model_cfg: ModelConfig, text_len: int = 77) -> int:
     """Forward + backward FLOPs of one training sample, counted on a meta-device build of the model: shapes only,
-    so a real-size model costs about a second and no memory (within 0.5% of the count on real CPU tensors, whose
-    fused attention kernel has its own formula)."""
+    so a real-size model costs about a second and no memory (count_train_flops_per_sample gives the count of real
+    tensors there, fused attention included)."""
     example = next(iter(torch.utils.data.DataLoader(synthetic_batches(model_cfg, 2, text_len), batch_size=2)))
     with torch.device("meta"):
         net = build_denoiser(model_cfg)

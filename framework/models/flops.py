@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import flop_counter
 
 from framework.models.backbones import Denoiser
@@ -49,11 +50,16 @@ _CUSTOM = {
 def count_train_flops_per_sample(denoiser: Denoiser, batch_example: dict[str, Any], n: int = 2) -> int:
     """FLOPs of forward + backward for one sample, measured on the first `n` samples of a batch.
 
-    `batch_example` is a training batch (`latents`, `text_embeds`, `text_mask`, optional `label`).
-    The parameters' existing `.grad` are put back afterwards, so a live model can be measured mid-run.
+    `batch_example` is a training batch (`latents`, `text_embeds`, `text_mask`, optional `label`). Counted on a
+    meta-device replica of the model (meta_replica: shapes only, no memory: a live real-size model sharded over
+    ranks would gather its blocks and keep a forward's activations for the count, more than its training step holds
+    with activation checkpointing), or, when the model's structure is not its config's, on the model itself: then
+    the parameters' existing `.grad` are put back afterwards, so a live model can be measured mid-run.
     (torch.autograd.grad would avoid touching `.grad`, but FlopCounterMode's module hooks reject it.)
     """
-    device = next(denoiser.parameters()).device
+    replica = meta_replica(denoiser)
+    model = replica if replica is not None else denoiser
+    device = next(model.parameters()).device
     x = batch_example["latents"][:n].to(device)  # (n, C, h, w)
     n = x.shape[0]
     text = batch_example.get("text_embeds")
@@ -63,20 +69,57 @@ def count_train_flops_per_sample(denoiser: Denoiser, batch_example: dict[str, An
     mask = None if mask is None else mask[:n].to(device)  # (n, L)
     labels = None if labels is None else labels[:n].to(device)  # (n,)
     t = torch.full((n,), 500.0, device=device)  # any timestep costs the same
-    params = [p for p in denoiser.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     if not params:  # a frozen backbone (a distillation stage): backward still runs through its activations
         x = x.clone().requires_grad_()
     saved = [p.grad for p in params]
     for p in params:
         p.grad = None
     try:
-        with flop_counter.FlopCounterMode(display=False, custom_mapping=_CUSTOM) as counter:
-            out = denoiser(x, t, text, mask, labels)  # (n, C, h, w)
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=_CUSTOM) as counter, FusedAttentionOnMeta():
+            out = model(x, t, text, mask, labels)  # (n, C, h, w)
             out.float().square().mean().backward()
     finally:
         for p, grad in zip(params, saved):
             p.grad = grad
     return int(counter.get_total_flops() // n)
+
+
+def meta_replica(denoiser: Denoiser) -> Denoiser | None:
+    """The denoiser's config built on the meta device, its parameters frozen where the model's are; None when the
+    model is not what its config builds (parameter names or shapes differ: a plugin reshaped or extended it)."""
+    from framework.models.backbones import build_denoiser
+
+    with torch.device("meta"):
+        replica = build_denoiser(denoiser.cfg)
+    shapes = lambda m: {name: tuple(p.shape) for name, p in m.named_parameters()}  # a DTensor's shape is the whole
+    if shapes(replica) != shapes(denoiser):
+        return None
+    trainable = {name: p.requires_grad for name, p in denoiser.named_parameters()}
+    for name, p in replica.named_parameters():
+        p.requires_grad_(trainable[name])
+    return replica
+
+
+class FusedAttentionOnMeta(TorchFunctionMode):
+    """SDPA on meta tensors as the CPU's fused kernel: on the meta device torch falls back to attention's math form
+    (matrix products and a softmax), whose backward keeps the probabilities and so costs one matrix product less than
+    a fused kernel's, which recomputes them. The CPU kernel has a meta implementation, so a meta replica counts what
+    a run on real tensors does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            given = {**dict(zip(names, args)), **kwargs}
+            q, k, v, mask = given["query"], given["key"], given["value"], given.get("attn_mask")
+            if q.device.type == "meta" and not given.get("enable_gqa"):
+                if mask is not None and mask.dtype == torch.bool:  # the kernel takes an additive mask
+                    mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, given.get("dropout_p", 0.0), given.get("is_causal", False), attn_mask=mask,
+                    scale=given.get("scale"))[0]
+        return func(*args, **kwargs)
 
 
 def forward_flops_by_module(module: torch.nn.Module, *args: Any) -> dict[str, int]:
