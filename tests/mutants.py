@@ -11,7 +11,8 @@ copy of the checkout in a temporary folder, never to the checkout itself, and on
 run there (`python -m pytest -x` on those node ids, with their own TMPDIR). First the same tests run on the
 unmutated copy: a mutant only counts as caught when its tests pass without it.
 
-Verdicts: caught (a test failed on an assertion: `assert`, pytest.raises / pytest.fail, assert_close),
+Verdicts: caught (a test failed on an assertion: `assert`, pytest.raises / pytest.fail, assert_close; read off the
+exception pytest's short summary names for the failed test),
 MISSED (they passed), crash (a test failed on another exception: the bug broke the code rather than being
 observed), timeout, error (pytest could not run them: a test id that does not exist, a collection error),
 stale (the mutant's text is no longer in the code). Only caught counts as caught.
@@ -771,6 +772,10 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
 
 # What pytest prints (its "E" lines) when a test fails on an assertion rather than on an error it did not expect.
 ASSERTION = re.compile(r"^E\s+(AssertionError\b|assert\b|Failed: DID NOT RAISE|Failed:)", re.MULTILINE)
+# The reason `-ra` gives for each failed test in its short summary: the exception that ended the test. Read first:
+# an "E" line may quote source (a TorchScript traceback quotes the scripted code, `assert`s included) on a crash.
+SUMMARY = re.compile(r"^FAILED \S+ - (.*)$", re.MULTILINE)
+ASSERTION_REASONS = ("AssertionError", "assert ", "Failed:")
 
 
 def verdict_of(code: int, out: str) -> str:
@@ -780,7 +785,9 @@ def verdict_of(code: int, out: str) -> str:
     if code == 124:
         return "timeout"
     if code == 1:
-        return "caught" if ASSERTION.search(out) else "crash"
+        reasons = SUMMARY.findall(out)
+        on_assertion = any(r.startswith(ASSERTION_REASONS) for r in reasons) if reasons else ASSERTION.search(out)
+        return "caught" if on_assertion else "crash"
     return f"error ({code})"
 
 
