@@ -136,8 +136,14 @@ def _isolated_streaming_env():
     # A test's finished in-process runs leave StreamingDatasets in reference cycles. Collected at a random
     # later moment, they unlink their shared memory one segment at a time, and a training subprocess
     # that a later test starts meanwhile can pick up that half-removed prefix and wait forever on its
-    # barrier. Collect them now, between tests.
-    gc.collect()
+    # barrier. Collect them now, between tests, under the node's prefix lock: each rank of a multi-rank job that
+    # another xdist worker starts meanwhile picks Streaming's first free prefix on its own, and a prefix freed
+    # between the leader's pick and another rank's makes them disagree ("prefix=4 was not registered by local
+    # leader"); jobs choose their prefix under the same lock.
+    from framework.data.shards import prefix_lock
+
+    with prefix_lock():
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
