@@ -134,6 +134,19 @@ def video_features(net: VideoFeatures, clips: torch.Tensor, batch_size: int = 16
     return torch.cat([net(clips[i : i + batch_size]).double() for i in range(0, len(clips), batch_size)])
 
 
+@lru_cache(maxsize=1)
+def video_feature_net(path: str | Path) -> VideoFeatures:
+    """The I3D of `path`, loaded once per run."""
+    return VideoFeatures(path)
+
+
+@lru_cache(maxsize=1)
+def real_video_features(folder: str | Path, frames: int, fps: float | None, height: int, width: int,
+                        i3d: str | Path) -> torch.Tensor:
+    """I3D features of the held-out clips, computed once per run (they do not change between evaluations)."""
+    return video_features(video_feature_net(i3d), real_clips(folder, frames, fps, height, width)[0])
+
+
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
     """[-1, 1] -> uint8, grayscale repeated to 3 channels."""
     images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
@@ -245,8 +258,10 @@ def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None,
         fid, interval = fid_with_interval(reference, features(feature_net(settings.inception), images), settings.bootstrap)
         metrics.update(fid=fid, fid_interval=interval)
     if getattr(settings, "i3d", None):
-        net = VideoFeatures(settings.i3d)
-        fvd, interval = fid_with_interval(video_features(net, real), video_features(net, images), settings.bootstrap)
+        reference = real_video_features(settings.real, probe.shape[1], pipe.info.get("fps"), probe.shape[-2],
+                                        probe.shape[-1], settings.i3d)
+        fake = video_features(video_feature_net(settings.i3d), images)
+        fvd, interval = fid_with_interval(reference, fake, settings.bootstrap)
         metrics.update(fvd=fvd, fvd_interval=interval)
     if settings.clip and video:  # every frame against its clip's prompt, averaged over the clip
         per_frame = clip_scores(images.flatten(0, 1), [p for p in drawn for _ in range(images.shape[1])], settings.clip)
