@@ -7,6 +7,10 @@ from 1:1), the pixel count breaking ties; it is resized to cover the bucket and 
   sdxl                                   SDXL's scheme: sides in steps of 64, 90-100% of 1024^2 pixels, ratios 1:4 to 4:1
 or a list of [height, width] pairs. The buckets' latents are stored in one MDS folder per bucket
 (`bucket_<h>x<w>/`), so training reads them with Streaming's per-stream batching: every global batch from one bucket.
+
+Clips are bucketed by frame count as well (precompute's num_frames=[9,17,33]): a clip bucket is (frames, height,
+width), every count with every size, stored in `bucket_<frames>f_<h>x<w>/`. A clip goes to the longest count it has
+frames for, then to the size nearest its aspect ratio.
 """
 from __future__ import annotations
 
@@ -64,6 +68,20 @@ def nearest_bucket(height: int, width: int, sizes: Sequence[tuple[int, int]]) ->
                                                  abs(math.log(sizes[i][0] * sizes[i][1]) - area)))
 
 
+def clip_buckets(frame_counts: Sequence[int], sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The (frames, height, width) buckets of clips: every frame count with every size."""
+    return [(int(f), h, w) for f in sorted(frame_counts) for h, w in sizes]
+
+
+def nearest_clip_bucket(frames: int, height: int, width: int, buckets: Sequence[tuple[int, int, int]]) -> int:
+    """Index of the clip bucket of the longest frame count at most `frames` (the clip has at least the shortest), and
+    of the size nearest the clip's aspect ratio among that count's."""
+    count = max(f for f, _, _ in buckets if f <= frames)
+    sizes = [(h, w) for f, h, w in buckets if f == count]
+    return list(buckets).index((count, *sizes[nearest_bucket(height, width, sizes)]))
+
+
 def bucket_dir(size: Sequence[int]) -> str:
-    """The MDS folder of a bucket, inside the dataset folder."""
-    return f"bucket_{int(size[0])}x{int(size[1])}"
+    """The MDS folder of a bucket, inside the dataset folder: (h, w) of images, (frames, h, w) of clips."""
+    *frames, h, w = (int(v) for v in size)
+    return f"bucket_{frames[0]}f_{h}x{w}" if frames else f"bucket_{h}x{w}"

@@ -68,7 +68,10 @@ class PrecomputeConfig:
     # resized and cropped like an image and encoded by the VAE: latents (C, num_frames, h, w) with an image VAE, (C, 1 +
     # (num_frames - 1) / 4, h, w) with a video VAE. A video with fewer frames at that rate is skipped and counted with
     # the unreadable ones. null: an image source.
-    num_frames: Optional[int] = None
+    # A list of counts ([9, 17, 33]) makes frame-count buckets: each clip takes the longest count it has frames for at
+    # that rate (one shorter than the shortest is skipped as too short), and is stored in that count's bucket beside
+    # the aspect-ratio buckets (`buckets`): training draws every global batch from one (count, size) bucket.
+    num_frames: Optional[Any] = None
     fps: Optional[float] = None
     out: str = "data/digits"  # output dataset folder (index.json + dataset.json + shards), or s3://bucket/prefix
     # A local folder that files pass through on their way to or from an object store, needed when out or source.path
@@ -142,19 +145,43 @@ class PrecomputeConfig:
             raise ValueError(f"caption_cache_mb={self.caption_cache_mb}: must be >= 0 (0 encodes every caption anew).")
         self._check_storage_and_filters()
         self._check_staging()
-        if self.num_frames is not None and self.num_frames < 1:
-            raise ValueError(f"num_frames={self.num_frames}: the frames of each clip, >= 1 (null for images).")
+        self._check_frames()
         if self.fps is not None and not self.fps > 0:
             raise ValueError(f"fps={self.fps}: the rate frames are taken at, > 0 (null: every frame of the video).")
         if self.vae_tile is not None and (self.vae_tile < 1 or self.num_frames is None):
             raise ValueError(f"vae_tile={self.vae_tile}: a video VAE's tile side in pixels (> 0), for clips (num_frames=); "
                              "null: whole frames.")
-        if self.num_frames is not None and self.buckets is not None:
-            raise ValueError(f"num_frames={self.num_frames} with buckets={self.buckets}: clips are cropped to one size "
-                             "(resolution, width) for now; drop buckets.")
         if self.buckets is not None and self.width is not None:
             raise ValueError(f"buckets={self.buckets} and width={self.width}: the buckets set every image's size; "
                              "drop width.")
+
+    def _check_frames(self) -> None:
+        counts = self.num_frames if isinstance(self.num_frames, (list, tuple)) else [self.num_frames]
+        if self.num_frames is None:
+            return
+        if (not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)
+                or len(set(counts)) != len(counts)):
+            raise ValueError(f"num_frames={self.num_frames}: the frames of each clip, >= 1, or a list of different "
+                             "counts for frame-count buckets, e.g. num_frames=[9,17,33] (null for images).")
+        if isinstance(self.num_frames, (list, tuple)):
+            self.num_frames = list(self.num_frames) if len(counts) > 1 else counts[0]
+
+    @property
+    def frame_counts(self) -> list[int] | None:
+        """The clips' frame counts, shortest first (one without frame-count buckets); None: images."""
+        if self.num_frames is None:
+            return None
+        return sorted(self.num_frames) if isinstance(self.num_frames, list) else [self.num_frames]
+
+    @property
+    def clip_frames(self) -> int | None:
+        """The frames of the longest clip (of every clip without frame-count buckets); None: images."""
+        return None if self.num_frames is None else max(self.frame_counts)
+
+    @property
+    def clip_buckets(self) -> bool:
+        """Clips in buckets: of several frame counts, or of several sizes (aspect-ratio buckets)."""
+        return self.num_frames is not None and (isinstance(self.num_frames, list) or self.buckets is not None)
 
     def _check_staging(self) -> None:
         from data_prep.location import is_remote, staging_error

@@ -97,7 +97,8 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
         "text_encoder": resolve(cfg.text_encoder, "minilm", "none"), "resolution": cfg.resolution,
         "image_mode": cfg.image_mode, "posterior": cfg.posterior, "max_tokens": cfg.max_tokens,
         "shard_size": cfg.shard_size, "compression": cfg.compression,
-        "format_version": record_version(cfg.text_storage, cfg.caption_layout, cfg.posterior, cfg.num_frames),
+        "format_version": record_version(cfg.text_storage, cfg.caption_layout, cfg.posterior, cfg.num_frames,
+                                         clip_buckets=cfg.clip_buckets),
     }
     # Only when set, like the keys below: datasets built without them keep their fingerprints.
     optional = {"text_storage": cfg.text_storage if cfg.text_storage != "fp16" else None, "min_size": cfg.min_size,
@@ -225,6 +226,11 @@ class CaptionCache:
             self.bytes -= storage.nbytes(self.table.popitem(last=False)[1])
 
 
+def _image_buckets(cfg: PrecomputeConfig, buckets: list | None) -> list | None:
+    """The buckets of an image dataset, whose rows carry SDXL-style micro-conditioning; None for clips."""
+    return None if cfg.num_frames is not None else buckets
+
+
 def _columns(source, buckets: list[tuple[int, int]] | None, text_storage: str,
              caption_layout: str = "per_caption", posterior: str = "mean", text: bool = True) -> dict[str, str]:
     """The rows' MDS columns; text=False (text_encoder=none): no text embedding columns."""
@@ -275,7 +281,7 @@ def decode_record(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tup
     if not r.captions:
         return Decoded(bare, skip=("missing_captions", f"{r.key}: missing caption"))
     if cfg.num_frames is not None:
-        return decode_clip(r, bare, cfg, mode, keep)
+        return decode_clip(r, bare, cfg, mode, keep, buckets)
     try:
         img = open_image(r.image, mode)
         if (dropped := keep.check_decoded(r.meta, img.size[1], img.size[0])) is not None:
@@ -293,21 +299,30 @@ def decode_record(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tup
         return Decoded(bare, skip=("bad_images", f"{r.key}: unreadable image ({type(err).__name__}: {err})"))
 
 
-def decode_clip(r: Record, bare: Record, cfg: PrecomputeConfig, mode: str, keep: RecordFilter) -> Decoded:
-    """A video record's clip (data_prep/video.py), each frame cropped like an image: pixels (F, h, w, C)."""
+def decode_clip(r: Record, bare: Record, cfg: PrecomputeConfig, mode: str, keep: RecordFilter,
+                buckets: list[tuple[int, int, int]] | None = None) -> Decoded:
+    """A video record's clip (data_prep/video.py), each frame cropped like an image: pixels (F, h, w, C). With
+    buckets ((frames, h, w)), the clip's bucket: the longest frame count it has, the size nearest its aspect ratio."""
+    from data_prep.buckets import nearest_clip_bucket
     from data_prep.video import ShortVideo, read_clip
 
-    h, w = cfg.resolution, cfg.width or cfg.resolution
+    counts = cfg.frame_counts
     try:
-        frames = read_clip(r.image, cfg.num_frames, cfg.fps, mode)
+        frames = read_clip(r.image, counts[-1], cfg.fps, mode, min_frames=counts[0])
     except ShortVideo as err:
         return Decoded(bare, skip=("bad_images", f"{r.key}: too short ({err})"))
     except Exception as err:  # not a video, truncated, no video stream
         return Decoded(bare, skip=("bad_images", f"{r.key}: unreadable video ({type(err).__name__}: {err})"))
     if (dropped := keep.check_decoded(r.meta, frames[0].size[1], frames[0].size[0])) is not None:
         return Decoded(bare, skip=("filtered", dropped))
-    # No micro-conditioning: it is written only with buckets, which clips do not take.
-    return Decoded(bare, -1, np.stack([np.array(cover_crop(f, h, w)[0], dtype=np.uint8).reshape(h, w, -1) for f in frames]))
+    if buckets is None:
+        b, (h, w) = -1, (cfg.resolution, cfg.width or cfg.resolution)
+    else:
+        b = nearest_clip_bucket(len(frames), frames[0].size[1], frames[0].size[0], buckets)
+        count, h, w = buckets[b]
+        frames = frames[:count]
+    # No micro-conditioning: the video families take none.
+    return Decoded(bare, b, np.stack([np.array(cover_crop(f, h, w)[0], dtype=np.uint8).reshape(h, w, -1) for f in frames]))
 
 
 def _pixels(d: Decoded, stats: dict) -> tuple[int, torch.Tensor, dict] | None:
@@ -423,7 +438,8 @@ def encode_part(cfg: PrecomputeConfig, source, shard: Any, codec: ImageCodec, ca
     from streaming import MDSWriter
 
     folders = part_folders(index, buckets)
-    columns = _columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior, cfg.text_encoder != "none")
+    columns = _columns(source, _image_buckets(cfg, buckets), cfg.text_storage, cfg.caption_layout, cfg.posterior,
+                       cfg.text_encoder != "none")
     stats = {"records": 0, "images": 0, "rows": 0, "captions": 0, "bad_images": 0, "missing_captions": 0, "examples": [],
              "first_captions": [], "bucket_rows": {}, "filtered": dict.fromkeys(keep.names(), 0),
              "column_bytes": {"latents": 0, "text": 0}}
@@ -542,13 +558,22 @@ def first_captions(stats: list[dict]) -> list[str]:
     return list(dict.fromkeys(c for s in stats for c in s["first_captions"]))[:GRID_PROMPTS]
 
 
-def bucket_table(stats: list[dict], buckets: list[tuple[int, int]], downsample: int) -> list[dict]:
-    """dataset.json's `buckets`: each size, its folder, latent size and row count (every part's)."""
+def bucket_table(stats: list[dict], buckets: list[tuple[int, ...]], downsample: int,
+                 temporal_compression: int = 1) -> list[dict]:
+    """dataset.json's `buckets`: each size, its folder, latent size and row count (every part's); a clip bucket's
+    frames and latent frames too."""
     from data_prep.buckets import bucket_dir
 
     rows = lambda b: sum(s["bucket_rows"].get(str(b), 0) for s in stats)
-    return [{"size": [h, w], "dir": bucket_dir((h, w)), "latent_size": [h // downsample, w // downsample],
-             "num_samples": rows(b)} for b, (h, w) in enumerate(buckets)]
+    table = []
+    for b, size in enumerate(buckets):
+        *frames, h, w = size
+        row = {"size": [h, w], "dir": bucket_dir(size), "latent_size": [h // downsample, w // downsample],
+               "num_samples": rows(b)}
+        if frames:
+            row.update(frames=frames[0], latent_frames=1 + (frames[0] - 1) // temporal_compression)
+        table.append(row)
+    return table
 
 
 def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: TextEncoder, mode: str,
@@ -562,7 +587,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
     if buckets is None:
         merge(out, "", [i for i, s in enumerate(stats) if s["rows"]])
     else:
-        table = bucket_table(stats, buckets, codec.downsample)
+        table = bucket_table(stats, buckets, codec.downsample, codec.temporal_compression if codec.is_video else 1)
         for b, row in enumerate(table):
             if row["num_samples"]:
                 merge(out, row["dir"], [i for i, s in enumerate(stats) if s["bucket_rows"].get(str(b))])
@@ -578,23 +603,30 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
     extra: dict[str, Any] = {"skipped": {**skipped, "filtered": total["filtered"]} if total["filtered"] else skipped}
     if buckets is not None:
         # The model's base size (its sample_size): the square bucket's side (PixArt's 256 / 512 / 1024), or that of
-        # the square as large as the bucket nearest 1:1, in latents, even (2x2 patches).
-        h, w = buckets[nearest_bucket(1, 1, buckets)]
-        base = 2 * max(1, round(math.sqrt(h * w) / (2 * codec.downsample)))
-        latent_shape = [latent_shape[0], base, base]
-        extra.update(buckets=table, bucket_spec=cfg.buckets if isinstance(cfg.buckets, str) else "list")
-        log("buckets: " + ", ".join(f"{r['size'][0]}x{r['size'][1]}: {r['num_samples']}" for r in table if r["num_samples"])
+        # the square as large as the bucket nearest 1:1, in latents, even (2x2 patches). Clips of one size in frame-count
+        # buckets only: that size.
+        sizes = list(dict.fromkeys(tuple(b[-2:]) for b in buckets))
+        if cfg.buckets is None:
+            latent_shape = [latent_shape[0], *(side // codec.downsample for side in sizes[0])]
+        else:
+            h, w = sizes[nearest_bucket(1, 1, sizes)]
+            base = 2 * max(1, round(math.sqrt(h * w) / (2 * codec.downsample)))
+            latent_shape = [latent_shape[0], base, base]
+        spec = cfg.buckets if isinstance(cfg.buckets, str) else "list" if cfg.buckets is not None else None
+        extra.update(buckets=table, bucket_spec=spec)
+        name = lambda r: (f"{r['frames']} frames " if "frames" in r else "") + f"{r['size'][0]}x{r['size'][1]}"
+        log("buckets: " + ", ".join(f"{name(r)}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     record = DatasetRecord(
         format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior, cfg.num_frames,
-                                      codec.is_video),
+                                      codec.is_video, cfg.clip_buckets),
         fingerprint=fp["fingerprint"],
         image_codec={"name": cfg.vae, "class": codec.class_name, **({"tile": codec.tile} if codec.tile else {})},
         text_encoder={"name": cfg.text_encoder, "class": text.class_name, "max_tokens": text.max_tokens,
                       **({"prefix": text.prefix} if text.prefix else {})},
         latent_channels=int(latent_shape[0]),
         latent_size=[int(latent_shape[-2]), int(latent_shape[-1])],
-        num_frames=cfg.num_frames,
+        num_frames=cfg.clip_frames,
         fps=cfg.fps if cfg.num_frames is not None else None,
         temporal_compression=codec.temporal_compression if codec.is_video else None,
         downsample=codec.downsample,
@@ -610,7 +642,8 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
         num_classes=source.num_classes,
         empty_caption=EMPTY_CAPTION_FILE,
         prompts={"file": PROMPTS_FILE, "texts": prompts},
-        columns=list(_columns(source, buckets, cfg.text_storage, cfg.caption_layout, cfg.posterior, cfg.text_encoder != "none")),
+        columns=list(_columns(source, _image_buckets(cfg, buckets), cfg.text_storage, cfg.caption_layout, cfg.posterior,
+                              cfg.text_encoder != "none")),
         text_storage=cfg.text_storage,
         caption_layout=cfg.caption_layout,
         num_captions=sum(s.get("captions", s["rows"]) for s in stats),  # a part of an older run: a row per caption
@@ -671,15 +704,16 @@ def _encoders(cfg: PrecomputeConfig, source, device: str) -> tuple[ImageCodec, T
         raise ValueError(f"vae={cfg.vae} is a video VAE ({codec.class_name}): it encodes clips; give num_frames= (and a "
                          "video source), or use an image VAE for images")
     if codec.is_video:
-        codec.check_frames(cfg.num_frames)
+        for count in cfg.frame_counts:
+            codec.check_frames(count)
     for key, side in (("resolution", cfg.resolution), ("width", cfg.width)):
         if side is not None and side % codec.downsample and cfg.buckets is None:
             raise ValueError(f"{key}={side} is not a multiple of the VAE's downsample factor {codec.downsample}.")
-    buckets = None
-    if cfg.buckets is not None:
-        from data_prep.buckets import resolve_buckets
+    from data_prep.buckets import clip_buckets, resolve_buckets
 
-        buckets = resolve_buckets(cfg.buckets, 2 * codec.downsample)
+    buckets = None if cfg.buckets is None else resolve_buckets(cfg.buckets, 2 * codec.downsample)
+    if cfg.clip_buckets:
+        buckets = clip_buckets(cfg.frame_counts, buckets or [(cfg.resolution, cfg.width or cfg.resolution)])
     return codec, load_text_encoder(cfg.text_encoder, device, cfg.dtype, cfg.max_tokens, cfg.text_prefix), mode, buckets
 
 

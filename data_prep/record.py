@@ -21,9 +21,11 @@ DATASET_FILE = "dataset.json"
 #   5  video clips: latents (C, num_frames, h, w), num_frames and fps recorded
 #   6  video VAEs: latents (C, 1 + (num_frames - 1) / temporal_compression, h, w); scaling_factor and shift_factor may
 #      be lists, one per latent channel
+#   7  clip buckets: clips of several frame counts and sizes, each bucket's `frames` and `latent_frames` in `buckets`;
+#      num_frames is the longest
 # A record says the oldest version that describes it (`record_version`), so an fp16 dataset stays readable by a
 # LatentForge that knows version 1 only, and one of another storage is refused by it instead of misread.
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # present only for datasets that have them
 _OMITTED_WHEN_NONE = ("width", "buckets", "bucket_spec", "num_frames", "fps", "temporal_compression")
 
@@ -55,9 +57,11 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def record_version(text_storage: str, caption_layout: str = "per_caption", posterior: str = "mean",
-                   num_frames: int | None = None, video_vae: bool = False) -> int:
+                   num_frames: Any = None, video_vae: bool = False, clip_buckets: bool = False) -> int:
     """The oldest format version that describes a dataset of this text storage, caption layout, posterior, (video)
-    frame count and codec (`video_vae`: one that compresses time, with per-channel scaling)."""
+    frame count and codec (`video_vae`: one that compresses time, with per-channel scaling), and clip buckets."""
+    if clip_buckets:
+        return 7
     if video_vae:
         return 6
     if num_frames is not None:
@@ -97,7 +101,8 @@ class DatasetRecord:
     source: dict[str, Any] = field(default_factory=dict)  # {"name", "path", ...the source's metadata}
     world_size: int = 1  # ranks of the run that finished it (a resumed dataset's earlier parts may have had others)
     width: Optional[int] = None  # the image width when it differs from the resolution
-    buckets: Optional[list[dict[str, Any]]] = None  # aspect-ratio buckets: [{"size", "dir", "latent_size", "num_samples"}]
+    # aspect-ratio buckets: [{"size", "dir", "latent_size", "num_samples"}], clip buckets with "frames" and "latent_frames"
+    buckets: Optional[list[dict[str, Any]]] = None
     bucket_spec: Optional[str] = None
     text_storage: str = "fp16"  # how the rows hold text (data_prep/storage.py); records older than it are fp16
     # the parts' bytes on disk and uncompressed, and per sample (data_prep/storage.py dataset_size):
@@ -107,7 +112,7 @@ class DatasetRecord:
     # (docs/data.md "Several captions per image"); records older than it are per_caption
     caption_layout: str = "per_caption"
     num_captions: Optional[int] = None  # the captions encoded, in all
-    num_frames: Optional[int] = None  # video clips: the frames of each (pixels); None: images
+    num_frames: Optional[int] = None  # video clips: the frames of each (pixels; in clip buckets, the longest); None: images
     fps: Optional[float] = None  # video clips: the rate their frames were taken at (None: every frame of the video)
     # video clips: pixel frames per latent frame after the first (a video VAE's; absent: 1, an image VAE per frame)
     temporal_compression: Optional[int] = None

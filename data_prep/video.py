@@ -24,17 +24,20 @@ def frame_stride(source_fps: float | None, fps: float | None) -> int:
     return max(1, round(source_fps / fps))
 
 
-def read_clip(video: Any, num_frames: int, fps: float | None = None, mode: str = "RGB") -> list[Image.Image]:
+def read_clip(video: Any, num_frames: int, fps: float | None = None, mode: str = "RGB",
+              min_frames: int | None = None) -> list[Image.Image]:
     """The first `num_frames` frames of `video` (a path or the file's bytes) at `fps` (null: every frame), as PIL
-    images in `mode`. Raises ShortVideo when the file ends first, and PyAV's error when it cannot be decoded.
+    images in `mode`; with `min_frames`, as many as the file has up to `num_frames`, at least `min_frames` (frame-count
+    buckets). Raises ShortVideo when the file ends first, and PyAV's error when it cannot be decoded.
     A uint8 array (F, H, W) or (F, H, W, C) is a clip already decoded (a generated source's): it has no rate of its
     own, so its frames are taken one after another."""
     import av
     import numpy as np
 
+    least = num_frames if min_frames is None else min_frames
     if isinstance(video, np.ndarray):
-        if len(video) < num_frames:
-            raise ShortVideo(f"{len(video)} frames, fewer than num_frames={num_frames}")
+        if len(video) < least:
+            raise ShortVideo(f"{len(video)} frames, fewer than num_frames={least}")
         return [Image.fromarray(frame).convert(mode) for frame in video[:num_frames]]
 
     with av.open(str(video) if isinstance(video, (str, Path)) else io.BytesIO(video)) as container:
@@ -48,4 +51,6 @@ def read_clip(video: Any, num_frames: int, fps: float | None = None, mode: str =
                 frames.append(frame.to_image().convert(mode))
                 if len(frames) == num_frames:
                     return frames
-    raise ShortVideo(f"{len(frames)} frames at every {stride}th source frame, fewer than num_frames={num_frames}")
+    if len(frames) >= least:
+        return frames
+    raise ShortVideo(f"{len(frames)} frames at every {stride}th source frame, fewer than num_frames={least}")

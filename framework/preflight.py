@@ -160,11 +160,13 @@ def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:
 
         for b in buckets:
             h, w = b["latent_size"]
+            frames = {"num_frames": b["latent_frames"]} if "latent_frames" in b else {}
             try:
-                check(dataclasses.replace(cfg.model, sample_size=h, sample_width=w), cfg.strategy.sequence_parallel,
-                      cfg.strategy.sequence_parallel_head_groups)
+                check(dataclasses.replace(cfg.model, sample_size=h, sample_width=w, **frames),
+                      cfg.strategy.sequence_parallel, cfg.strategy.sequence_parallel_head_groups)
             except ValueError as err:
-                raise ValueError(f"aspect-ratio bucket {b['size'][0]}x{b['size'][1]} (latents {h}x{w}): {err}") from None
+                name = (f"{b['frames']} frames " if frames else "") + f"{b['size'][0]}x{b['size'][1]}"
+                raise ValueError(f"bucket {name} (latents {h}x{w}): {err}") from None
 
 
 def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:

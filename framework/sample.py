@@ -86,7 +86,8 @@ def run(cfg: SampleCommand) -> list[Path]:
     prompts = list(cfg.prompts)
     judge = get_judge(cfg.judge, cfg.judge_path) if cfg.best_of > 1 else None
     t0 = time.perf_counter()
-    plan = SamplingPlan.of(cfg, candidates=cfg.best_of, size=pipe.latent_size(cfg.height, cfg.width, cfg.aspect))
+    plan = SamplingPlan.of(cfg, candidates=cfg.best_of, size=pipe.latent_size(cfg.height, cfg.width, cfg.aspect,
+                                                                                cfg.num_frames))
     images = pipe.generate(prompts, plan, prompt_labels(pipe, prompts), ranks=cfg.sharing(), progress=True)
     seconds = time.perf_counter() - t0
     if images is None or not rank0:  # a rank that only helped (decode_ranks, sequence_parallel): rank 0 writes

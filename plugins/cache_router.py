@@ -2,7 +2,8 @@
 
 Learning-to-Cache (Ma et al., NeurIPS 2024, arXiv:2406.01733) learns, for one sampler and step count,
 which residual branches of a diffusion transformer may reuse their output from the previous sampling
-step. Here it is a training stage of any stack family (PixArt, SANA, DiT): the backbone loaded with
+step. Here it is a training stage of the transformer families (PixArt, SANA, DiT; Latte's spatial and temporal
+blocks and Wan's 3D blocks alike, each a block of its own): the backbone loaded with
 `init_from` is frozen, and the only trainable parameters are the router's logits, one per
 (cache step, block, branch). beta = sigmoid(logit). As in the paper, the cache steps are every other
 step (1, 3, 5, ...) and the steps between them compute everything, so a reused output is one step old.
@@ -42,8 +43,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from framework.models.plans import families_with
-from framework.models.blocks import has_stack
+from framework.models.plans import families_with, plan_of
 from framework.inference.caching import SCHEDULE_FILE, BranchRunner, CacheSchedule, model_signature
 from framework.models.objectives import DEFAULT_SAMPLER, SAMPLERS, check_sampler
 from framework.training.registry import register_plugin
@@ -162,9 +162,8 @@ class Router(nn.Module):
 def _example(model: nn.Module) -> tuple:
     """A batch of 2 shaped like the model's inputs (16 caption tokens), for counting and timing a forward."""
     cfg = model.cfg
-    h, w = cfg.latent_hw
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, cfg.in_channels, h, w, generator=g)
+    x = torch.randn(2, cfg.in_channels, *cfg.latent_shape, generator=g)  # (2, C, h, w), clips (2, C, F, h, w)
     text = torch.randn(2, 16, cfg.text_dim or 1, generator=g) if cfg.text_dim else None
     mask = torch.ones(2, 16, dtype=torch.bool) if cfg.text_dim else None
     labels = torch.zeros(2, dtype=torch.long) if cfg.num_classes is not None else None
@@ -268,9 +267,10 @@ class CacheRouterStage(pl.Callback):
         if stage != "fit" or hasattr(pl_module, "router"):
             return
         model = pl_module.model
-        if not has_stack(model):
-            raise ValueError(f"plugins=[cache_router]: model.family={model.cfg.family} has no stack of transformer "
-                             f"blocks; the cache router handles {families_with(lambda p: p.stack)}")
+        if not plan_of(model.cfg.family).routed:
+            raise ValueError(f"plugins=[cache_router]: model.family={model.cfg.family}: "
+                             f"{plan_of(model.cfg.family).why_not}; the cache router handles "
+                             f"{families_with(lambda p: p.routed)}")
         model.requires_grad_(False)  # frozen: no gradients, so no optimizer state either
         branches = model_signature(model, self.objective_name)["branches"]
         router = Router(self.cfg.steps, branches, self.cfg.init_logit)  # trained, checkpointed, DDP-synced
@@ -330,7 +330,7 @@ class CacheRouterStage(pl.Callback):
         def predict(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             if g == 1:
                 return model(x, t.expand(x.shape[0]).float(), text, text_mask, labels).float()
-            return guide(model(x.repeat(2, 1, 1, 1), t.expand(2 * x.shape[0]).float(), text, text_mask, labels), g)
+            return guide(model(torch.cat([x, x]), t.expand(2 * x.shape[0]).float(), text, text_mask, labels), g)
 
         return predict
 

@@ -182,7 +182,7 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
         importance = block_importance(pipe, prompts, prompt_labels(pipe, prompts), SamplingPlan.of(cmd))
     n = len(importance)
     kept = choose_kept(importance, cmd.keep, cmd.method, list(cmd.protect), cmd.seed, pipe.model.cfg.family)
-    state = restack_state(model_weights(ckpt, used), kept)
+    state = restack_state(model_weights(ckpt, used), kept, pipe.model.cfg.family)
     report = {"command": "prune", "source": str(cmd.ckpt), "source_step": ckpt.get("global_step"), "weights": used,
               "method": cmd.method, "from_layers": n, "to_layers": cmd.keep, "kept": kept,
               "dropped": [i for i in range(n) if i not in kept], "protect": list(cmd.protect),

@@ -119,7 +119,7 @@ KEYS: dict[str, dict] = {
     ], "mutant": None},
     "model.num_frames": {"tests": [
         "tests/test_video.py::test_check_compatible_names_the_frames",
-        "tests/test_video.py::test_latte_latents_must_have_the_frames_it_was_built_for",
+        "tests/test_video.py::test_latte_denoises_a_shorter_clip_as_a_latte_built_for_its_frames_and_refuses_a_longer_one",
         "tests/test_video.py::test_video_keys_are_checked_naming_the_key",
     ], "mutant": "num_frames_not_checked"},
     "model.text_len": {"tests": [
@@ -906,6 +906,9 @@ KEYS: dict[str, dict] = {
     "eval.aspect": {"tests": [
         "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
     ], "mutant": "eval_aspect_ignored"},
+    "eval.num_frames": {"tests": [
+        "tests/test_evaluation.py::test_eval_settings_reach_the_generation",
+    ], "mutant": "eval_num_frames_ignored"},
     "eval.seeds": {"tests": [
         "tests/test_ema.py::test_an_ema_that_has_not_caught_up_is_not_used_silently",
         "tests/test_ema.py::test_grids_and_the_final_evaluation_use_the_averaged_weights",

@@ -132,9 +132,16 @@ MUTANTS = [
              "        flag = torch.tensor([float(late)])"),),
            (DIST + "test_preemption_signal_mid_run_saves_one_step_on_every_rank_and_the_requeued_run_matches",)),
     Mutant("scancel_requeues", "a cancelled job (SIGTERM, no preemption) requeues itself",
-           (("framework/training/checkpointing.py", 'preempted = fields.get("JobState") == "RUNNING" and',
-             'preempted = True or'),),
+           (("framework/training/checkpointing.py", '            if when not in ("None", "Unknown", "") and when >= start:',
+             '            if True:'),),
            (DIST + "test_slurm_signal_saves_a_checkpoint_requeues_or_stops_and_the_rerun_resumes_there",)),
+    Mutant("stale_preempt_time_counted", "a cancelled job that was preempted in an earlier run requeues itself",
+           (("framework/training/checkpointing.py", '            if when not in ("None", "Unknown", "") and when >= start:',
+             '            if when not in ("None", "Unknown", ""):'),),
+           ("tests/test_checkpoints.py::test_a_sigterm_is_a_preemption_only_when_slurm_recorded_one_in_this_run",)),
+    Mutant("preemption_asked_once", "a preemption the controller records after the signal arrived is taken for a cancel",
+           (("framework/training/checkpointing.py", "            time.sleep(1.0)\n", "            break\n"),),
+           ("tests/test_checkpoints.py::test_a_sigterm_is_a_preemption_only_when_slurm_recorded_one_in_this_run",)),
     Mutant("preemption_not_requeued", "a job Slurm preempts saves and ends without being requeued",
            (("framework/training/checkpointing.py", 'if self.saved == REQUEUE or (trainer.is_global_zero and self.preempted()):',
              'if self.saved == REQUEUE:'),),
@@ -226,7 +233,7 @@ MUTANTS = [
              "        raw = z"),),
            ("tests/test_video.py::test_wan_trains_on_video_vae_latents_samples_their_frames_and_exports_a_pipeline_with_the_vae",)),
     Mutant("video_vae_frames_unchecked", "precompute takes a clip length a video VAE cannot compress whole",
-           (("data_prep/precompute.py", "        codec.check_frames(cfg.num_frames)\n", "        pass\n"),),
+           (("data_prep/precompute.py", "            codec.check_frames(count)\n", "            pass\n"),),
            ("tests/test_video.py::test_a_video_vae_is_refused_frames_it_cannot_compress_images_and_tiles_it_cannot_take",)),
     Mutant("i3d_key_ignored", "eval.i3d is never read: clips get no fvd",
            (("framework/evaluation/realdata.py", '    if getattr(settings, "i3d", None):\n', "    if False:\n"),),
@@ -393,13 +400,16 @@ MUTANTS = [
            (("framework/evaluation/scoring.py", "ranks=ranks, batch_size=settings.batch_size,", "ranks=ranks, batch_size=64,"),),
            ("tests/test_evaluation.py::test_eval_settings_reach_the_generation",)),
     Mutant("eval_height_ignored", "evaluations ignore eval.height",
-           (("framework/evaluation/scoring.py", "pipe.latent_size(settings.height, settings.width, settings.aspect)", "pipe.latent_size(None, settings.width, settings.aspect)"),),
+           (("framework/evaluation/scoring.py", "pipe.latent_size(settings.height, settings.width, settings.aspect, settings.num_frames)", "pipe.latent_size(None, settings.width, settings.aspect, settings.num_frames)"),),
            ("tests/test_evaluation.py::test_eval_settings_reach_the_generation",)),
     Mutant("eval_width_ignored", "evaluations ignore eval.width",
-           (("framework/evaluation/scoring.py", "pipe.latent_size(settings.height, settings.width, settings.aspect)", "pipe.latent_size(settings.height, None, settings.aspect)"),),
+           (("framework/evaluation/scoring.py", "pipe.latent_size(settings.height, settings.width, settings.aspect, settings.num_frames)", "pipe.latent_size(settings.height, None, settings.aspect, settings.num_frames)"),),
            ("tests/test_evaluation.py::test_eval_settings_reach_the_generation",)),
     Mutant("eval_aspect_ignored", "evaluations ignore eval.aspect",
-           (("framework/evaluation/scoring.py", "pipe.latent_size(settings.height, settings.width, settings.aspect)", "pipe.latent_size(settings.height, settings.width, None)"),),
+           (("framework/evaluation/scoring.py", "pipe.latent_size(settings.height, settings.width, settings.aspect, settings.num_frames)", "pipe.latent_size(settings.height, settings.width, None, settings.num_frames)"),),
+           ("tests/test_evaluation.py::test_eval_settings_reach_the_generation",)),
+    Mutant("eval_num_frames_ignored", "evaluations ignore eval.num_frames",
+           (("framework/evaluation/scoring.py", "pipe.latent_size(settings.height, settings.width, settings.aspect, settings.num_frames)", "pipe.latent_size(settings.height, settings.width, settings.aspect, None)"),),
            ("tests/test_evaluation.py::test_eval_settings_reach_the_generation",)),
     Mutant("eval_pick_ignored", "the evaluation keeps one image per prompt whatever eval.pick says",
            (("framework/evaluation/evaluate.py", "settings.selection, settings.pick).flatten", "settings.selection, 1).flatten"),),
@@ -719,6 +729,21 @@ MUTANTS = [
            (("framework/evaluation/motion.py", "    best = mass.flatten(1).argmax(1)  # (N,)",
              "    best = mass.flatten(1).argmax(1) * 0  # (N,)"),),
            ("tests/test_video.py::test_real_clips_score_their_digit_and_direction_and_reversed_ones_the_opposite",)),
+    Mutant("clip_bucket_shortest_count", "a clip goes to the shortest frame count instead of the longest it has frames for",
+           (("data_prep/buckets.py", "    count = max(f for f, _, _ in buckets if f <= frames)",
+             "    count = min(f for f, _, _ in buckets if f <= frames)"),),
+           ("tests/test_video.py::test_clips_go_to_the_longest_frame_count_they_have_at_their_aspect_and_train_and_sample_by_bucket",)),
+    Mutant("clip_min_frames_ignored", "a clip shorter than the longest frame count is skipped as too short",
+           (("data_prep/video.py", "    least = num_frames if min_frames is None else min_frames",
+             "    least = num_frames"),),
+           ("tests/test_video.py::test_clips_go_to_the_longest_frame_count_they_have_at_their_aspect_and_train_and_sample_by_bucket",)),
+    Mutant("sample_num_frames_ignored", "framework.sample makes the longest trained clips whatever num_frames= says",
+           (("framework/sample.py", "                                                                                cfg.num_frames))",
+             "                                                                                None))"),),
+           ("tests/test_video.py::test_clips_go_to_the_longest_frame_count_they_have_at_their_aspect_and_train_and_sample_by_bucket",)),
+    Mutant("latte_short_clip_last_positions", "a clip shorter than model.num_frames takes the last rows of Latte's temporal positions",
+           (("framework/models/backbones.py", "    net.temp_pos_embed = full[:, :frames]", "    net.temp_pos_embed = full[:, -frames:]"),),
+           ("tests/test_video.py::test_latte_denoises_a_shorter_clip_as_a_latte_built_for_its_frames_and_refuses_a_longer_one",)),
 ]
 
 
@@ -756,7 +781,9 @@ def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
     """(pytest's exit status, seconds, the end of its output); the status is 124 after `timeout`."""
     tmp = Path(tempfile.mkdtemp(prefix="mt", dir="/tmp"))  # short: sockets are created under TMPDIR
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
-    env.update(TMPDIR=str(tmp), PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    # COLUMNS: pytest cuts the short summary's lines to the terminal's width (80 without one), which left a long test
+    # name's reason as "As..." and its assertion failure read as a crash
+    env.update(TMPDIR=str(tmp), PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", COLUMNS="1000")
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",

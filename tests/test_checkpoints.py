@@ -110,3 +110,37 @@ def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
     sync, background = (weights(runs[m] / "checkpoints" / "last.ckpt") for m in ("false", "true"))
     for k in sync:
         torch.testing.assert_close(background[k], sync[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("answers,preempted,asked", [
+    # a preemption of this run: requeue, whatever state the job shows by then
+    (["JobState=COMPLETING StartTime=2026-01-01T10:00:00 PreemptTime=2026-01-01T10:05:00"], True, 1),
+    # a cancel of a job preempted in an earlier run (requeued since): its old PreemptTime does not count
+    (["JobState=CANCELLED StartTime=2026-01-01T10:00:00 PreemptTime=2026-01-01T09:00:00"], False, 1),
+    # the controller records the preemption after the signal arrived: asked again
+    (["JobState=RUNNING StartTime=2026-01-01T10:00:00 PreemptTime=None",
+      "JobState=RUNNING StartTime=2026-01-01T10:00:00 PreemptTime=2026-01-01T10:05:00"], True, 2),
+    # still running and never preempted (a SIGTERM sent by hand): asked 3 times, then stopped
+    (["JobState=RUNNING StartTime=2026-01-01T10:00:00 PreemptTime=None"] * 3, False, 3),
+])
+def test_a_sigterm_is_a_preemption_only_when_slurm_recorded_one_in_this_run(tmp_path, monkeypatch, answers, preempted,
+                                                                           asked):
+    """SlurmPreemption.preempted reads `scontrol show job` (here a script that answers `answers` in turn)."""
+    import os
+    import time
+
+    from framework.training.checkpointing import SlurmPreemption
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "answers").write_text("".join(f"JobId=7 {a}\n" for a in answers))
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n'
+                        f'sed -n "$(wc -l < {tmp_path}/calls)p" {tmp_path}/answers\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    assert SlurmPreemption().preempted() is preempted
+    assert (tmp_path / "calls").read_text().splitlines() == ["show job -o 7"] * asked

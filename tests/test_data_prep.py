@@ -67,7 +67,7 @@ def test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read(digits_s
     # fp16 text: still format 1, which LatentForge before text_storage reads too (format 2 adds the other storages,
     # format 3 a row per image with several captions, format 4 the posterior's std, format 5 video clips, format 6 a
     # video VAE's clips)
-    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 6)
+    assert (record.format_version, record.text_storage, FORMAT_VERSION) == (1, "fp16", 7)
     assert record.num_samples == 1438 * 3
     assert record.to_json() == written  # no field lost or added on the way through
     # optional fields stay out when a dataset has none

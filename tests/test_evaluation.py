@@ -243,7 +243,7 @@ def test_clip_judge_scores_each_image_against_its_own_prompt(tmp_path):
 
 def test_eval_settings_reach_the_generation():
     """eval.guidance, eval.sampler, eval.cache_schedule, eval.batch_size and the size keys (eval.height / width /
-    aspect) reach the plan and the generate call; the pipeline is a recorder here."""
+    aspect / num_frames) reach the plan and the generate call; the pipeline is a recorder here."""
     from types import SimpleNamespace
 
     from framework.evaluation.prompts import PromptSet
@@ -256,8 +256,8 @@ def test_eval_settings_reach_the_generation():
         def __init__(self) -> None:
             self.calls = []
 
-        def latent_size(self, height, width, aspect):
-            self.calls.append(("size", height, width, aspect))
+        def latent_size(self, height, width, aspect, num_frames):
+            self.calls.append(("size", height, width, aspect, num_frames))
             return (4, 6)
 
         def generate(self, prompts, plan, labels, ranks=None, batch_size=64, progress=False):
@@ -268,10 +268,10 @@ def test_eval_settings_reach_the_generation():
     pipe = Recorder()
     ps = PromptSet("digits", ["a", "b"], [0, 1], np.zeros(2, dtype=bool), None)
     settings = EvalSettings(guidance=2.5, sampler="ddim", batch_size=3, height=32, width=48, aspect="3:2",
-                            cache_schedule="uniform:2")
+                            num_frames=9, cache_schedule="uniform:2")
     images, _ = generate_candidates(pipe, ps, settings, 2)
     assert images.shape == (2, 2, 3, 4, 6)
-    assert pipe.calls == [("size", 32, 48, "3:2"), ("generate", 2.5, "ddim", "uniform:2", (4, 6), 2, 3)]
+    assert pipe.calls == [("size", 32, 48, "3:2", 9), ("generate", 2.5, "ddim", "uniform:2", (4, 6), 2, 3)]
 
 
 def test_eval_pick_judge_and_judge_path_reach_the_selection(monkeypatch):

@@ -72,11 +72,19 @@ def test_wan_pads_every_caption_to_text_len_and_refuses_a_longer_one():
         assert net(x, t, text[:, :5], mask[:, :5]).sub(longer(x, t, text[:, :5], mask[:, :5])).abs().max() > 1e-5
 
 
-def test_latte_latents_must_have_the_frames_it_was_built_for():
+def test_latte_denoises_a_shorter_clip_as_a_latte_built_for_its_frames_and_refuses_a_longer_one():
+    """A frame-count bucket's clip has fewer frames than model.num_frames (the longest): it takes the first rows of the
+    temporal positions, which is what a Latte built for that many frames has."""
     net = build_denoiser(load_preset("latte_debug", num_frames=4)).eval()
+    short = build_denoiser(load_preset("latte_debug", num_frames=3)).eval()
+    short.load_state_dict(net.state_dict())
     x, t, text, mask = _clip_inputs(net.cfg)
-    with torch.no_grad(), pytest.raises(RuntimeError):
-        net(x[:, :, :3], t, text, mask)  # its temporal position embedding has num_frames rows
+    with torch.no_grad():
+        torch.testing.assert_close(net(x[:, :, :3], t, text, mask), short(x[:, :, :3], t, text, mask))
+        assert net.net.temp_pos_embed.shape[1] == 4  # put back
+        with pytest.raises(ValueError, match="a clip of 5 latent frames: this Latte's temporal positions go up to "
+                                             "model.num_frames=4"):
+            net(torch.cat([x, x[:, :, :1]], 2), t, text, mask)
 
 
 @pytest.mark.parametrize("preset,override,message", [
@@ -326,6 +334,77 @@ def test_a_model_of_the_other_kind_than_the_data_is_refused(tmp_path, request, m
         train(compose_cfg(cheap(tmp_path, shards, f"model={model}", steps=1)))
 
 
+@pytest.mark.parametrize("family", ["latte", "wan"])
+def test_the_cache_router_learns_a_schedule_of_video_blocks_that_sampling_follows(tmp_path, trained, moving_shards,
+                                                                                  family):
+    """experiment=cache_router on a video checkpoint: a logit per (cache step, block, branch) of every block view
+    (Latte's spatial blocks with cross-attention and its temporal blocks without, one after the other; Wan's 3D
+    blocks), the backbone left bit for bit, and sampling with the learned schedule, or a uniform one, calls exactly
+    the branches the schedule computes."""
+    from framework.inference.caching import CacheSchedule, resolve_schedule
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import SamplingPlan
+    from framework.models.blocks import block_views
+    from framework.train import train
+
+    _, ckpt = trained(family)
+    out = train(compose_cfg(cheap(tmp_path, moving_shards, "experiment=cache_router", f"init_from={ckpt}",
+                                  f"model={family}_debug", "plugins.cache_router.steps=4", "eval.at_end=false", steps=2,
+                                  run="stage")))
+    schedule = CacheSchedule.load(Path(out["run_dir"]) / "cache_schedule.json")
+    pipe = Pipeline.from_checkpoint(out["checkpoint"], weights="train")
+    full, spatial_only = ["self_attn", "cross_attn", "mlp"], ["self_attn", "mlp"]
+    layer = [full, spatial_only] if family == "latte" else [full]
+    assert schedule.model["branches"] == layer * pipe.model.cfg.num_layers and schedule.steps == 4
+    before, after = (torch.load(c, weights_only=True)["state_dict"] for c in (ckpt, out["checkpoint"]))
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model."))
+    plain = pipe.generate(["a 3 moving left"], SamplingPlan(steps=4, seed=1))
+    for chosen in (schedule, resolve_schedule("uniform:2", pipe.model, "flow", "flow_euler", 4)):
+        calls: dict[tuple[int, int], int] = {}
+        hooks = []
+        for i, view in enumerate(block_views(pipe.model)):
+            for j, branch in enumerate(view.branches):
+                calls[(i, j)] = 0
+                hooks.append(branch.module.register_forward_hook(
+                    lambda *_, key=(i, j), calls=calls: calls.__setitem__(key, calls[key] + 1)))
+        try:
+            clips = pipe.generate(["a 3 moving left"], SamplingPlan(steps=4, seed=1, cache_schedule=chosen))
+        finally:
+            for h in hooks:
+                h.remove()
+        assert calls == {(i, j): sum(step[i][j] for step in chosen.compute) for (i, j) in calls}
+        assert clips.shape == plain.shape and (chosen.computed_fraction < 1) == bool((clips - plain).abs().max() > 0)
+
+
+def test_wan_grows_and_prunes_by_whole_3d_blocks_through_the_commands(tmp_path, trained, moving_shards):
+    """Wan's blocks are one stack (net.blocks): growth adds a block that starts as the identity (the source's clips
+    come out), depth pruning's block importance finds it and drops it (the same clips again), and a run trains from the
+    grown checkpoint at its depth."""
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import SamplingPlan
+    from framework.train import train
+    from framework.training.checkpointing import save_derived
+    from plugins.growth import GrowthConfig, grow_checkpoint
+    from plugins.prune import PruneCommand, prune
+
+    _, ckpt = trained("wan")
+    state, source, record = grow_checkpoint(str(ckpt), 3, GrowthConfig(ckpt=str(ckpt)), seed=0)
+    grown = save_derived(tmp_path / "grown.ckpt", state, source, {"num_layers": 3}, record)
+    plan = SamplingPlan(steps=3, seed=1)
+    clips = lambda path: Pipeline.from_checkpoint(path).generate(["a 3 moving left"], plan)  # noqa: E731
+    want = clips(ckpt)
+    assert len(Pipeline.from_checkpoint(grown).model.net.blocks) == 3
+    torch.testing.assert_close(clips(grown), want, rtol=0, atol=1e-5)
+    report = prune(PruneCommand(ckpt=str(grown), keep=2, out=str(tmp_path / "pruned" / "p.ckpt"),
+                                prompts=["a 3 moving left", "the digit seven moving up"], steps=3))
+    bi = report["importance"]
+    assert report["dropped"] == [2] and bi[2] < 1e-6 < min(bi[:2]), bi
+    torch.testing.assert_close(clips(tmp_path / "pruned" / "p.ckpt"), want, rtol=0, atol=1e-5)
+    out = train(compose_cfg(cheap(tmp_path, moving_shards, "model=wan_debug", f"init_from={grown}",
+                                  "model.num_layers=3", steps=1, run="from_grown")))
+    assert len(losses(Path(out["run_dir"]))) == 1
+
+
 def test_check_compatible_names_the_frames(moving_shards):
     from framework.data.datamodule import check_compatible, read_dataset_info
 
@@ -504,6 +583,7 @@ def test_a_video_vae_is_refused_frames_it_cannot_compress_images_and_tiles_it_ca
     vae = make_tiny_video_vae(tmp_path / "vae")
     cfg = _clip_config(tmp_path, tiny_text_encoder_dir, vae, "clips")
     for keys, message in [({"num_frames": 8}, r"num_frames=8: .* use 1 \+ 4k frames \(5 or 9"),
+                          ({"num_frames": [5, 8]}, r"num_frames=8: .* use 1 \+ 4k frames \(5 or 9"),
                           ({"vae_tile": 6}, "vae_tile=6: a tile side in pixels, a multiple of the VAE's downsample factor 4"),
                           ({"vae": str(make_tiny_vae(tmp_path / "image_vae")), "vae_tile": 8},
                            "vae_tile=8: tiling is for a video VAE"),
@@ -537,6 +617,78 @@ def test_a_tiled_video_vae_encodes_in_tiles_and_sampling_decodes_with_the_same_t
     pipe = Pipeline(build_denoiser(load_preset("wan_debug", in_channels=4, sample_size=4, num_frames=3, text_dim=32)),
                     Objective(ObjectiveConfig()), torch.zeros(1, 32), summary)
     assert pipe.codec.tile == 8 and pipe.codec.vae.use_tiling
+
+
+# --------------------------------------------------------------------------------------------------
+# Frame-count and aspect-ratio buckets
+# --------------------------------------------------------------------------------------------------
+
+# name -> (frames, height, width) of uniformly gray videos, frame i of the k-th at level 10 i + 3 k; with num_frames=[4, 8]
+# and buckets 16x16, 16x24, 24x16 each goes to the longest count it has at its own shape (d: too short for either)
+BUCKETED_VIDEOS = {"a": (12, 16, 16), "b": (6, 16, 24), "c": (9, 24, 16), "d": (3, 16, 16), "e": (5, 16, 16),
+                   "f": (8, 16, 16), "g": (7, 16, 24), "h": (10, 24, 16), "i": (6, 16, 16)}
+EXPECTED_BUCKETS = {"bucket_4f_16x16": "ei", "bucket_4f_16x24": "bg", "bucket_8f_16x16": "af", "bucket_8f_24x16": "ch"}
+
+
+def test_clips_go_to_the_longest_frame_count_they_have_at_their_aspect_and_train_and_sample_by_bucket(
+        tmp_path, tiny_text_encoder_dir, extra_callback):
+    """precompute num_frames=[8, 4] buckets=[...]: each clip takes the first 4 or 8 frames (the most it has) at the
+    bucket of its aspect ratio, one MDS folder per (frames, size) bucket, recorded in dataset.json (format 7); Latte
+    trains on them a bucket a global batch, its clips of 4 frames through the first rows of its temporal positions;
+    sampling makes a trained frame count and size (num_frames=, height=, width=) and refuses an untrained one."""
+    import av
+    import lightning.pytorch as pl
+
+    from data_prep.precompute import precompute
+    from data_prep.record import DatasetRecord
+    from framework.sample import SampleCommand, run as sample
+    from framework.train import train
+
+    src = tmp_path / "videos"
+    src.mkdir()
+    for k, (name, (n, h, w)) in enumerate(BUCKETED_VIDEOS.items()):
+        write_video(src / f"{name}.mp4", [np.full((h, w, 3), 10 * i + 3 * k, np.uint8) for i in range(n)])
+        (src / f"{name}.txt").write_text(f"clip {name}")
+    out = Path(precompute({"source": {"name": "video_folder", "path": str(src)}, "vae": "pixel", "image_mode": "L",
+                           "text_encoder": str(tiny_text_encoder_dir), "resolution": 16, "num_frames": [8, 4],
+                           "buckets": [[16, 16], [16, 24], [24, 16]], "max_bad_fraction": 1.0, "out": str(tmp_path / "data"),
+                           "progress": False}, rank=0, world_size=1))
+    rec = DatasetRecord.read(out)
+    assert (rec.format_version, rec.num_frames, rec.num_samples, rec.skipped["bad_images"]) == (7, 8, 8, 1)
+    assert {b["dir"]: (b["frames"], b["latent_frames"], b["num_samples"]) for b in rec.buckets} == {
+        "bucket_4f_16x16": (4, 4, 2), "bucket_4f_16x24": (4, 4, 2), "bucket_4f_24x16": (4, 4, 0),
+        "bucket_8f_16x16": (8, 8, 2), "bucket_8f_16x24": (8, 8, 0), "bucket_8f_24x16": (8, 8, 2)}
+    for folder, names in EXPECTED_BUCKETS.items():
+        frames, (h, w) = int(folder[7]), map(int, folder[10:].split("x"))
+        rows = sorted(read_rows(out / folder), key=lambda r: r["key"])
+        assert [r["key"] for r in rows] == [f"{name}.mp4#0" for name in names]
+        for r in rows:
+            k = list(BUCKETED_VIDEOS).index(r["key"][0])
+            assert r["latents"].shape == (1, frames, h, w)
+            want = (10 * np.arange(frames) + 3 * k) / 127.5 - 1  # the clip's first frames, each uniform
+            np.testing.assert_allclose(r["latents"].astype(np.float32).mean(axis=(0, 2, 3)), want, atol=2 / 127.5)
+
+    class Shapes(pl.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.seen.append(tuple(batch["latents"].shape))
+
+    shapes = extra_callback(Shapes())
+    result = train(compose_cfg(cheap(tmp_path, out, "model=latte_debug", "data.batch_size=2", steps=4)))
+    # one epoch: each bucket's two clips make one global batch
+    assert sorted(shapes.seen) == [(2, 1, 4, 16, 16), (2, 1, 4, 16, 24), (2, 1, 8, 16, 16), (2, 1, 8, 24, 16)]
+    assert all(np.isfinite(list(losses(tmp_path / "run").values())))
+    wide = {"ckpt": result["checkpoint"], "prompts": ["clip a"], "steps": 2, "device": "cpu", "height": 16, "width": 24}
+    paths = sample(SampleCommand(out=str(tmp_path / "wide"), num_frames=4, **wide))
+    with av.open(str(paths[0])) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 4 and frames[0].shape == (172, 256, 3)  # 4 frames of 16x24, enlarged (even sides for H.264)
+    with pytest.raises(ValueError, match="num_frames=8: the model was trained on clips of 4 frames at this size"):
+        sample(SampleCommand(out=str(tmp_path / "refused"), num_frames=8, **wide))
+    with pytest.raises(ValueError, match="num_frames=5: the model was trained on clips of 4, 8 frames at this size"):
+        sample(SampleCommand(ckpt=result["checkpoint"], out=str(tmp_path / "refused"), num_frames=5, device="cpu"))
 
 
 def test_wan_trains_on_video_vae_latents_samples_their_frames_and_exports_a_pipeline_with_the_vae(

@@ -171,8 +171,9 @@ class DatasetInfo:
             "shift_factor": self.shift_factor, "num_classes": self.num_classes,
             "latent_channels": self.latent_channels, "latent_size": list(self.latent_size), "text_dim": self.text_dim,
             "prompts": list(self.prompt_embeds), "prompt_embeds": dict(self.prompt_embeds),
-            "downsample": self.downsample, "buckets": [list(b["latent_size"]) for b in self.buckets],
+            "downsample": self.downsample, "buckets": [bucket_shape(b) for b in self.buckets],
             "num_frames": self.num_frames, "fps": self.fps, "vae_tile": self.vae_tile,
+            "temporal_compression": self.record.temporal_compression if self.record else None,
             # how prompts are encoded as the captions were (load_text_encoder's max_tokens and prefix)
             "text_settings": {k: v for k, v in (self.record.text_encoder if self.record else {}).items()
                               if k in ("max_tokens", "prefix")},
@@ -348,6 +349,11 @@ def check_compatible(info: DatasetInfo, in_channels: int, latent_hw: tuple[int, 
 # ---------------------------------------------------------------------------------------------
 
 
+def bucket_shape(bucket: dict) -> list[int]:
+    """A bucket's latents after the channels: [h, w], or a clip bucket's [latent frames, h, w]."""
+    return ([bucket["latent_frames"]] if "latent_frames" in bucket else []) + list(bucket["latent_size"])
+
+
 class LatentCollate:
     """Stack latents and scale them (the one place scaling happens); pad text and build the mask. Samples of
     aspect-ratio buckets also give `size_ids` (B, 6): their original size and crop corner (over the codec's
@@ -519,18 +525,19 @@ class LatentDataModule(L.LightningDataModule):
 
         used = [b for b in self.info.buckets if b["num_samples"] >= global_batch]
         small = [b for b in self.info.buckets if b["num_samples"] < global_batch]
-        name = lambda b: f"{b['size'][0]}x{b['size'][1]}"
+        name = lambda b: (f"{b['frames']} frames " if "frames" in b else "") + f"{b['size'][0]}x{b['size'][1]}"
+        kind = "clip" if any("frames" in b for b in self.info.buckets) else "aspect-ratio"
         if not used:
-            raise ValueError(f"every aspect-ratio bucket of {self.cfg.path} has fewer samples than one global batch "
+            raise ValueError(f"every {kind} bucket of {self.cfg.path} has fewer samples than one global batch "
                              f"({global_batch}): " + ", ".join(f"{name(b)}: {b['num_samples']}" for b in small)
                              + "; lower data.batch_size or precompute with fewer buckets")
         if small:
             lost = sum(b["num_samples"] for b in small)
-            rank_zero_warn(f"data: {len(small)} aspect-ratio buckets have fewer samples than a global batch ({global_batch}) "
+            rank_zero_warn(f"data: {len(small)} {kind} buckets have fewer samples than a global batch ({global_batch}) "
                            f"and are left out ({lost} of {self.info.num_samples} samples): "
                            + ", ".join(f"{name(b)}: {b['num_samples']}" for b in small))
         remainder = sum(b["num_samples"] % global_batch for b in used)
-        rank_zero_info(f"data: {len(used)} aspect-ratio buckets, each global batch from one; each epoch leaves about "
+        rank_zero_info(f"data: {len(used)} {kind} buckets, each global batch from one; each epoch leaves about "
                        f"{remainder} samples out (each bucket's count modulo {global_batch}), different ones each epoch")
         return used
 

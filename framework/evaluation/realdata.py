@@ -235,10 +235,9 @@ def evaluate_real(pipe: Any, settings: Any, grid_path: str | Path | None = None,
 
     video = pipe.model.cfg.is_video
     check_real_networks(settings, video)
-    size = pipe.latent_size(settings.height, settings.width, settings.aspect)
-    frames = (pipe.model.cfg.num_frames,) if video else ()
+    size = pipe.latent_size(settings.height, settings.width, settings.aspect, settings.num_frames)
     # (1, C, H, W), or a clip (1, F, C, H, W): the size images come out at, the frames a video VAE gives
-    probe = pipe.decode(torch.zeros(1, pipe.model.cfg.in_channels, *frames, *size))
+    probe = pipe.decode(torch.zeros(1, pipe.model.cfg.in_channels, *size))
     if video:
         real, captions = real_clips(settings.real, probe.shape[1], pipe.info.get("fps"), probe.shape[-2],
                                     probe.shape[-1])

@@ -97,8 +97,8 @@ def generate_candidates(pipe: Pipeline, ps: PromptSet, settings: EvalSettings, n
     than rank 0) gets (None, images/s)."""
     t0 = time.perf_counter()
     labels = ps.labels if pipe.model.cfg.num_classes is not None else None
-    plan = SamplingPlan.of(settings, seed=0, candidates=n,
-                           size=pipe.latent_size(settings.height, settings.width, settings.aspect))
+    size = pipe.latent_size(settings.height, settings.width, settings.aspect, settings.num_frames)
+    plan = SamplingPlan.of(settings, seed=0, candidates=n, size=size)
     images = pipe.generate(ps.prompts, plan, labels, ranks=ranks, batch_size=settings.batch_size, progress=progress)
     seconds = time.perf_counter() - t0
     rate = len(ps.prompts) * n / seconds

@@ -17,6 +17,9 @@ class ImageSize:
     """Image width in pixels (with height)."""
     aspect: str | None = None
     """Instead of height / width: an aspect ratio W:H (16:9, 3:4); the trained size nearest it."""
+    num_frames: int | None = None
+    """Video models: the frames of each clip, one of the counts the model was trained at (its dataset's frame-count
+    buckets); null: the longest."""
 
 
 @dataclass

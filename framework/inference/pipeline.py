@@ -76,15 +76,35 @@ class Pipeline:
         # The dataset's precomputed grid prompts: generating them loads no text encoder.
         self._cache: dict[str, torch.Tensor] = {p: e.float() for p, e in dataset_info.get("prompt_embeds", {}).items()}
 
-    def sizes(self) -> list[tuple[int, int]]:
-        """The latent sizes the model was trained at: its aspect-ratio buckets, or its one size."""
-        return [tuple(b) for b in self.info.get("buckets") or []] or [tuple(self.model.cfg.latent_hw)]
+    def sizes(self) -> list[tuple[int, ...]]:
+        """The latent shapes after the channels the model was trained at, (h, w) of images and (frames, h, w) of clips:
+        its dataset's buckets, or its one shape."""
+        return [tuple(b) for b in self.info.get("buckets") or []] or [tuple(self.model.cfg.latent_shape)]
 
-    def latent_size(self, height: int | None = None, width: int | None = None,
-                    aspect: str | None = None) -> tuple[int, int]:
-        """The latent (h, w) for an image of height x width pixels, or of aspect ratio "W:H" (the trained bucket nearest
-        it); the model's own size when neither is given. A size the model was not trained at is refused."""
-        ds, sizes = int(self.info.get("downsample", 1)), self.sizes()
+    def latent_size(self, height: int | None = None, width: int | None = None, aspect: str | None = None,
+                    num_frames: int | None = None) -> tuple[int, ...]:
+        """The latent shape after the channels for an image of height x width pixels, or of aspect ratio "W:H" (the
+        trained bucket nearest it), the model's own size when neither is given; a video model's clip of `num_frames`
+        frames (pixels; null: the longest it was trained at) takes (latent frames, h, w). A size or frame count the
+        model was not trained at is refused."""
+        hw = self._latent_hw(height, width, aspect)
+        if not self.model.cfg.is_video:
+            if num_frames is not None:
+                raise ValueError(f"num_frames={num_frames}: this model makes images; drop num_frames")
+            return hw
+        counts = sorted({s[0] for s in self.sizes() if tuple(s[1:]) == hw} or {s[0] for s in self.sizes()})
+        if num_frames is None:
+            return (counts[-1], *hw)
+        step = int(self.info.get("temporal_compression") or 1)  # pixel frames per latent frame after the first
+        pixel_frames = lambda c: 1 + (c - 1) * step
+        if num_frames < 1 or (num_frames - 1) % step or 1 + (num_frames - 1) // step not in counts:
+            raise ValueError(f"num_frames={num_frames}: the model was trained on clips of "
+                             f"{', '.join(str(pixel_frames(c)) for c in counts)} frames at this size; use one of those")
+        return (1 + (num_frames - 1) // step, *hw)
+
+    def _latent_hw(self, height: int | None, width: int | None, aspect: str | None) -> tuple[int, int]:
+        """The latent (h, w) of latent_size."""
+        ds, sizes = int(self.info.get("downsample", 1)), list(dict.fromkeys(tuple(s[-2:]) for s in self.sizes()))
         pixels = lambda s: f"{s[0] * ds}x{s[1] * ds}"
         if aspect is not None:
             if height is not None or width is not None:

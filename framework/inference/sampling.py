@@ -104,8 +104,7 @@ class Sampler:
             raise ValueError(f"size={plan.size}: the model was trained at latent sizes {pipe.sizes()}")
         self.pipe, self.plan, self.batch_size, self.progress = pipe, plan, batch_size, progress
         cfg = pipe.model.cfg
-        frames = cfg.latent_shape[:-2]  # (F,) for a video family
-        self.shape = (cfg.in_channels, *frames, *(plan.size or cfg.latent_hw))  # one image's (clip's) latents
+        self.shape = (cfg.in_channels, *(plan.size or cfg.latent_shape))  # one image's (clip's) latents
         self.schedule = pipe.schedule(plan.cache_schedule, plan.sampler, plan.steps)
 
     def images(self, draws: Draws, decode: bool = True, progress: bool | None = None) -> torch.Tensor:

@@ -9,9 +9,10 @@ one call signature for all families, validated sizes, and safe xformers selectio
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from diffusers import (
@@ -449,8 +450,9 @@ class Denoiser(nn.Module):
             elif family == "latte":
                 # Its spatial blocks see each frame as a sample: the caption's additive bias, one per frame.
                 bias = None if mask is None else ((1 - mask) * -10000.0).repeat_interleave(x.shape[2], 0).unsqueeze(1)
-                out = self.net(x, timestep=t, encoder_hidden_states=text, encoder_attention_mask=bias,
-                               return_dict=False)[0]
+                with latte_frames(self.net, x.shape[2]):
+                    out = self.net(x, timestep=t, encoder_hidden_states=text, encoder_attention_mask=bias,
+                                   return_dict=False)[0]
             elif family == "wan":
                 out = self.net(x, timestep=t, encoder_hidden_states=self.padded_text(text, text_mask),
                                return_dict=False)[0]
@@ -464,6 +466,24 @@ class Denoiser(nn.Module):
         if self.cfg.learned_sigma:
             out, _variance = out.chunk(2, dim=1)  # (B, C, h, w) each
         return out
+
+
+@contextmanager
+def latte_frames(net: nn.Module, frames: int) -> Iterator[None]:
+    """Latte adds its whole table of temporal positions (one row per model.num_frames) to every clip; a clip of fewer
+    frames (a frame-count bucket of precompute's num_frames=[...]) takes the first `frames` rows while in here."""
+    full = net.temp_pos_embed  # (1, num_frames, D), a buffer
+    if frames > full.shape[1]:
+        raise ValueError(f"a clip of {frames} latent frames: this Latte's temporal positions go up to model.num_frames="
+                         f"{full.shape[1]}")
+    if frames == full.shape[1]:
+        yield
+        return
+    net.temp_pos_embed = full[:, :frames]
+    try:
+        yield
+    finally:
+        net.temp_pos_embed = full
 
 
 def to_model_config(cfg: ModelConfig | DictConfig | dict) -> ModelConfig:

@@ -116,7 +116,7 @@ def blocks(denoiser: Denoiser) -> nn.ModuleList:
     if not has_stack(denoiser):
         raise NotImplementedError(f"model.family={denoiser.cfg.family} has no uniform block stack "
                                   f"({plan_of(denoiser.cfg.family).why_not}); use block_views() for per-block access.")
-    return denoiser.net.transformer_blocks
+    return getattr(denoiser.net, plan_of(denoiser.cfg.family).stack_attr)
 
 
 def block_views(denoiser: Denoiser) -> list[BlockView]:
@@ -141,7 +141,7 @@ def replace_blocks(denoiser: Denoiser, new_blocks: nn.ModuleList) -> None:
     (`transformer_blocks[0].norm1.emb`), so a stack without the old block 0 changes that conditioning too.
     """
     blocks(denoiser)  # raises for families without a stack
-    denoiser.net.transformer_blocks = new_blocks
+    setattr(denoiser.net, plan_of(denoiser.cfg.family).stack_attr, new_blocks)
     denoiser.net.register_to_config(num_layers=len(new_blocks))
     denoiser.cfg.num_layers = len(new_blocks)
 
@@ -150,30 +150,33 @@ def replace_blocks(denoiser: Denoiser, new_blocks: nn.ModuleList) -> None:
 # The stack in a state dict (growth and pruning work on weights, then build the model they fit)
 # --------------------------------------------------------------------------------------------------
 
-STACK_PREFIX = "net.transformer_blocks."  # Denoiser keys of the stack's blocks: net.transformer_blocks.<i>.<rest>
+def stack_prefix(family: str) -> str:
+    """The Denoiser keys of a family's stack: net.transformer_blocks.<i>.<rest> (Wan: net.blocks.<i>.<rest>)."""
+    return f"net.{plan_of(family).stack_attr}."
 
 
-def stack_depth(state: dict[str, Any]) -> int:
-    """Number of blocks in the stack of a Denoiser-keyed state dict."""
-    return 1 + max((int(k[len(STACK_PREFIX):].split(".", 1)[0]) for k in state if k.startswith(STACK_PREFIX)),
-                   default=-1)
+def stack_depth(state: dict[str, Any], family: str) -> int:
+    """Number of blocks in the stack of a Denoiser-keyed state dict of `family`."""
+    prefix = stack_prefix(family)
+    return 1 + max((int(k[len(prefix):].split(".", 1)[0]) for k in state if k.startswith(prefix)), default=-1)
 
 
-def restack_state(state: dict[str, Any], order: list[int | None]) -> dict[str, Any]:
-    """`state` with its stack rebuilt: new block j holds old block order[j] (renumbered); None leaves block j
-    out (the caller fills it). Every tensor outside the stack is kept as it is."""
-    out = {k: v for k, v in state.items() if not k.startswith(STACK_PREFIX)}
+def restack_state(state: dict[str, Any], order: list[int | None], family: str) -> dict[str, Any]:
+    """`state` (of `family`) with its stack rebuilt: new block j holds old block order[j] (renumbered); None leaves
+    block j out (the caller fills it). Every tensor outside the stack is kept as it is."""
+    prefix = stack_prefix(family)
+    out = {k: v for k, v in state.items() if not k.startswith(prefix)}
     by_block: dict[int, dict[str, Any]] = {}
     for k, v in state.items():
-        if k.startswith(STACK_PREFIX):
-            index, rest = k[len(STACK_PREFIX):].split(".", 1)
+        if k.startswith(prefix):
+            index, rest = k[len(prefix):].split(".", 1)
             by_block.setdefault(int(index), {})[rest] = v
     for j, i in enumerate(order):
         if i is None:
             continue
         if i not in by_block:
             raise IndexError(f"block {i} is not in the state dict (its stack has {len(by_block)} blocks)")
-        out.update({f"{STACK_PREFIX}{j}.{rest}": v for rest, v in by_block[i].items()})
+        out.update({f"{prefix}{j}.{rest}": v for rest, v in by_block[i].items()})
     return out
 
 

@@ -353,20 +353,32 @@ class SlurmPreemption(pl.Callback):
         raise SIGTERMException
 
     def preempted(self) -> bool:
-        """Whether the SIGTERM came with a preemption rather than a cancel: Slurm shows a PreemptTime while the job
-        still runs (a cancelled one is COMPLETING). Such a job is requeued here like on the time-limit warning: Slurm
-        requeues a preempted job only if it still runs when its GraceTime is up, and one that saved and ended sooner
-        would otherwise end COMPLETED and never come back (seen on Slurm 22.05)."""
+        """Whether the SIGTERM came with a preemption rather than a cancel: Slurm records a PreemptTime (this run's:
+        not before its StartTime, so one left from a preemption of an earlier run of a requeued job does not count),
+        while a cancelled job shows none and is CANCELLED or COMPLETING at once. Such a job is requeued here like on
+        the time-limit warning: Slurm requeues a preempted job only if it still runs when its GraceTime is up, and one
+        that saved and ended sooner would otherwise end COMPLETED and never come back (seen on Slurm 22.05). A job
+        still RUNNING with no PreemptTime is asked again, for 2 s: the controller may not have recorded it
+        yet when the signal arrives (CI once saw a preempted job stop as if cancelled)."""
         job = slurm_job_id()
-        try:
-            out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60).stdout
-        except (FileNotFoundError, subprocess.TimeoutExpired):
-            return False
-        fields = dict(re.findall(r"(\w+)=(\S*)", out))
-        preempted = fields.get("JobState") == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown")
-        if preempted:
-            rank_zero_info(f"SIGTERM came with Slurm's preemption of job {job} (PreemptTime={fields['PreemptTime']})")
-        return preempted
+        fields: dict[str, str] = {}
+        for _ in range(3):
+            try:
+                out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
+                                     timeout=60).stdout
+            except (FileNotFoundError, subprocess.TimeoutExpired):
+                return False
+            fields = dict(re.findall(r"(\w+)=(\S*)", out))
+            when, start = fields.get("PreemptTime", "None"), fields.get("StartTime", "")
+            if when not in ("None", "Unknown", "") and when >= start:  # ISO times: their order is the text's
+                rank_zero_info(f"SIGTERM came with Slurm's preemption of job {job} (PreemptTime={when})")
+                return True
+            if fields.get("JobState") != "RUNNING":
+                break
+            time.sleep(1.0)
+        rank_zero_info(f"no preemption of job {job} recorded (JobState={fields.get('JobState')}, "
+                       f"PreemptTime={fields.get('PreemptTime')})")
+        return False
 
     def requeue(self, trainer: pl.Trainer) -> None:
         """Put the job back in the queue (global rank 0); Slurm then ends this run of it."""

@@ -167,14 +167,14 @@ def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int
     """(grown Denoiser state dict, its layer plan) from a source model's state dict."""
     target_cfg = dataclasses.replace(source_cfg, num_layers=n_target, attention="sdpa")
     check_growable(source_cfg, target_cfg)
-    if stack_depth(source) != source_cfg.num_layers:
-        raise ValueError(f"growth: the source weights have {stack_depth(source)} blocks but its config says "
+    if stack_depth(source, source_cfg.family) != source_cfg.num_layers:
+        raise ValueError(f"growth: the source weights have {stack_depth(source, source_cfg.family)} blocks but its config says "
                          f"{source_cfg.num_layers}")
     plan = layer_plan(source_cfg.num_layers, n_target, init, drop_last)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         target = build_denoiser(target_cfg)
-    copied = restack_state(source, [src for src, _ in plan])
+    copied = restack_state(source, [src for src, _ in plan], source_cfg.family)
     missing, unexpected = target.load_state_dict(copied, strict=False)
     fresh = {j for j, (src, _) in enumerate(plan) if src is None}
     assert not unexpected and all(int(k.split(".")[2]) in fresh for k in missing), (missing[:3], unexpected[:3])
