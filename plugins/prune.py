@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from framework.models.plans import families_with, plan_of
-from framework.models.blocks import block_views, has_stack, restack_state
+from framework.models.blocks import has_stack, layer_views, restack_state
 from framework.cli import quiet_hydra
 from framework.inference.pipeline import Pipeline
 from framework.inference.sampling import SamplingPlan
@@ -81,10 +81,11 @@ ConfigStore.instance().store(name="prune_command", node=PruneCommand)
 
 def block_importance(pipe: Pipeline, prompts: list[str], labels: list[int | None] | None,
                      plan: SamplingPlan) -> list[float]:
-    """BI of every block of `pipe.model`, measured while it samples `prompts`."""
-    views = block_views(pipe.model)
-    total = torch.zeros(len(views), dtype=torch.float64)
-    count = torch.zeros(len(views), dtype=torch.float64)
+    """BI of every layer of `pipe.model`'s stack (a block, or Latte's spatial and temporal block i: the mean over both
+    blocks' tokens), measured while it samples `prompts`."""
+    layers = layer_views(pipe.model)
+    total = torch.zeros(len(layers), dtype=torch.float64)
+    count = torch.zeros(len(layers), dtype=torch.float64)
 
     def recorder(i: int) -> Any:
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -95,7 +96,8 @@ def block_importance(pipe: Pipeline, prompts: list[str], labels: list[int | None
             count[i] += cos.numel()
         return hook
 
-    handles = [v.module.register_forward_hook(recorder(i), with_kwargs=True) for i, v in enumerate(views)]
+    handles = [v.module.register_forward_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)
+               for v in layer]
     try:
         pipe.generate(prompts, plan, labels, progress=True)
     finally:

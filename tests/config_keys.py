@@ -75,7 +75,7 @@ KEYS: dict[str, dict] = {
         "tests/test_train.py::test_real_size_experiments_build_their_published_model",
     ], "mutant": None},
     "model.family": {"tests": [
-        "tests/test_blocks.py::test_families_without_one_stack_declare_it_and_say_why",
+        "tests/test_blocks.py::test_the_unet_declares_it_has_no_stack_and_says_why",
         "tests/test_models.py::test_bad_pixart_config_names_the_key",
         "tests/test_sequence.py::test_sizes_a_group_cannot_split_are_refused",
     ], "mutant": None},

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from framework.models.blocks import block_views, blocks, has_stack, replace_blocks, silence_block
+from framework.models.blocks import (
+    block_views, blocks, has_stack, layer_views, replace_blocks, restack_state, silence_block, stack_depth,
+)
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_preset
 
 DEBUG = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug", "latte_debug", "wan_debug"]
@@ -82,12 +84,28 @@ def test_sana_self_attention_is_the_linear_one():
     assert isinstance(view.branches[2].out_proj, nn.Conv2d)  # GLUMBConv's conv_point
 
 
-@pytest.mark.parametrize("name", ["sd2_unet_debug", "latte_debug"])
-def test_families_without_one_stack_declare_it_and_say_why(name):
-    net = _net(name)
+def test_the_unet_declares_it_has_no_stack_and_says_why():
+    net = _net("sd2_unet_debug")
     assert not has_stack(net)
-    with pytest.raises(NotImplementedError, match=f"model.family={net.cfg.family} has no uniform block stack"):
+    with pytest.raises(NotImplementedError, match="model.family=unet has no uniform block stack"):
         blocks(net)
+
+
+def test_a_latte_layer_is_its_spatial_and_temporal_block_and_restacks_whole():
+    net = _net("latte_debug")
+    assert has_stack(net)
+    assert [[v.name for v in layer] for layer in layer_views(net)] == [
+        ["transformer_blocks.0", "temporal_transformer_blocks.0"], ["transformer_blocks.1", "temporal_transformer_blocks.1"]]
+    with pytest.raises(NotImplementedError, match="2 lists of blocks side by side"):
+        blocks(net)
+    state = net.state_dict()
+    swapped = restack_state(state, [1, 0], "latte")
+    for stack in ("transformer_blocks", "temporal_transformer_blocks"):
+        for j, i in ((0, 1), (1, 0)):
+            key = f"net.{stack}.{{}}.attn1.to_q.weight"
+            assert key.format(j) in swapped and torch.equal(swapped[key.format(j)], state[key.format(i)])
+    assert stack_depth(restack_state(state, [0], "latte"), "latte") == 1
+    assert not any(k.startswith("net.temporal_transformer_blocks.1.") for k in restack_state(state, [0], "latte"))
 
 
 def test_latte_views_alternate_spatial_and_temporal_blocks_and_wan_wraps_its_ffn():

@@ -26,7 +26,7 @@ from framework.bench.suite_data import measure_loader_throughput
 from framework.data.datamodule import DataConfig, LatentDataModule, check_compatible, read_dataset_info
 from framework.models.conditioning import drop_captions
 from framework.data.shards import check_shards
-from tests.helpers import make_image_folder
+from tests.helpers import make_image_folder, torchrun
 from tests import zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -633,3 +633,15 @@ def test_shuffle_seed_predownload_cache_limit_and_persistent_workers_reach_the_l
     assert module(digits_shards, tmp_path, name="c2", batch_size=8).dataset.shuffle_seed == 0  # the module's seed
     dm = module(digits_shards, tmp_path, name="c3", batch_size=8, num_workers=1, persistent_workers=True)
     assert dm.train_dataloader().persistent_workers
+
+
+def test_a_nodes_ranks_take_their_leaders_shared_memory_prefix(tmp_path, digits_shards):
+    """Streaming's ranks each searched for the first free shared-memory prefix at their own moment; a segment freed in
+    between by another process made them disagree, and rank 1 failed ("prefix=N was not registered by local leader",
+    once in CI). Here rank 1's own search is made to find another prefix: it takes its leader's, and both read."""
+    out = tmp_path / "prefixes.json"
+    proc = torchrun(2, "-m", "tests.workers.shm_prefix", str(digits_shards), str(tmp_path / "cache"), str(out),
+                    tmp=tmp_path, fork=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["prefixes"][0] == got["prefixes"][1] and got["samples"][0] == got["samples"][1] > 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from framework.inference.sampling import SamplingPlan
-from framework.models.blocks import block_views, blocks, silence_block
+from framework.models.blocks import block_views, layer_views, silence_block
 from framework.models.backbones import build_denoiser, load_preset
 from plugins.growth import GrowthConfig, grow, grow_checkpoint, layer_plan
 from plugins.prune import PruneCommand, choose_kept, prune
@@ -45,8 +45,9 @@ def _grown_net(cfg, state, layers):
     return net
 
 
-# The stack families: the image ones and Wan (its 3D blocks are one stack, net.blocks)
-STACKS = [*FAMILIES, "wan_debug"]
+# The stack families: the image ones, Wan (its 3D blocks are one stack, net.blocks) and Latte (layer i: its spatial and
+# temporal block i)
+STACKS = [*FAMILIES, "wan_debug", "latte_debug"]
 
 
 @pytest.mark.parametrize("init", ["constant", "cyclic", "block_expand"])
@@ -63,18 +64,19 @@ def test_grown_model_computes_the_source_function(name, init):
     # weights so that its gates get gradients). Every new block still carries non-zero weights to train.
     zeroed = ("norm1.linear",) if cfg.family == "dit" else (
         "attn1.to_out", "attn2.to_out", "ff.net.2", "ffn.net.2", "ff.conv_point", "scale_shift_table")
-    views = block_views(grown)
+    layers, source_layers = layer_views(grown), layer_views(src)
     for j, (s, silenced) in enumerate(plan):
-        block = views[j].module.state_dict()
-        if s is not None:
-            for k, v in blocks(src)[s].state_dict().items():
-                if not (silenced and k.startswith(zeroed)):
-                    assert torch.equal(block[k], v), (j, k)
-        if silenced:
-            assert all(not v.any() for k, v in block.items() if k.startswith(zeroed)), j
-        assert views[j].branches[0].module.to_q.weight.abs().sum() > 0
-        if cfg.family == "dit":
-            assert all(b.out_proj.weight.abs().sum() > 0 for b in views[j].branches)
+        for n, view in enumerate(layers[j]):  # a layer's blocks: one, or Latte's spatial and temporal block
+            block = view.module.state_dict()
+            if s is not None:
+                for k, v in source_layers[s][n].module.state_dict().items():
+                    if not (silenced and k.startswith(zeroed)):
+                        assert torch.equal(block[k], v), (j, k)
+            if silenced:
+                assert all(not v.any() for k, v in block.items() if k.startswith(zeroed)), j
+            assert view.branches[0].module.to_q.weight.abs().sum() > 0
+            if cfg.family == "dit":
+                assert all(b.out_proj.weight.abs().sum() > 0 for b in view.branches)
 
 
 @pytest.mark.parametrize("name", STACKS)
@@ -87,7 +89,7 @@ def test_fresh_blocks_are_initialised_as_sanas_code_does(name):
     assert all(torch.equal(state[k], again[k]) for k in state)
     fresh = [j for j, (s, _) in enumerate(plan) if s is None]
     assert fresh == [2, 3]
-    block = blocks(_grown_net(cfg, state, 4))[2]
+    block = layer_views(_grown_net(cfg, state, 4))[2][-1].module  # Latte: layer 2's temporal block
     weights = torch.cat([m.weight.flatten() for m in block.modules() if isinstance(m, torch.nn.Linear)])
     assert abs(weights.std().item() - 0.02) < 0.002 and abs(weights.mean().item()) < 0.002
     for m in block.modules():

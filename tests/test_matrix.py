@@ -57,11 +57,12 @@ MATRIX = [
     ("fsdp-2-csv-came8bit-ema-norms", "fsdp", 2, "csv",
      ["optimizer=came8bit", "plugins=[ema,low_precision_norm]", "plugins.ema.start=1", "trainer.precision=bf16-mixed",
       "data.global_batch_size=32", "optimizer.lr_scaling=sqrt"]),
-    # Video ({video}: the moving digits' 8-frame clips): Latte's spatial and temporal blocks checkpointed, in bf16 with
-    # low-precision norms; its grids frame strips, its evaluation the clips' digits and directions.
-    ("single-1-csv-latte-norms", "single", 1, "csv",
-     ["{video}", "model=latte_debug", "strategy.activation_checkpointing=true", "plugins=[low_precision_norm]",
-      "trainer.precision=bf16-mixed"]),
+    # Video ({video}: the moving digits' 8-frame clips): Latte grown from a 2-layer run ({latte_source}) to 3 layers
+    # (its spatial and temporal blocks checkpointed), in bf16 with low-precision norms; its grids frame strips, its
+    # evaluation the clips' digits and directions.
+    ("single-1-csv-latte-norms-growth", "single", 1, "csv",
+     ["{video}", "model=latte_debug", "strategy.activation_checkpointing=true", "plugins=[low_precision_norm,growth]",
+      "plugins.growth.ckpt={latte_source}", "model.num_layers=3", "trainer.precision=bf16-mixed"]),
     # Wan's 3D attention sharded, from the reference init, with an EMA and the 8-bit optimizer.
     ("fsdp-2-csv-wan-ema-came8bit", "fsdp", 2, "csv",
      ["{video}", "model=wan_debug", "model.init=reference", "plugins=[ema]", "plugins.ema.start=1", "optimizer=came8bit"]),
@@ -111,6 +112,16 @@ def growth_source(tmp_path_factory, digits_shards) -> Path:
     from tests.helpers import cheap, compose_cfg
 
     return Path(train(compose_cfg(cheap(tmp_path_factory.mktemp("source"), digits_shards, steps=2)))["checkpoint"])
+
+
+@pytest.fixture(scope="module")
+def latte_source(tmp_path_factory, moving_shards) -> Path:
+    """A 2-layer Latte after 2 steps on the moving digits: the source of the video growth row."""
+    from framework.train import train
+    from tests.helpers import cheap, compose_cfg
+
+    return Path(train(compose_cfg(cheap(tmp_path_factory.mktemp("latte_source"), moving_shards, "model=latte_debug",
+                                        steps=2)))["checkpoint"])
 
 
 # Rows whose final checkpoint also goes through `python -m framework.export` (a sharded folder; a grown model's EMA).
@@ -163,9 +174,10 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
                                                                 launcher):
     pairs = "experiment=pairs" in extra
     run_dir = tmp_path / "run"
-    if any("{growth_source}" in e for e in extra):
-        source = request.getfixturevalue("growth_source")
-        extra = [e.replace("{growth_source}", str(source)) for e in extra]
+    for name in ("growth_source", "latte_source"):
+        if any(f"{{{name}}}" in e for e in extra):
+            source = request.getfixturevalue(name)
+            extra = [e.replace(f"{{{name}}}", str(source)) for e in extra]
     data, env_extra = request.getfixturevalue("pairs_shards" if pairs else "digits_shards"), None
     video = "{video}" in extra
     if video:

@@ -403,18 +403,25 @@ def test_throughput_counts_every_batch_and_reads_the_clock_on_logging_steps_only
                                                                                   monkeypatch, accumulate):
     """train/samples and train/batches count every batch, while the monitor's update (where Lightning waits for the GPU
     to read the clock) runs on logging steps only: 3 of 10 steps at log_every_n_steps=3. With 2 micro-batches per
-    step the clock is read once per logged step, after its second micro-batch, and both are counted."""
+    step the clock is read once per logged step, after its second micro-batch, and both are counted. The FLOPs each
+    reading gets are those of every batch since the previous one (a sample counted as 1000 FLOPs here), so that
+    TFLOP/s and MFU are over the same batches as samples/s."""
+    import framework.models.flops
+    from lightning.fabric.utilities.throughput import Throughput
     from lightning.pytorch.callbacks import ThroughputMonitor
 
-    updates = []
-    base = ThroughputMonitor._update
+    updates, flops = [], []
+    base, update = ThroughputMonitor._update, Throughput.update
     monkeypatch.setattr(ThroughputMonitor, "_update", lambda self, trainer, *a: updates.append(trainer.global_step)
                         or base(self, trainer, *a))
+    monkeypatch.setattr(Throughput, "update", lambda self, **kw: flops.append(kw["flops"]) or update(self, **kw))
+    monkeypatch.setattr(framework.models.flops, "count_train_flops_per_sample", lambda model, batch: 1000)
     out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=3",
                                   f"trainer.accumulate_grad_batches={accumulate}", steps=10)))
     with open(Path(out["run_dir"]) / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/batches")]
     assert updates == [3, 6, 9]  # the trainer's step count after each of those steps
+    assert flops == [3 * accumulate * 16 * 1000] * 3  # 3 steps of `accumulate` batches of 16 since each reading
     assert [(int(r["step"]), float(r["train/batches"]), float(r["train/samples"])) for r in rows] == [
         (s, accumulate * (s + 1), 16 * accumulate * (s + 1)) for s in (2, 5, 8)]
     assert all(float(r["train/device/samples_per_sec"]) > 0 for r in rows[1:])

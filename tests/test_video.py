@@ -8,6 +8,7 @@ source's known motion (real clips score direction accuracy 1, reversed ones 0), 
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import numpy as np
@@ -376,33 +377,40 @@ def test_the_cache_router_learns_a_schedule_of_video_blocks_that_sampling_follow
         assert clips.shape == plain.shape and (chosen.computed_fraction < 1) == bool((clips - plain).abs().max() > 0)
 
 
-def test_wan_grows_and_prunes_by_whole_3d_blocks_through_the_commands(tmp_path, trained, moving_shards):
-    """Wan's blocks are one stack (net.blocks): growth adds a block that starts as the identity (the source's clips
-    come out), depth pruning's block importance finds it and drops it (the same clips again), and a run trains from the
-    grown checkpoint at its depth."""
+@pytest.mark.parametrize("family", ["latte", "wan"])
+def test_video_models_grow_and_prune_by_whole_layers_through_the_commands(tmp_path, trained, moving_shards, family):
+    """Wan's 3D blocks are one stack (net.blocks), Latte's layer i its spatial and temporal block i: growth adds a
+    layer that starts as the identity (the source's clips come out), depth pruning's block importance finds it and
+    drops it (the same clips again), and a run trains from the grown checkpoint at its depth."""
     from framework.inference.pipeline import Pipeline
     from framework.inference.sampling import SamplingPlan
+    from framework.models.blocks import layer_views
     from framework.train import train
     from framework.training.checkpointing import save_derived
     from plugins.growth import GrowthConfig, grow_checkpoint
     from plugins.prune import PruneCommand, prune
 
-    _, ckpt = trained("wan")
+    _, ckpt = trained(family)
     state, source, record = grow_checkpoint(str(ckpt), 3, GrowthConfig(ckpt=str(ckpt)), seed=0)
     grown = save_derived(tmp_path / "grown.ckpt", state, source, {"num_layers": 3}, record)
     plan = SamplingPlan(steps=3, seed=1)
     clips = lambda path: Pipeline.from_checkpoint(path).generate(["a 3 moving left"], plan)  # noqa: E731
     want = clips(ckpt)
-    assert len(Pipeline.from_checkpoint(grown).model.net.blocks) == 3
+    assert [len(layer) for layer in layer_views(Pipeline.from_checkpoint(grown).model)] == [1 + (family == "latte")] * 3
     torch.testing.assert_close(clips(grown), want, rtol=0, atol=1e-5)
     report = prune(PruneCommand(ckpt=str(grown), keep=2, out=str(tmp_path / "pruned" / "p.ckpt"),
                                 prompts=["a 3 moving left", "the digit seven moving up"], steps=3))
     bi = report["importance"]
     assert report["dropped"] == [2] and bi[2] < 1e-6 < min(bi[:2]), bi
     torch.testing.assert_close(clips(tmp_path / "pruned" / "p.ckpt"), want, rtol=0, atol=1e-5)
-    out = train(compose_cfg(cheap(tmp_path, moving_shards, "model=wan_debug", f"init_from={grown}",
-                                  "model.num_layers=3", steps=1, run="from_grown")))
-    assert len(losses(Path(out["run_dir"]))) == 1
+    # Growth in a run (plugins=[growth]): the new layer's parameter group, its BI and output norm logged
+    out = train(compose_cfg(cheap(tmp_path, moving_shards, f"model={family}_debug", "plugins=[growth]",
+                                  f"plugins.growth.ckpt={ckpt}", "model.num_layers=3", steps=2, run="grown_run")))
+    assert len(losses(Path(out["run_dir"]))) == 2
+    with open(Path(out["run_dir"]) / "metrics.csv", newline="") as f:
+        logged = [r for r in csv.DictReader(f) if r.get("growth/bi_2")]
+    assert len(logged) == 2 and all(0 <= float(r["growth/bi_2"]) < 1e-3 for r in logged[:1])  # starts as the identity
+    assert float(logged[-1]["growth/out_norm_2"]) > 0  # the zeroed projections have moved after a step
 
 
 def test_check_compatible_names_the_frames(moving_shards):
@@ -671,14 +679,19 @@ def test_clips_go_to_the_longest_frame_count_they_have_at_their_aspect_and_train
     class Shapes(pl.Callback):
         def __init__(self) -> None:
             self.seen: list[tuple] = []
+            self.flops: dict[tuple, int] = {}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.seen.append(tuple(batch["latents"].shape))
+            self.flops[self.seen[-1]] = pl_module.batch_flops(batch)
 
     shapes = extra_callback(Shapes())
     result = train(compose_cfg(cheap(tmp_path, out, "model=latte_debug", "data.batch_size=2", steps=4)))
     # one epoch: each bucket's two clips make one global batch
     assert sorted(shapes.seen) == [(2, 1, 4, 16, 16), (2, 1, 4, 16, 24), (2, 1, 8, 16, 16), (2, 1, 8, 24, 16)]
+    # TFLOP/s and MFU count each bucket's own FLOPs: twice the frames, at least twice the work
+    assert shapes.flops[(2, 1, 8, 16, 16)] > 2 * shapes.flops[(2, 1, 4, 16, 16)]
+    assert shapes.flops[(2, 1, 4, 16, 24)] > shapes.flops[(2, 1, 4, 16, 16)]
     assert all(np.isfinite(list(losses(tmp_path / "run").values())))
     wide = {"ckpt": result["checkpoint"], "prompts": ["clip a"], "steps": 2, "device": "cpu", "height": 16, "width": 24}
     paths = sample(SampleCommand(out=str(tmp_path / "wide"), num_frames=4, **wide))

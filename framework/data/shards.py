@@ -304,12 +304,52 @@ def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
             time.sleep(random.uniform(0.05, 0.5))
 
 
+def agreed_shm_prefix(streams_local: list[str], streams_remote: list, world: Any, retry: int = 100) -> tuple[int, Any]:
+    """Streaming's get_shm_prefix (streaming/base/shared/prefix.py) with one change: a node's ranks take the prefix
+    their local leader found, instead of each searching on its own. Each rank's search ran at its own moment, so a
+    segment another process freed in between (a finished run's, a collected dataset's) made the ranks disagree, and a
+    non-leader failed with "prefix=N was not registered by local leader" (CI saw it on a two-rank job). The rest is as
+    Streaming does it: the leader registers `NNNNNN_locals` with its folders, the others check they match."""
+    import torch.distributed as dist
+    from streaming.base.shared import prefix as shm
+
+    shm._check_self(streams_local)
+    found = -1
+    if world.is_local_leader:
+        found = max(shm._check_and_find_retrying(streams_local, streams_remote, shm_name=name, retry=retry)
+                    for name in shm.SHM_TO_CLEAN)
+    synced = dist.is_available() and dist.is_initialized()
+    if synced:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, found)
+        found = every[world.rank - world.rank_of_node]  # the local leader's (a node's ranks are consecutive)
+    name = shm._get_path(found, shm.LOCALS)
+    if world.is_local_leader:
+        data = shm._pack_locals(streams_local, found)
+        memory = shm.SharedMemory(name, True, len(data))
+        memory.buf[:len(data)] = data
+    if synced:
+        dist.barrier()
+    if not world.is_local_leader:
+        memory = shm.SharedMemory(name, False)
+        theirs, their_prefix = shm._unpack_locals(bytes(memory.buf))
+        if theirs != streams_local or their_prefix != found:
+            raise RuntimeError(f"Streaming's shared-memory prefix {found}: the local leader registered {theirs} "
+                               f"(prefix {their_prefix}), this rank reads {streams_local}; every rank of a node must "
+                               "give the same data.local")
+    return found, memory
+
+
 def open_streaming(make: Any) -> Any:
     """`make()` a StreamingDataset the way every dataset of this project is opened: under this node's prefix lock,
-    after removing the segments dead datasets left behind, retried if another program's job took its prefix.
-    The data module, the overhead bench's hand loop and the tests' own readers all open theirs through it."""
+    after removing the segments dead datasets left behind, retried if another program's job took its prefix, its
+    ranks agreeing on the prefix (agreed_shm_prefix). The data module, the overhead bench's hand loop and the tests'
+    own readers all open theirs through it."""
     import logging
 
+    import streaming.base.dataset
+
+    streaming.base.dataset.get_shm_prefix = agreed_shm_prefix  # StreamingDataset's own reference to it
     with prefix_lock():  # no other job on this node chooses a prefix meanwhile
         removed = remove_orphan_shared_memory()  # a killed job's leftovers would stall this dataset
         if removed:

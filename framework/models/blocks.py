@@ -112,11 +112,28 @@ def has_stack(denoiser: Denoiser) -> bool:
 
 
 def blocks(denoiser: Denoiser) -> nn.ModuleList:
-    """The container of the residual stack (swap it with `replace_blocks`)."""
+    """The container of the residual stack of a family with one list of blocks (swap it with `replace_blocks`)."""
+    family = denoiser.cfg.family
+    if not has_stack(denoiser):
+        raise NotImplementedError(f"model.family={family} has no uniform block stack "
+                                  f"({plan_of(family).why_not}); use block_views() for per-block access.")
+    attrs = plan_of(family).stack_attrs
+    if len(attrs) > 1:
+        raise NotImplementedError(f"model.family={family}'s stack is {len(attrs)} lists of blocks side by side "
+                                  f"({', '.join(attrs)}); use layer_views() for its layers.")
+    return getattr(denoiser.net, attrs[0])
+
+
+def layer_views(denoiser: Denoiser) -> list[list[BlockView]]:
+    """The stack's layers in forward order, each the views of its blocks: one block a layer, or Latte's spatial and
+    temporal block i in layer i. Growth copies and pruning drops whole layers."""
     if not has_stack(denoiser):
         raise NotImplementedError(f"model.family={denoiser.cfg.family} has no uniform block stack "
-                                  f"({plan_of(denoiser.cfg.family).why_not}); use block_views() for per-block access.")
-    return getattr(denoiser.net, plan_of(denoiser.cfg.family).stack_attr)
+                                  f"({plan_of(denoiser.cfg.family).why_not})")
+    layers: list[list[BlockView]] = [[] for _ in getattr(denoiser.net, plan_of(denoiser.cfg.family).stack_attrs[0])]
+    for view in block_views(denoiser):
+        layers[int(view.name.rsplit(".", 1)[1])].append(view)
+    return layers
 
 
 def block_views(denoiser: Denoiser) -> list[BlockView]:
@@ -141,7 +158,7 @@ def replace_blocks(denoiser: Denoiser, new_blocks: nn.ModuleList) -> None:
     (`transformer_blocks[0].norm1.emb`), so a stack without the old block 0 changes that conditioning too.
     """
     blocks(denoiser)  # raises for families without a stack
-    setattr(denoiser.net, plan_of(denoiser.cfg.family).stack_attr, new_blocks)
+    setattr(denoiser.net, plan_of(denoiser.cfg.family).stack_attrs[0], new_blocks)
     denoiser.net.register_to_config(num_layers=len(new_blocks))
     denoiser.cfg.num_layers = len(new_blocks)
 
@@ -150,33 +167,35 @@ def replace_blocks(denoiser: Denoiser, new_blocks: nn.ModuleList) -> None:
 # The stack in a state dict (growth and pruning work on weights, then build the model they fit)
 # --------------------------------------------------------------------------------------------------
 
-def stack_prefix(family: str) -> str:
-    """The Denoiser keys of a family's stack: net.transformer_blocks.<i>.<rest> (Wan: net.blocks.<i>.<rest>)."""
-    return f"net.{plan_of(family).stack_attr}."
+def stack_prefixes(family: str) -> list[str]:
+    """The Denoiser keys of a family's stack: net.transformer_blocks.<i>.<rest> (Wan: net.blocks.<i>.<rest>; Latte
+    net.transformer_blocks.<i>. and net.temporal_transformer_blocks.<i>., layer i being both)."""
+    return [f"net.{attr}." for attr in plan_of(family).stack_attrs]
 
 
 def stack_depth(state: dict[str, Any], family: str) -> int:
-    """Number of blocks in the stack of a Denoiser-keyed state dict of `family`."""
-    prefix = stack_prefix(family)
+    """Number of layers in the stack of a Denoiser-keyed state dict of `family`."""
+    prefix = stack_prefixes(family)[0]
     return 1 + max((int(k[len(prefix):].split(".", 1)[0]) for k in state if k.startswith(prefix)), default=-1)
 
 
 def restack_state(state: dict[str, Any], order: list[int | None], family: str) -> dict[str, Any]:
-    """`state` (of `family`) with its stack rebuilt: new block j holds old block order[j] (renumbered); None leaves
-    block j out (the caller fills it). Every tensor outside the stack is kept as it is."""
-    prefix = stack_prefix(family)
-    out = {k: v for k, v in state.items() if not k.startswith(prefix)}
-    by_block: dict[int, dict[str, Any]] = {}
+    """`state` (of `family`) with its stack rebuilt: new layer j holds old layer order[j] (renumbered, in every list
+    of the stack); None leaves layer j out (the caller fills it). Every tensor outside the stack is kept as it is."""
+    prefixes = stack_prefixes(family)
+    out = {k: v for k, v in state.items() if not k.startswith(tuple(prefixes))}
+    by_layer: dict[int, dict[tuple[str, str], Any]] = {}  # layer -> {(list prefix, key in the block): tensor}
     for k, v in state.items():
-        if k.startswith(prefix):
-            index, rest = k[len(prefix):].split(".", 1)
-            by_block.setdefault(int(index), {})[rest] = v
+        for prefix in prefixes:
+            if k.startswith(prefix):
+                index, rest = k[len(prefix):].split(".", 1)
+                by_layer.setdefault(int(index), {})[(prefix, rest)] = v
     for j, i in enumerate(order):
         if i is None:
             continue
-        if i not in by_block:
-            raise IndexError(f"block {i} is not in the state dict (its stack has {len(by_block)} blocks)")
-        out.update({f"{prefix}{j}.{rest}": v for rest, v in by_block[i].items()})
+        if i not in by_layer:
+            raise IndexError(f"block {i} is not in the state dict (its stack has {len(by_layer)} blocks)")
+        out.update({f"{prefix}{j}.{rest}": v for (prefix, rest), v in by_layer[i].items()})
     return out
 
 

@@ -5,8 +5,8 @@ A new family adds one ParallelPlan here (and its block layout to framework/model
 - `required_blocks`: blocks other parts of the net read (pruning keeps them);
 - `units`: the modules FSDP2 shards one by one, in forward order (activation checkpointing and compile
   wrap the same units);
-- `stack`: whether its blocks are one replaceable stack (`net.transformer_blocks`, Wan's `net.blocks`: growth,
-  pruning) or not, and why not;
+- `stack`: whether its blocks are one replaceable stack of layers (`net.transformer_blocks`, Wan's `net.blocks`,
+  Latte's spatial and temporal blocks side by side: growth, pruning) or not, and why not;
 - `routed`: whether the cache router's stage trains on its block views;
 - `sequence`: where its tokens are made and leave the stack and how its self-attention splits across
   ranks, or None (sequence parallelism refused, with the reason).
@@ -41,15 +41,16 @@ class ParallelPlan:
     units: Callable[[nn.Module], list[nn.Module]]
     """net -> its FSDP2 units in forward order."""
     stack: bool
-    """One replaceable stack of blocks in `net.<stack_attr>` (growth and depth pruning rebuild it)."""
+    """One replaceable stack of layers in the net's `stack_attrs` (growth and depth pruning rebuild it)."""
     sequence: SequencePlan | None
     """None: sequence parallelism is refused."""
     why_not: str = ""
     """Why a family has no stack or no sequence plan (the end of the refusal's message)."""
     required_blocks: tuple[int, ...] = ()
     """Blocks that the rest of the net reads besides the stack's own flow (pruning never drops them)."""
-    stack_attr: str = "transformer_blocks"
-    """The net's ModuleList that holds the stack."""
+    stack_attrs: tuple[str, ...] = ("transformer_blocks",)
+    """The net's ModuleLists that hold the stack, side by side: layer i is block i of each (Latte's spatial and
+    temporal block i); growth and pruning copy and drop whole layers."""
     routed: bool = True
     """The cache router's stage trains on its block views (each branch's output cached from step to step; blocks of
     any shape, so a video family's spatial, temporal and 3D blocks too)."""
@@ -91,10 +92,11 @@ PLANS: dict[str, ParallelPlan] = {
                          sequence=SequencePlan("patch_embed", "proj_out", "linear", rows_arg=5)),
     "unet": ParallelPlan(_unet_stages, stack=False, sequence=None, routed=False,
                          why_not="its transformer blocks sit between resnets and convolutions at several resolutions"),
-    "latte": ParallelPlan(_latte_blocks, stack=False, sequence=None,
-                          why_not="its spatial and temporal blocks are two stacks that alternate, each attending "
-                                  "along another axis; growth, pruning and sequence parallelism do not split them yet"),
-    "wan": ParallelPlan(_wan_blocks, stack=True, stack_attr="blocks", sequence=None,
+    "latte": ParallelPlan(_latte_blocks, stack=True, stack_attrs=("transformer_blocks", "temporal_transformer_blocks"),
+                          sequence=None,
+                          why_not="its spatial and temporal blocks attend along different axes (the tokens of a frame, "
+                                  "the frames of a position); sequence parallelism does not split them yet"),
+    "wan": ParallelPlan(_wan_blocks, stack=True, stack_attrs=("blocks",), sequence=None,
                         why_not="its blocks attend over every frame's tokens at once (3D RoPE); sequence parallelism "
                                 "does not split them yet"),
 }

@@ -177,7 +177,7 @@ class LoggedStepThroughput(ThroughputMonitor):
 
     def __init__(self) -> None:
         super().__init__(batch_size_fn=lambda b: b["latents"].shape[0], window_size=2)
-        self._pending = (0, 0)  # batches and samples since the last reading
+        self._pending = (0, 0, 0)  # batches, samples and FLOPs since the last reading
         self._step = -1  # trainer.global_step after the previous batch: a batch that moved it ended a step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -188,13 +188,19 @@ class LoggedStepThroughput(ThroughputMonitor):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            *args: Any) -> None:
         stepped, self._step = trainer.global_step != self._step, trainer.global_step
+        flops = pl_module.batch_flops(batch) if hasattr(pl_module, "batch_flops") else 0
         if not stepped or not logging_step(trainer):  # mid-accumulation, or a step whose rates are not logged
-            batches, samples = self._pending
-            self._pending = (batches + 1, samples + self.batch_size_fn(batch))
+            batches, samples, pending = self._pending
+            self._pending = (batches + 1, samples + self.batch_size_fn(batch), pending + flops)
             return
         stage = trainer.state.stage
-        batches, samples = self._pending
+        batches, samples, pending = self._pending
         self._batches[stage] += batches  # the base class adds this batch's own
         self._samples[stage] += samples
-        self._pending = (0, 0)
+        self._pending = (0, 0, 0)
+        if hasattr(pl_module, "batch_flops"):
+            # The base class reads flops_per_batch as the FLOPs since its previous reading (Throughput.update's
+            # `flops`): every batch since then, each its own shape's count. A batch's count alone, as before, made
+            # TFLOP/s and MFU log_every_n_steps x accumulate_grad_batches times too low.
+            pl_module.flops_per_batch = pending + flops
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)

@@ -85,6 +85,7 @@ class DiffusionModule(pl.LightningModule):
         self._configured = False  # configure_model ran (Lightning may call it again)
         # Counted on the first real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
         self.flops_per_batch: int | None = None
+        self._batch_flops: dict[tuple[int, ...], int] = {}  # latent shape -> FLOPs of a batch (batch_flops)
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -182,10 +183,23 @@ class DiffusionModule(pl.LightningModule):
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         if self._logging_step():
             self._log_step_figures()
+        flops = self.batch_flops(batch)  # counted here on every rank, once per shape
         if self.flops_per_batch is None:
-            from framework.models.flops import count_train_flops_per_sample
+            self.flops_per_batch = flops
 
-            self.flops_per_batch = count_train_flops_per_sample(self.model, batch) * batch["latents"].shape[0]
+    def batch_flops(self, batch: dict[str, Any]) -> int:
+        """The training FLOPs of `batch`, counted once per latent shape: the buckets of a dataset (sizes, clip lengths)
+        cost differently. A count set from outside before training (the bench's, whose batches may be pixels) stands
+        for its one shape."""
+        shape = tuple(batch["latents"].shape) if "latents" in batch else ()
+        if shape not in self._batch_flops:
+            if self.flops_per_batch is not None and not self._batch_flops:
+                self._batch_flops[shape] = self.flops_per_batch
+            else:
+                from framework.models.flops import count_train_flops_per_sample
+
+                self._batch_flops[shape] = count_train_flops_per_sample(self.model, batch) * shape[0]
+        return self._batch_flops[shape]
 
     def configure_optimizers(self) -> dict[str, Any]:
         # Every trainable parameter of the module: the backbone's, or a stage's own (a frozen backbone + router).

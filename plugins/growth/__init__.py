@@ -42,7 +42,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from framework.models.plans import families_with, plan_of
-from framework.models.blocks import block_views, restack_state, silence_block, stack_depth
+from framework.models.blocks import layer_views, restack_state, silence_block, stack_depth
 from framework.models.backbones import ModelConfig, build_denoiser, to_model_config
 from framework.training.registry import logging_step, register_plugin
 
@@ -178,14 +178,16 @@ def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int
     missing, unexpected = target.load_state_dict(copied, strict=False)
     fresh = {j for j, (src, _) in enumerate(plan) if src is None}
     assert not unexpected and all(int(k.split(".")[2]) in fresh for k in missing), (missing[:3], unexpected[:3])
-    views = block_views(target)
+    layers = layer_views(target)  # a layer's blocks: one, or Latte's spatial and temporal block
     g = torch.Generator().manual_seed(seed)
     for j in sorted(fresh):
-        fresh_init(views[j].module, g)
+        for view in layers[j]:
+            fresh_init(view.module, g)
     if zero_gate:
         for j, (_, new) in enumerate(plan):
             if new:
-                make_identity(views[j])
+                for view in layers[j]:
+                    make_identity(view)
     return target.state_dict(), plan
 
 
@@ -261,8 +263,8 @@ class Growth(pl.Callback):
     # ---- the new blocks' parameter group (framework.training.registry.ParamGroups) ----------------
 
     def param_groups(self, pl_module: pl.LightningModule, params: list[Any]) -> list[dict[str, Any]]:
-        views = block_views(pl_module.model)
-        new = {id(p) for j in self.new_blocks for p in views[j].module.parameters()}
+        layers = layer_views(pl_module.model)
+        new = {id(p) for j in self.new_blocks for view in layers[j] for p in view.module.parameters()}
         groups = [{"params": [p for p in params if id(p) not in new]},
                   {"params": [p for p in params if id(p) in new], "lr_scale": self.cfg.new_lr_scale,
                    "warmup_steps": self.cfg.new_warmup_steps}]
@@ -273,9 +275,9 @@ class Growth(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if not self.new_blocks or not (trainer.loggers and logging_step(trainer)) or self._hooks:
             return
-        views = block_views(pl_module.model)
-        for j in self.new_blocks:
-            self._hooks.append(views[j].module.register_forward_hook(self._recorder(j), with_kwargs=True))
+        layers = layer_views(pl_module.model)
+        for j in self.new_blocks:  # a layer's BI: the mean of its blocks'
+            self._hooks += [view.module.register_forward_hook(self._recorder(j), with_kwargs=True) for view in layers[j]]
 
     def _recorder(self, j: int) -> Any:
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -292,9 +294,9 @@ class Growth(pl.Callback):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        views = block_views(pl_module.model)
+        layers = layer_views(pl_module.model)
         for j in self.new_blocks:
-            norm = sum(_full(b.out_proj.weight).float().norm() for b in views[j].branches)
+            norm = sum(_full(b.out_proj.weight).float().norm() for view in layers[j] for b in view.branches)
             pl_module.log(f"growth/out_norm_{j}", norm, on_step=True, on_epoch=False)
             if self._bi.get(j):
                 pl_module.log(f"growth/bi_{j}", torch.stack(self._bi[j]).mean(), on_step=True, on_epoch=False,
