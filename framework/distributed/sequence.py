@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (`strategy.sequence_parallel=P`) for the pixart, sana and dit families.
+"""Ulysses sequence parallelism (`strategy.sequence_parallel=P`) for the pixart, sana, dit and wan families.
 
 The W ranks form a (W/P data-parallel) x (P sequence-parallel) mesh; a sequence-parallel group is P
 consecutive ranks, which see the same samples, timesteps and caption dropout (Streaming's `replication`
@@ -19,6 +19,11 @@ a contiguous band of rows:
     norms, adaLN
     output projection     gathered back to the whole sequence, so unpatchify, loss and sampler are as on
                           one rank (the sampler's final latent is whole on every rank before decoding)
+
+Wan (full 3D attention over every frame's tokens, 3D RoPE): its tokens are flattened frame by frame, row by row in
+the net's forward, so the band is cut from the first block's input; its rotary tables are cut to the same band, so
+each rank rotates its queries and keys by their own positions before the all-to-all (the places diffusers' own
+context-parallel plan for Wan splits).
 
 Gradients: each rank's backward gives the parameter gradient through its own tokens; the full gradient
 is their sum over the group. The gather's backward returns P x this rank's slice, so the data-parallel
@@ -78,11 +83,13 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
                          f" does not divide model.num_heads={heads}: each rank attends with whole heads; "
                          f"pick a sequence_parallel that divides {heads}")
     rows, cols = (side // cfg.patch_size for side in cfg.latent_hw)
+    frames = cfg.num_frames if cfg.is_video else 1  # a video family's frames, patched one by one
     if seq.rows_arg is not None and rows % size:
         raise ValueError(f"sequence_parallel={size} does not divide the {rows} token rows of model.family={cfg.family} "
                          f"({rows}x{cols} tokens): its blocks mix neighbouring rows and need whole rows per rank")
-    if (rows * cols) % size:
-        raise ValueError(f"sequence_parallel={size} does not divide the {rows * cols} tokens ({rows}x{cols}) "
+    if (frames * rows * cols) % size:
+        shape = (f"{frames}x" if cfg.is_video else "") + f"{rows}x{cols}"
+        raise ValueError(f"sequence_parallel={size} does not divide the {frames * rows * cols} tokens ({shape}) "
                          f"of model.{cfg.name}; pick a latent size whose token count it divides")
     if cfg.attention == "xformers":
         raise ValueError("model.attention=xformers with sequence_parallel > 1: sequence-parallel self-attention "
@@ -419,6 +426,37 @@ class UlyssesAttnProcessor:
         return attn.to_out[1](ulysses_attention(q, k, v, self.sp, attn.to_out[0], gap))
 
 
+class UlyssesWanAttnProcessor:
+    """Wan's self-attention on this rank's tokens (replaces WanAttnProcessor on attn1): q, k, v and their RMS norms
+    per token, the rotary table of this rank's band (cut by install's hook on the net's rope), then the Ulysses
+    exchange and attention over all tokens."""
+
+    def __init__(self, sp: SequenceParallel) -> None:
+        self.sp = sp
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, rotary_emb: tuple | None = None) -> torch.Tensor:
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        if attention_mask is not None or encoder_hidden_states is not None:
+            raise ValueError("sequence parallelism splits Wan's unmasked self-attention only; set "
+                             "strategy.sequence_parallel=1")
+        q, k, v = _get_qkv_projections(attn, hidden_states, None)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # (B, n, H, D)
+        if rotary_emb is not None:
+            q, k = (rotate_pairs(t, *rotary_emb) for t in (q, k))
+        return attn.to_out[1](ulysses_attention(q, k, v, self.sp, attn.to_out[0]))
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding: channels 2i and 2i+1 of each head rotated by angle i of the token's position; x (B, n,
+    H, D), cos / sin (1, n, 1, D) with each angle's value in both channels of its pair."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).type_as(x)
+
+
 class UlyssesLinearAttnProcessor:
     """SANA's ReLU linear self-attention on this rank's tokens (replaces SanaLinearAttnProcessor2_0): the
     per-head sums over tokens, V.K^T and sum(K) (one padded row of V), are all-reduced over the group in head groups
@@ -451,6 +489,7 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
     """Split `denoiser`'s sequence over `sp` in place (hooks and processors: parameters and state-dict keys
     unchanged, so checkpoints and FSDP2 sharding are as without it). Installed once; re-installing is refused."""
     from diffusers.models.attention_processor import AttnProcessor2_0, SanaLinearAttnProcessor2_0
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
     from framework.models.blocks import block_views
 
@@ -460,22 +499,35 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
         raise RuntimeError("this model is already split for sequence parallelism")
     net = denoiser.net
 
-    def keep_band(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    def band(out: torch.Tensor) -> torch.Tensor:
         if out.shape[1] % sp.size:
             raise ValueError(f"sequence_parallel={sp.size} does not divide this input's {out.shape[1]} tokens")
         n = out.shape[1] // sp.size
         # a copy, not a view: a view would keep the whole sequence's embedding alive until backward
         return out[:, sp.rank * n:(sp.rank + 1) * n].clone()
 
+    def keep_band(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return band(out)
+
     def gather(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return _GatherTokens.apply(out, sp)
 
     seq = plan_of(cfg.family).sequence  # check() refused a family without one
-    getattr(net, seq.embed).register_forward_hook(keep_band)
-    getattr(net, seq.out).register_forward_hook(gather)
+    if seq.split_input:  # the band of the first input (Wan's first block: the tokens are flattened in the forward)
+        net.get_submodule(seq.embed).register_forward_pre_hook(lambda module, args: (band(args[0]), *args[1:]))
+    else:
+        net.get_submodule(seq.embed).register_forward_hook(keep_band)
+    if seq.rope is not None:  # each rank's rows of the rotary tables: its own tokens' positions
+        net.get_submodule(seq.rope).register_forward_hook(lambda module, args, out: tuple(band(t) for t in out))
+    net.get_submodule(seq.out).register_forward_hook(gather)
     for view in block_views(denoiser):
         attn = view.module.attn1
-        if seq.attention == "linear":
+        if isinstance(attn.processor, WanAttnProcessor):
+            if attn.add_k_proj is not None:
+                raise ValueError(f"sequence_parallel: {view.name}.attn1 also attends to an image (Wan's image-to-video "
+                                 "attention); only text-to-video Wan is split")
+            attn.set_processor(UlyssesWanAttnProcessor(sp))
+        elif seq.attention == "linear":
             if not isinstance(attn.processor, SanaLinearAttnProcessor2_0):
                 raise ValueError(f"sequence_parallel: {view.name}.attn1 uses {type(attn.processor).__name__}; "
                                  f"only SANA's linear self-attention is split for model.family={cfg.family}")

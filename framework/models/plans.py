@@ -25,7 +25,8 @@ class SequencePlan:
     """How a family's token sequence is split over a sequence-parallel group (framework/distributed/sequence.py)."""
 
     embed: str
-    """The net's submodule whose output is the token sequence (B, N, D): each rank keeps its band after it."""
+    """The net's submodule whose output is the token sequence (B, N, D): each rank keeps its band after it (with
+    `split_input`, the submodule whose first input is: Wan's tokens are flattened in the net's forward, not a module)."""
     out: str
     """The net's submodule whose output is gathered back to all N tokens."""
     attention: str
@@ -34,6 +35,11 @@ class SequencePlan:
     rows_arg: int | None = None
     """Index of the blocks' positional `height` argument when a block mixes neighbouring token rows (SANA's
     Mix-FFN convolution): ranks then hold whole rows and exchange edge rows (a halo); None: tokens are independent."""
+    split_input: bool = False
+    """`embed`'s first input is split, not its output."""
+    rope: str | None = None
+    """The net's submodule whose outputs are per-token rotary tables (1, N, 1, D) (Wan's 3D RoPE): each rank keeps the
+    rows of its own tokens, so every block rotates its band's queries and keys by their own positions."""
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,11 @@ PLANS: dict[str, ParallelPlan] = {
     "latte": ParallelPlan(_latte_blocks, stack=True, stack_attrs=("transformer_blocks", "temporal_transformer_blocks"),
                           sequence=None,
                           why_not="its spatial and temporal blocks attend along different axes (the tokens of a frame, "
-                                  "the frames of a position); sequence parallelism does not split them yet"),
-    "wan": ParallelPlan(_wan_blocks, stack=True, stack_attrs=("blocks",), sequence=None,
-                        why_not="its blocks attend over every frame's tokens at once (3D RoPE); sequence parallelism "
-                                "does not split them yet"),
+                                  "the frames of a position), so a split needs the layout switch between them, which is "
+                                  "not built yet"),
+    # diffusers' own context-parallel plan for Wan (WanTransformer3DModel._cp_plan) splits the same three places
+    "wan": ParallelPlan(_wan_blocks, stack=True, stack_attrs=("blocks",),
+                        sequence=SequencePlan("blocks.0", "proj_out", "softmax", split_input=True, rope="rope")),
 }
 
 

@@ -25,6 +25,7 @@ from framework.distributed.env import init_from_env, leave
 from framework.models.backbones import build_denoiser, load_preset
 from framework.distributed.mesh import Mesh, job_mesh
 from framework.distributed.sequence import init, install
+from framework.models.blocks import block_views
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,6 +59,8 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
     overrides = {"num_heads": 4, "width": 128, "num_layers": 2}
     if family == "sana":
         overrides["kwargs"] = {"num_cross_attention_heads": 4, "cross_attention_head_dim": 32}
+    if family == "wan":  # 4 frames of 4x4 tokens; 32-wide captions instead of umT5's 4096
+        overrides = {"num_layers": 2, "text_dim": 32}
     ref = build_denoiser(load_preset(f"{family}_debug", **overrides)).double()
     for p in ref.parameters():  # zero-initialised output layers would hide errors in the blocks
         torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.02)
@@ -72,21 +75,23 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
 
         prepare_blocks(model, activation_checkpointing=True, compile=False)
     seen, band_storage = [], []
-    model.net.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
+    first = block_views(model)[0].module
+    first.register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
     # bytes behind the first block's input: this rank's band only, not a view into the whole sequence's embedding
-    model.net.transformer_blocks[0].register_forward_pre_hook(
+    # (wan: the band is cut from this input by the split's own pre-hook, which runs first)
+    first.register_forward_pre_hook(
         lambda m, a: band_storage.append(a[0].untyped_storage().nbytes() / (a[0].numel() * a[0].element_size())))
     cfg = ref.cfg
     g = torch.Generator().manual_seed(1)
-    B, (H, W) = 3, hw or cfg.latent_hw  # hw: a non-square latent (an aspect-ratio bucket's)
-    x = torch.randn(B, cfg.in_channels, H, W, generator=g, dtype=torch.float64)
+    B, shape = 3, hw or cfg.latent_shape  # hw: a non-square latent (an aspect-ratio bucket's); wan: (F, h, w)
+    x = torch.randn(B, cfg.in_channels, *shape, generator=g, dtype=torch.float64)
     t = torch.rand(B, generator=g, dtype=torch.float64) * 900
     text = torch.randn(B, 5, cfg.text_dim or 1, generator=g, dtype=torch.float64) if cfg.text_dim else None
     mask = torch.ones(B, 5, dtype=torch.bool) if text is not None else None
     if text is not None:
         mask[0, 3:] = False
     labels = torch.tensor([1, 2, cfg.num_classes or 0]) if cfg.num_classes else None
-    target = torch.randn(B, cfg.in_channels, H, W, generator=g, dtype=torch.float64)
+    target = torch.randn(B, cfg.in_channels, *shape, generator=g, dtype=torch.float64)
     out, gathers = {}, []
     all_gather = dist.all_gather
     for name, m in (("ref", ref), ("sp", model)):
@@ -106,7 +111,7 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
         if p.grad is not None and q.grad is not None:
             dist.all_reduce(q.grad, op=dist.ReduceOp.AVG)
             diffs.append(float((q.grad - p.grad).abs().max()) / scale)
-    kv = [getattr(b.attn1.processor, "kv", None) for b in model.net.transformer_blocks]  # caption K/V in the gap
+    kv = [getattr(v.module.attn1.processor, "kv", None) for v in block_views(model)]  # caption K/V in the gap
     return {"forward": relative(out["sp"], out["ref"]), "grad": max(diffs), "grads": len(diffs), "tokens": seen,
             "kv_in_gap": sum(k.hits for k in kv if k is not None),
             "band_storage": band_storage, "all_gathers": len(gathers),
@@ -163,7 +168,7 @@ def main(data: str, out: str) -> None:
     if world == 2:
         for family in ("pixart", "sana"):
             result[f"sample/{family}"] = sample(mesh, data, family)
-    for family in ("pixart", "sana", "dit"):
+    for family in ("pixart", "sana", "dit", "wan"):
         # 4 heads: G x P must divide them for softmax attention; SANA's linear attention keeps every head, G divides 4
         for head_groups in ((1, 2) if family == "sana" or world == 2 else (1,)):
             result[f"{family}/{head_groups}"] = compare(mesh, family, head_groups)
