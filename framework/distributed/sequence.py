@@ -77,11 +77,6 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
     if seq.attention == "linear" and heads % head_groups:  # every rank keeps every head; the groups split them
         raise ValueError(f"sequence_parallel_head_groups={head_groups} does not divide model.num_heads={heads}: "
                          f"model.family={cfg.family}'s linear attention all-reduces its per-head sums in head groups")
-    if seq.attention == "softmax" and heads % (size * head_groups):  # linear attention keeps every head
-        raise ValueError(f"sequence_parallel={size}" + (f" x sequence_parallel_head_groups={head_groups}"
-                                                        if head_groups > 1 else "") +
-                         f" does not divide model.num_heads={heads}: each rank attends with whole heads; "
-                         f"pick a sequence_parallel that divides {heads}")
     rows, cols = (side // cfg.patch_size for side in cfg.latent_hw)
     frames = cfg.num_frames if cfg.is_video else 1  # a video family's frames, patched one by one
     if seq.rows_arg is not None and rows % size:
@@ -320,8 +315,18 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     each group's output-gradient exchange is issued as soon as its projection's backward has run; group g's attention
     backward waits for its own, and its input-gradient exchange travels while group g+1's runs; they are waited
     together at the end (ScaleFusion's schedule, both ways). Attention itself is torch's, with its own autograd
-    (activation checkpointing recomputes it as any other layer)."""
+    (activation checkpointing recomputes it as any other layer).
+
+    Heads that G x P does not divide are padded with zero heads (their attention gives zeros, and the output
+    projection gets zero columns for them), so any head count splits, exactly; the last ranks then attend with the
+    padding's share of idle heads."""
     B, n, H, D = q.shape
+    weight = out_proj.weight
+    pad = -H % (sp.head_groups * sp.size)
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, n, H + pad, D)
+        weight = F.pad(weight, (0, pad * D))
+        H += pad
     lay = _Layout(B, n, H, D, sp.head_groups, sp.size)
     qkv = torch.stack([q, k, v])  # (3, B, n, H, D)
     grad = torch.is_grad_enabled() and qkv.requires_grad
@@ -339,7 +344,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     out = None
     for g, (s, r) in enumerate(zip(out_sends, out_received)):
         o = _Arrived.apply(s, r, lay, sp.group) if grad else lay.received_out(r)  # waits for this group's output
-        part = F.linear(o.flatten(2).to(q.dtype), out_proj.weight[:, g * cols:(g + 1) * cols])
+        part = F.linear(o.flatten(2).to(q.dtype), weight[:, g * cols:(g + 1) * cols])
         out = part if out is None else out + part
     return out if out_proj.bias is None else out + out_proj.bias
 

@@ -53,14 +53,15 @@ class DiffusersUlysses:
 
 
 def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | None = None, ckpt: bool = False,
-            diffusers_attention: bool = False) -> dict[str, float]:
+            diffusers_attention: bool = False, heads: int = 4) -> dict[str, float]:
     torch.manual_seed(0)
-    # 4 heads (2 per rank, 2 groups of 1 per rank with head_groups=2); sana: 8 rows of tokens, 4 per rank
-    overrides = {"num_heads": 4, "width": 128, "num_layers": 2}
+    # 4 heads (2 per rank, 2 groups of 1 per rank with head_groups=2); sana: 8 rows of tokens, 4 per rank; heads=3: a
+    # count the group does not divide (padded with a zero head)
+    overrides = {"num_heads": heads, "width": 32 * heads, "num_layers": 2}
     if family == "sana":
         overrides["kwargs"] = {"num_cross_attention_heads": 4, "cross_attention_head_dim": 32}
     if family == "wan":  # 4 frames of 4x4 tokens; 32-wide captions instead of umT5's 4096
-        overrides = {"num_layers": 2, "text_dim": 32}
+        overrides.update(text_dim=32)
     ref = build_denoiser(load_preset(f"{family}_debug", **overrides)).double()
     for p in ref.parameters():  # zero-initialised output layers would hide errors in the blocks
         torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else torch.nn.init.normal_(p, std=0.02)
@@ -176,6 +177,8 @@ def main(data: str, out: str) -> None:
     for family in ("pixart", "sana"):  # a model built for 8x8 latents, given 8x16 ones: split rows of another shape
         result[f"{family}/wide"] = compare(mesh, family, 1, (8, 16))
     result["pixart/diffusers"] = compare(mesh, "pixart", 1, diffusers_attention=True)
+    for family in ("pixart", "wan"):  # 3 heads on 2 or 4 ranks: padded to 4
+        result[f"{family}/pad"] = compare(mesh, family, 1, heads=3)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
