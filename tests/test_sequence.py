@@ -22,8 +22,9 @@ from tests.helpers import torchrun
 def _check_splits(result: dict, ranks: int) -> None:
     """Every family's split forward and backward equal the whole model's (fp64), each rank's blocks saw and hold only
     its band, and the only all-gather is the output's (the halo moves by send / receive). Wan: 4 frames of 4x4 tokens,
-    each rank's queries and keys rotated by its own tokens' 3D positions."""
-    for family, tokens in (("pixart", 16), ("sana", 64), ("dit", 16), ("wan", 64)):
+    each rank's queries and keys rotated by its own tokens' 3D positions. Latte: its spatial blocks on the rank's frames
+    and its temporal blocks on the rank's positions, switched by all-to-all."""
+    for family, tokens in (("pixart", 16), ("sana", 64), ("dit", 16), ("wan", 64), ("latte", 64)):
         keys = [k for k in result if k.startswith(f"{family}/")]
         assert f"{family}/1" in keys and f"{family}/ckpt" in keys
         for key in keys:
@@ -104,8 +105,9 @@ def test_sizes_a_group_cannot_split_are_refused():
     check(load_preset("wan_debug"), 4)  # 4 frames of 4x4 tokens, 4 heads
     with pytest.raises(ValueError, match=r"does not divide the 27 tokens \(3x3x3\) of model.wan_debug"):
         check(load_preset("wan_debug", num_frames=3, sample_size=6), 2)
-    with pytest.raises(ValueError, match="model.family=latte is not supported .* layout switch"):
-        check(load_preset("latte_debug"), 2)
+    check(load_preset("latte_debug"), 4)  # 4 frames of 4x4 tokens: one frame, and 4 positions, a rank
+    with pytest.raises(ValueError, match="must divide model.latte_debug's 4 latent frames .* 16 tokens a frame"):
+        check(load_preset("latte_debug"), 8)
     with pytest.raises(ValueError, match="needs several devices"):
         StrategyConfig(name="single", sequence_parallel=2)
     with pytest.raises(ValueError, match="strategy.compile"):
@@ -177,9 +179,10 @@ def test_two_rank_sequence_parallel_training_follows_one_process(tmp_path, digit
 
 
 @pytest.mark.slow
-def test_two_rank_sequence_parallel_wan_training_and_grids_follow_one_process(tmp_path, moving_shards):
-    """Wan on the moving digits' clips (8 frames of 8x8 tokens) on 2 sequence-parallel ranks against one process:
-    the same losses, and the grid of step 2 sampled split is the one process's."""
+@pytest.mark.parametrize("family", ["wan", "latte"])
+def test_two_rank_sequence_parallel_video_training_and_grids_follow_one_process(tmp_path, moving_shards, family):
+    """Wan and Latte on the moving digits' clips (8 frames of 8x8 tokens) on 2 sequence-parallel ranks against one
+    process: the same losses, and the grid of step 2 sampled split is the one process's."""
     import numpy as np
     import torch
     from PIL import Image
@@ -188,9 +191,9 @@ def test_two_rank_sequence_parallel_wan_training_and_grids_follow_one_process(tm
 
     keys = ["data.batch_size=4", "data.num_workers=1", f"trainer.max_steps={STEPS}", "sample.every_n_steps=2",
             "sample.prompts=[a 3 moving left]"]
-    run_train(tmp_path / "ref", moving_shards, *keys, model=("model=wan_debug",))
+    run_train(tmp_path / "ref", moving_shards, *keys, model=(f"model={family}_debug",))
     run_train(tmp_path / "sp", moving_shards, *keys, "strategy=ddp", "trainer.devices=2", "strategy.sequence_parallel=2",
-              model=("model=wan_debug",))
+              model=(f"model={family}_debug",))
     ref, got = losses(tmp_path / "ref"), losses(tmp_path / "sp")
     assert sorted(got) == list(range(STEPS))
     torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]), torch.tensor([ref[s] for s in range(STEPS)]),

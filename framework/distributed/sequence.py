@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism (`strategy.sequence_parallel=P`) for the pixart, sana, dit and wan families.
+"""Sequence parallelism (`strategy.sequence_parallel=P`): Ulysses for the pixart, sana, dit and wan families, layout
+switching for latte (an ST-DiT; `_install_switch`).
 
 The W ranks form a (W/P data-parallel) x (P sequence-parallel) mesh; a sequence-parallel group is P
 consecutive ranks, which see the same samples, timesteps and caption dropout (Streaming's `replication`
@@ -74,6 +75,16 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
         raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
                          f"device count that is a multiple of {size}")
     heads = cfg.num_heads
+    if seq.attention == "switch":  # frames split for the spatial blocks, positions for the temporal ones
+        rows, cols = (side // cfg.patch_size for side in cfg.latent_hw)
+        if cfg.num_frames % size or (rows * cols) % size:
+            raise ValueError(f"sequence_parallel={size} must divide model.{cfg.name}'s {cfg.num_frames} latent frames "
+                             f"(its spatial blocks are split by frame) and its {rows * cols} tokens a frame ({rows}x"
+                             f"{cols}: its temporal blocks are split by position)")
+        if world is not None and world % size:
+            raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
+                             f"device count that is a multiple of {size}")
+        return
     if seq.attention == "linear" and heads % head_groups:  # every rank keeps every head; the groups split them
         raise ValueError(f"sequence_parallel_head_groups={head_groups} does not divide model.num_heads={heads}: "
                          f"model.family={cfg.family}'s linear attention all-reduces its per-head sums in head groups")
@@ -518,6 +529,10 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
         return _GatherTokens.apply(out, sp)
 
     seq = plan_of(cfg.family).sequence  # check() refused a family without one
+    if seq.attention == "switch":
+        _install_switch(denoiser, sp)
+        denoiser.sequence_parallel = sp
+        return
     if seq.split_input:  # the band of the first input (Wan's first block: the tokens are flattened in the forward)
         net.get_submodule(seq.embed).register_forward_pre_hook(lambda module, args: (band(args[0]), *args[1:]))
     else:
@@ -547,6 +562,99 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
         if seq.rows_arg is not None:
             _split_rows(view.module, sp, seq.rows_arg)
     denoiser.sequence_parallel = sp
+
+
+class _SwitchLayout(torch.autograd.Function):
+    """An ST-DiT's layout switch (DSP's; ScaleFusion schedules it): (B, N, f, D), every position of this rank's f = F/P
+    frames, <-> (B, m, F, D), this rank's m = N/P positions of every frame, in one all-to-all. Backward: the switch
+    the other way (a permutation of the group's elements)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: SequenceParallel, to_positions: bool) -> torch.Tensor:
+        ctx.sp, ctx.to_positions = sp, to_positions
+        return _switch(x, sp, to_positions)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _switch(grad, ctx.sp, not ctx.to_positions), None, None
+
+
+def _switch(x: torch.Tensor, sp: SequenceParallel, to_positions: bool) -> torch.Tensor:
+    P = sp.size
+    if to_positions:  # (B, N, f, D): positions band p goes to rank p, which puts the sources' frames in order
+        B, N, f, D = x.shape
+        got = _wait(_all_to_all(x.reshape(B, P, N // P, f, D).transpose(0, 1), sp.group))  # (P: source, B, m, f, D)
+        return got.permute(1, 2, 0, 3, 4).reshape(B, N // P, P * f, D)
+    B, m, F, D = x.shape  # (B, m, F, D): frames band p goes to rank p, which puts the sources' positions in order
+    got = _wait(_all_to_all(x.reshape(B, m, P, F // P, D).permute(2, 0, 1, 3, 4), sp.group))  # (P, B, m, f, D)
+    return got.transpose(0, 1).reshape(B, P * m, F // P, D)
+
+
+def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
+    """Latte (framework/models/plans.py `switch`): each rank keeps its F/P frames after the patch embedding; a spatial
+    block attends within frames, so it runs on them as they are, given those frames' caption, mask and timestep rows;
+    before each temporal block one all-to-all gives each rank its N/P positions of every frame (and their timestep
+    rows), and after it one switches back; the frames are gathered before the output norm, so the modulation,
+    projection and unpatchify are as on one rank. The temporal position table added before the first temporal block
+    (still in the frames layout) is cut to this rank's frames for the forward."""
+    net, P, r = denoiser.net, sp.size, sp.rank
+    dims: dict[str, Any] = {}
+
+    def frames_of(t: torch.Tensor) -> torch.Tensor:  # (B * F, ...) -> this rank's frames (B * F/P, ...)
+        B, F = dims["B"], dims["F"]
+        f = F // P
+        return t.reshape(B, F, *t.shape[1:])[:, r * f:(r + 1) * f].reshape(B * f, *t.shape[1:])
+
+    def positions_of(t: torch.Tensor) -> torch.Tensor:  # (B * N, ...) -> this rank's positions (B * N/P, ...)
+        B, N = dims["B"], dims["N"]
+        m = N // P
+        return t.reshape(B, N, *t.shape[1:])[:, r * m:(r + 1) * m].reshape(B * m, *t.shape[1:])
+
+    def start(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs["hidden_states"]  # (B, C, F, H, W)
+        B, _, F, H, W = x.shape
+        p = module.config.patch_size
+        if F % P or ((H // p) * (W // p)) % P:
+            raise ValueError(f"sequence_parallel={P} does not divide this clip's {F} latent frames and "
+                             f"{(H // p) * (W // p)} tokens a frame")
+        dims.update(B=B, F=F, N=(H // p) * (W // p), table=module.temp_pos_embed)
+        module.temp_pos_embed = module.temp_pos_embed[:, r * (F // P):(r + 1) * (F // P)]
+
+    def end(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        module.temp_pos_embed = dims.pop("table")
+
+    def spatial_inputs(module: nn.Module, args: tuple) -> tuple:
+        # Latte calls (hidden, None, caption (B F, L, D), mask (B F, 1, L) or None, timestep (B F, 6D), None, None)
+        caption, mask, timestep = args[2:5]
+        return (args[0], args[1], frames_of(caption), None if mask is None else frames_of(mask), frames_of(timestep),
+                *args[5:])
+
+    def to_positions(module: nn.Module, args: tuple) -> tuple:
+        h = args[0]  # (B N, F/P, D)
+        B, N = dims["B"], dims["N"]
+        h = _SwitchLayout.apply(h.reshape(B, N, *h.shape[1:]), sp, True)  # (B, N/P, F, D)
+        return (h.reshape(-1, *h.shape[2:]), *args[1:4], positions_of(args[4]), *args[5:])
+
+    def to_frames(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        B = dims["B"]
+        h = _SwitchLayout.apply(out.reshape(B, -1, *out.shape[1:]), sp, False)  # (B, N, F/P, D)
+        return h.reshape(-1, *h.shape[2:])
+
+    def gather_frames(module: nn.Module, args: tuple) -> tuple:
+        h = args[0]  # (B F/P, N, D)
+        B, F = dims["B"], dims["F"]
+        whole = _GatherTokens.apply(h.reshape(B, F // P, -1), sp)  # (B, F, N D)
+        return (whole.reshape(B * F, *h.shape[1:]),)
+
+    net.register_forward_pre_hook(start, with_kwargs=True)
+    net.register_forward_hook(end, with_kwargs=True)
+    net.pos_embed.register_forward_hook(lambda module, args, out: frames_of(out).clone())
+    for block in net.transformer_blocks:
+        block.register_forward_pre_hook(spatial_inputs)
+    for block in net.temporal_transformer_blocks:
+        block.register_forward_pre_hook(to_positions)
+        block.register_forward_hook(to_frames)
+    net.norm_out.register_forward_pre_hook(gather_frames)
 
 
 def _split_rows(block: nn.Module, sp: SequenceParallel, rows_arg: int) -> None:

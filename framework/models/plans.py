@@ -30,8 +30,9 @@ class SequencePlan:
     out: str
     """The net's submodule whose output is gathered back to all N tokens."""
     attention: str
-    """softmax: Ulysses all-to-all, each rank attends with whole heads (heads must divide); linear: SANA's linear
-    attention, every head kept on every rank and the key-value sums all-reduced."""
+    """softmax: Ulysses all-to-all, each rank attends with whole heads (padded to a multiple of the group); linear:
+    SANA's linear attention, every head kept on every rank and the key-value sums all-reduced; switch: an ST-DiT's
+    spatial blocks sharded by frame and temporal blocks by position, an all-to-all switching between them (Latte)."""
     rows_arg: int | None = None
     """Index of the blocks' positional `height` argument when a block mixes neighbouring token rows (SANA's
     Mix-FFN convolution): ranks then hold whole rows and exchange edge rows (a halo); None: tokens are independent."""
@@ -99,10 +100,7 @@ PLANS: dict[str, ParallelPlan] = {
     "unet": ParallelPlan(_unet_stages, stack=False, sequence=None, routed=False,
                          why_not="its transformer blocks sit between resnets and convolutions at several resolutions"),
     "latte": ParallelPlan(_latte_blocks, stack=True, stack_attrs=("transformer_blocks", "temporal_transformer_blocks"),
-                          sequence=None,
-                          why_not="its spatial and temporal blocks attend along different axes (the tokens of a frame, "
-                                  "the frames of a position), so a split needs the layout switch between them, which is "
-                                  "not built yet"),
+                          sequence=SequencePlan("pos_embed", "norm_out", "switch")),
     # diffusers' own context-parallel plan for Wan (WanTransformer3DModel._cp_plan) splits the same three places
     "wan": ParallelPlan(_wan_blocks, stack=True, stack_attrs=("blocks",),
                         sequence=SequencePlan("blocks.0", "proj_out", "softmax", split_input=True, rope="rope")),

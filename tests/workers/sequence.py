@@ -60,7 +60,7 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
     overrides = {"num_heads": heads, "width": 32 * heads, "num_layers": 2}
     if family == "sana":
         overrides["kwargs"] = {"num_cross_attention_heads": 4, "cross_attention_head_dim": 32}
-    if family == "wan":  # 4 frames of 4x4 tokens; 32-wide captions instead of umT5's 4096
+    if family in ("wan", "latte"):  # 4 frames of 4x4 tokens; 32-wide captions
         overrides.update(text_dim=32)
     ref = build_denoiser(load_preset(f"{family}_debug", **overrides)).double()
     for p in ref.parameters():  # zero-initialised output layers would hide errors in the blocks
@@ -77,7 +77,8 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
         prepare_blocks(model, activation_checkpointing=True, compile=False)
     seen, band_storage = [], []
     first = block_views(model)[0].module
-    first.register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))
+    # the tokens a sample's first block saw: its band of N/P tokens, or Latte's F/P frames of N tokens (B = 3)
+    first.register_forward_hook(lambda m, a, o: seen.append(o.shape[0] * o.shape[1] // 3))
     # bytes behind the first block's input: this rank's band only, not a view into the whole sequence's embedding
     # (wan: the band is cut from this input by the split's own pre-hook, which runs first)
     first.register_forward_pre_hook(
@@ -169,7 +170,7 @@ def main(data: str, out: str) -> None:
     if world == 2:
         for family in ("pixart", "sana"):
             result[f"sample/{family}"] = sample(mesh, data, family)
-    for family in ("pixart", "sana", "dit", "wan"):
+    for family in ("pixart", "sana", "dit", "wan", "latte"):
         # 4 heads: G x P must divide them for softmax attention; SANA's linear attention keeps every head, G divides 4
         for head_groups in ((1, 2) if family == "sana" or world == 2 else (1,)):
             result[f"{family}/{head_groups}"] = compare(mesh, family, head_groups)
