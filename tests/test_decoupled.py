@@ -30,6 +30,22 @@ def test_decoupled_generation_draws_the_plain_images(tmp_path, digits_shards, ti
         assert r["returned"] == [[5, 3, 16, 16]] + [None] * (nproc - 1)  # rank 0 gets the images, the others None
 
 
+def test_decoupled_video_generation_decodes_clips_with_the_tiled_video_vae(tmp_path, digits_shards):
+    """decode_ranks=1 on 2 ranks for a Wan model of a video VAE (PipeDiT's decoupling where it matters: decoding long
+    clips): rank 1 decodes every clip whole with the VAE in 8-pixel tiles (3 latent frames -> 9 frames), and the clips
+    are plain generation's, bit for bit."""
+    from tests.helpers import make_tiny_video_vae
+
+    out = tmp_path / "result.json"
+    vae = make_tiny_video_vae(tmp_path / "vae")
+    proc = torchrun(2, "-m", "tests.workers.decoupled", "video", str(digits_shards), str(vae), "1", str(out), "8",
+                    tmp=tmp_path, fork=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["equal"] and r["shape"] == [5, 9, 3, 16, 16] and r["max_abs"] > 0.01, r
+    assert r["returned"] == [[5, 9, 3, 16, 16], None] and r["tiles"] == [8, 8], r  # both decoded plainly; rank 1 split
+
+
 def test_grids_decode_on_rank_zero_only(tmp_path, digits_shards, tiny_vae_dir):
     """SplitRanks(decode_on_rank0=True) (a training job's sample grids) on 2 ranks: each denoises half the prompts,
     rank 0 alone loads the VAE and decodes them all, and the images are plain sampling's (the halves are denoised

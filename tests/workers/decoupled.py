@@ -125,8 +125,36 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     leave()
 
 
+def video_main(data: str, vae: str, decode_ranks: int, out: str, tile: int) -> None:
+    """`... tests.workers.decoupled video DATA VAE K OUT TILE`: a random Wan whose latents (3 latent frames of 4x4) a
+    tiny Wan video VAE decodes into 9 frames of 16x16 (in TILE-pixel tiles; 0: whole frames), the prompts' text from
+    DATA's encoder: decode_ranks=K's clips against plain generation's. Rank 0 writes OUT."""
+    init_from_env()
+    info = read_dataset_info(data)
+    summary = {**info.summary(), "image_codec": vae, "image_mode": "RGB", "downsample": 4, "temporal_compression": 4,
+               "scaling_factor": [1 / 1.5, 1 / 0.5, 1 / 2.0, 1.0], "shift_factor": [0.1, -0.2, 0.3, 0.0],
+               "vae_tile": tile or None}
+    torch.manual_seed(0)
+    model = build_denoiser(load_preset("wan_debug", in_channels=4, sample_size=4, num_frames=3, text_dim=384,
+                                       num_layers=2))
+    pipe = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
+    plain = pipe.generate(PROMPTS, PLAN, batch_size=2)
+    split = pipe.generate(PROMPTS, PLAN, batch_size=2, ranks=DecodeRanks(decode_ranks))
+    returned = [None] * dist.get_world_size()
+    dist.all_gather_object(returned, None if split is None else list(split.shape))
+    tiles = [None] * dist.get_world_size()
+    dist.all_gather_object(tiles, None if pipe._codec is None else pipe._codec.tile)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"equal": bool(torch.equal(split, plain)), "shape": list(plain.shape), "returned": returned,
+                       "max_abs": float(plain.abs().max()), "tiles": tiles}, f)
+    leave()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "roles":
         roles_main(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "video":
+        video_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
     else:
         main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
