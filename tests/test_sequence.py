@@ -23,7 +23,8 @@ def _check_splits(result: dict, ranks: int) -> None:
     """Every family's split forward and backward equal the whole model's (fp64), each rank's blocks saw and hold only
     its band, and the only all-gather is the output's (the halo moves by send / receive). Wan: 4 frames of 4x4 tokens,
     each rank's queries and keys rotated by its own tokens' 3D positions. Latte: its spatial blocks on the rank's frames
-    and its temporal blocks on the rank's positions, switched by all-to-all."""
+    and its temporal blocks on the rank's positions, switched by all-to-all (latte/2: each switch in 2 slices of the
+    positions, the temporal block run slice by slice)."""
     for family, tokens in (("pixart", 16), ("sana", 64), ("dit", 16), ("wan", 64), ("latte", 64)):
         keys = [k for k in result if k.startswith(f"{family}/")]
         assert f"{family}/1" in keys and f"{family}/ckpt" in keys
@@ -81,7 +82,7 @@ def test_four_ranks_with_interior_bands_equal_the_whole_model(tmp_path, digits_s
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     _check_splits(result, 4)
-    assert "sana/2" in result
+    assert "sana/2" in result and "latte/2" in result  # latte: each switch in 2 slices of a rank's 4 positions
 
 
 def test_sizes_a_group_cannot_split_are_refused():

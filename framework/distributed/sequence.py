@@ -81,6 +81,10 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
             raise ValueError(f"sequence_parallel={size} must divide model.{cfg.name}'s {cfg.num_frames} latent frames "
                              f"(its spatial blocks are split by frame) and its {rows * cols} tokens a frame ({rows}x"
                              f"{cols}: its temporal blocks are split by position)")
+        if (rows * cols // size) % head_groups:
+            raise ValueError(f"sequence_parallel_head_groups={head_groups} must divide the {rows * cols // size} "
+                             f"positions each of the {size} ranks holds in model.{cfg.name}'s temporal blocks (its "
+                             "layout switches go in that many slices of them)")
         if world is not None and world % size:
             raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
                              f"device count that is a multiple of {size}")
@@ -646,14 +650,47 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         whole = _GatherTokens.apply(h.reshape(B, F // P, -1), sp)  # (B, F, N D)
         return (whole.reshape(B * F, *h.shape[1:]),)
 
+    def sliced(block: nn.Module) -> Any:
+        """The temporal block in sp.head_groups = S slices of this rank's positions (ScaleFusion's intra-layer
+        schedule; positions are independent in a temporal block): every slice's switch to positions is issued first;
+        slice s waits for its own, runs, and its switch back travels while slice s+1 runs. Backward: each exchange's
+        adjoint is issued as its gradient is ready and waited where it is used (_Tied)."""
+        inner, S = block.forward, sp.head_groups
+
+        def forward(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+            B, N, F = dims["B"], dims["N"], dims["F"]
+            f, D = F // P, hidden.shape[-1]
+            w = N // P // S  # positions a slice
+            x = hidden.reshape(B, P, S, w, f, D)  # positions by destination rank, slice, index
+            t = positions_of(args[3]).reshape(B, S, w, -1)  # this rank's positions' timestep rows, by slice
+            grad = torch.is_grad_enabled() and hidden.requires_grad
+            sends = [x[:, :, s].transpose(0, 1).contiguous() for s in range(S)]  # (P: destination, B, w, f, D)
+            arrivals = [_all_to_all(send.detach(), sp.group) for send in sends]  # every slice's exchange issued
+            back_sends, backs = [], []
+            for s in range(S):
+                r = _Tied.apply(sends[s], arrivals[s], _all_to_all, sp.group) if grad else arrivals[s]
+                rows = r.permute(1, 2, 0, 3, 4).reshape(B * w, F, D)  # waits for slice s: every frame of its positions
+                y = inner(rows, *args[:3], t[:, s].reshape(B * w, -1), *args[4:])
+                back_sends.append(y.reshape(B, w, P, f, D).permute(2, 0, 1, 3, 4).contiguous())  # (P: frames, ...)
+                backs.append(_all_to_all(back_sends[-1].detach(), sp.group))  # travels while slice s + 1 runs
+            outs = [_Tied.apply(send, back, _all_to_all, sp.group) if grad else back
+                    for send, back in zip(back_sends, backs)]
+            whole = torch.stack(outs, dim=2)  # (P: source positions, B, S, w, f, D)
+            return whole.permute(1, 0, 2, 3, 4, 5).reshape(B * N, f, D)
+
+        return forward
+
     net.register_forward_pre_hook(start, with_kwargs=True)
     net.register_forward_hook(end, with_kwargs=True)
     net.pos_embed.register_forward_hook(lambda module, args, out: frames_of(out).clone())
     for block in net.transformer_blocks:
         block.register_forward_pre_hook(spatial_inputs)
     for block in net.temporal_transformer_blocks:
-        block.register_forward_pre_hook(to_positions)
-        block.register_forward_hook(to_frames)
+        if sp.head_groups > 1:
+            block.forward = sliced(block)
+        else:
+            block.register_forward_pre_hook(to_positions)
+            block.register_forward_hook(to_frames)
     net.norm_out.register_forward_pre_hook(gather_frames)
 
 
