@@ -562,22 +562,30 @@ def test_the_paired_bootstrap_sees_a_difference_that_separate_fd_intervals_hide(
 
 
 @pytest.mark.slow
-def test_the_router_trained_under_sequence_parallelism_follows_one_process(tmp_path, digits_shards, sources):
-    """The router stage on 2 sequence-parallel ranks (each holding half of every image's tokens; PixArt: the stage
-    touches no family's split, tests/test_sequence.py checks those) against one process with the same batches.
-    No sparsity penalty and a router that
+@pytest.mark.parametrize("name", ["pixart_debug", "latte_debug"])
+def test_the_router_trained_under_sequence_parallelism_follows_one_process(tmp_path, request, name):
+    """The router stage on 2 sequence-parallel ranks (each holding half of every image's tokens; Latte on clips: half
+    the frames in its spatial blocks, half the positions in its temporal blocks) against one process with the same
+    batches. No sparsity penalty and a router that
     starts mostly cached, so the loss and the gradient are the distillation's: the same losses and gradient norms
     step by step (through the gathered prediction), the same router logits at the end, and the same branch costs
     (counted on the split model)."""
-    from tests.helpers import STEPS, run_train
-    from tests.helpers import losses
+    from framework.train import train
+    from tests.helpers import STEPS, cheap, compose_cfg, losses, run_train
 
-    name = "pixart_debug"
-    args = [*stage_args(name, sources[name], "plugins.cache_router.sparsity=0", "plugins.cache_router.init_logit=-2",
-                        "optimizer.lr=0.3"), "data.batch_size=8", f"trainer.max_steps={STEPS}",
-            "trainer.checkpoint_every_n_steps=2"]
-    run_train(tmp_path / "ref", digits_shards, *args)
-    run_train(tmp_path / "sp", digits_shards, *args, "strategy=ddp", "trainer.devices=2", "strategy.sequence_parallel=2")
+    settings = ["plugins.cache_router.sparsity=0", "plugins.cache_router.init_logit=-2", "optimizer.lr=0.3"]
+    if name == "pixart_debug":
+        data, model = request.getfixturevalue("digits_shards"), None
+        args = stage_args(name, request.getfixturevalue("sources")[name], *settings)
+    else:  # a 2-step Latte on the moving digits' clips is the frozen backbone
+        data, model = request.getfixturevalue("moving_shards"), ("model=latte_debug",)
+        source = train(compose_cfg(cheap(tmp_path, data, "model=latte_debug", steps=2, run="source")))["checkpoint"]
+        args = ["experiment=cache_router", f"init_from={source}", "plugins.cache_router.steps=4",
+                "plugins.cache_router.sampler=flow_euler", "eval.at_end=false", *settings]
+    args += ["data.batch_size=8", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every_n_steps=2"]
+    kw = {} if model is None else {"model": model}
+    run_train(tmp_path / "ref", data, *args, **kw)
+    run_train(tmp_path / "sp", data, *args, "strategy=ddp", "trainer.devices=2", "strategy.sequence_parallel=2", **kw)
     ref, got = losses(tmp_path / "ref"), losses(tmp_path / "sp")
     assert sorted(got) == list(range(STEPS)) and min(ref.values()) > 0, ref
     close = dict(rtol=1e-4, atol=0.0)  # relative only: the values are small
