@@ -81,6 +81,11 @@ def nearest_clip_bucket(frames: int, height: int, width: int, buckets: Sequence[
     return list(buckets).index((count, *sizes[nearest_bucket(height, width, sizes)]))
 
 
+def bucket_name(row: dict) -> str:
+    """A bucket of dataset.json's `buckets` as messages name it: "256x384", or a clip bucket's "17 frames 256x384"."""
+    return (f"{row['frames']} frames " if "frames" in row else "") + f"{row['size'][0]}x{row['size'][1]}"
+
+
 def bucket_dir(size: Sequence[int]) -> str:
     """The MDS folder of a bucket, inside the dataset folder: (h, w) of images, (frames, h, w) of clips."""
     *frames, h, w = (int(v) for v in size)

@@ -156,9 +156,9 @@ class PrecomputeConfig:
                              "drop width.")
 
     def _check_frames(self) -> None:
-        counts = self.num_frames if isinstance(self.num_frames, (list, tuple)) else [self.num_frames]
         if self.num_frames is None:
             return
+        counts = self.num_frames if isinstance(self.num_frames, (list, tuple)) else [self.num_frames]
         if (not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)
                 or len(set(counts)) != len(counts)):
             raise ValueError(f"num_frames={self.num_frames}: the frames of each clip, >= 1, or a list of different "

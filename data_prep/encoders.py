@@ -203,9 +203,6 @@ class VideoVAECodec(ImageCodec):
                              f"first frame, then one of every {r}: use 1 + {r}k frames ({below} or {below + r}; Wan "
                              "takes 81, CogVideoX 49, HunyuanVideo 129)")
 
-    def latent_frames(self, num_frames: int) -> int:
-        return 1 + (num_frames - 1) // self.temporal_compression
-
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist  # (B, C, F, H, W) in

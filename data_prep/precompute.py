@@ -50,7 +50,7 @@ from data_prep.location import Location, RemoteLocation, open_output
 from data_prep.parts import (
     check_parts, done_name, merge, my_parts, part_folders, part_indexes, remove_partial, wait_for_parts,
 )
-from data_prep.record import DATASET_FILE, DatasetRecord, record_version
+from data_prep.record import DATASET_FILE, DatasetRecord, latent_frame_count, record_version
 from data_prep.sources import Record, get_source
 
 FINGERPRINT_FILE = "precompute.json"
@@ -571,7 +571,7 @@ def bucket_table(stats: list[dict], buckets: list[tuple[int, ...]], downsample: 
         row = {"size": [h, w], "dir": bucket_dir(size), "latent_size": [h // downsample, w // downsample],
                "num_samples": rows(b)}
         if frames:
-            row.update(frames=frames[0], latent_frames=1 + (frames[0] - 1) // temporal_compression)
+            row.update(frames=frames[0], latent_frames=latent_frame_count(frames[0], temporal_compression))
         table.append(row)
     return table
 
@@ -580,7 +580,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
            out: Location, world: int, num_parts: int, buckets: list[tuple[int, int]] | None = None) -> DatasetRecord:
     from safetensors.torch import save_file
 
-    from data_prep.buckets import nearest_bucket
+    from data_prep.buckets import bucket_name, nearest_bucket
 
     stats = wait_for_parts(out, num_parts, cfg.merge_timeout_s)
     total = usable_totals(cfg, stats)
@@ -614,8 +614,7 @@ def finish(cfg: PrecomputeConfig, fp: dict, source, codec: ImageCodec, text: Tex
             latent_shape = [latent_shape[0], base, base]
         spec = cfg.buckets if isinstance(cfg.buckets, str) else "list" if cfg.buckets is not None else None
         extra.update(buckets=table, bucket_spec=spec)
-        name = lambda r: (f"{r['frames']} frames " if "frames" in r else "") + f"{r['size'][0]}x{r['size'][1]}"
-        log("buckets: " + ", ".join(f"{name(r)}: {r['num_samples']}" for r in table if r["num_samples"])
+        log("buckets: " + ", ".join(f"{bucket_name(r)}: {r['num_samples']}" for r in table if r["num_samples"])
             + f" ({sum(1 for r in table if not r['num_samples'])} of {len(table)} empty)")
     record = DatasetRecord(
         format_version=record_version(cfg.text_storage, cfg.caption_layout, codec.posterior, cfg.num_frames,

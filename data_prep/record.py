@@ -49,6 +49,12 @@ def _per_channel(factor: float | list[float], like: Any) -> Any:
     return torch.tensor(factor, dtype=torch.float32, device=like.device).view(-1, *[1] * (like.ndim - 2))
 
 
+def latent_frame_count(frames: int, temporal_compression: int | None) -> int:
+    """The latent frames of a clip of `frames` pixel frames: a video VAE makes one of the first frame, then one of every
+    `temporal_compression` (None or 1: an image VAE, one a frame)."""
+    return 1 + (frames - 1) // (temporal_compression or 1)
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write `obj` as JSON so that a reader never sees half a file (a temporary file, then a rename)."""
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
@@ -121,9 +127,7 @@ class DatasetRecord:
     @property
     def latent_frames(self) -> Optional[int]:
         """The frames of each clip's latents (C, latent_frames, h, w); None: images."""
-        if self.num_frames is None:
-            return None
-        return 1 + (self.num_frames - 1) // (self.temporal_compression or 1)
+        return None if self.num_frames is None else latent_frame_count(self.num_frames, self.temporal_compression)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -156,6 +156,7 @@ def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:
                          "DiTTransformer2DModel) only unpatchifies square latents: use a PixArt, SANA or UNet model, or "
                          "a dataset precomputed without buckets")
     if cfg.strategy.sequence_parallel > 1:
+        from data_prep.buckets import bucket_name
         from framework.distributed.sequence import check
 
         for b in buckets:
@@ -165,8 +166,7 @@ def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:
                 check(dataclasses.replace(cfg.model, sample_size=h, sample_width=w, **frames),
                       cfg.strategy.sequence_parallel, cfg.strategy.sequence_parallel_head_groups)
             except ValueError as err:
-                name = (f"{b['frames']} frames " if frames else "") + f"{b['size'][0]}x{b['size'][1]}"
-                raise ValueError(f"bucket {name} (latents {h}x{w}): {err}") from None
+                raise ValueError(f"bucket {bucket_name(b)} (latents {h}x{w}): {err}") from None
 
 
 def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:

@@ -525,7 +525,8 @@ class LatentDataModule(L.LightningDataModule):
 
         used = [b for b in self.info.buckets if b["num_samples"] >= global_batch]
         small = [b for b in self.info.buckets if b["num_samples"] < global_batch]
-        name = lambda b: (f"{b['frames']} frames " if "frames" in b else "") + f"{b['size'][0]}x{b['size'][1]}"
+        from data_prep.buckets import bucket_name as name
+
         kind = "clip" if any("frames" in b for b in self.info.buckets) else "aspect-ratio"
         if not used:
             raise ValueError(f"every {kind} bucket of {self.cfg.path} has fewer samples than one global batch "

@@ -85,9 +85,6 @@ def check(cfg: ModelConfig, size: int, head_groups: int = 1, world: int | None =
             raise ValueError(f"sequence_parallel_head_groups={head_groups} must divide the {rows * cols // size} "
                              f"positions each of the {size} ranks holds in model.{cfg.name}'s temporal blocks (its "
                              "layout switches go in that many slices of them)")
-        if world is not None and world % size:
-            raise ValueError(f"sequence_parallel={size} does not divide the {world} ranks of this job; use a "
-                             f"device count that is a multiple of {size}")
         return
     if seq.attention == "linear" and heads % head_groups:  # every rank keeps every head; the groups split them
         raise ValueError(f"sequence_parallel_head_groups={head_groups} does not divide model.num_heads={heads}: "
@@ -568,32 +565,6 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
     denoiser.sequence_parallel = sp
 
 
-class _SwitchLayout(torch.autograd.Function):
-    """An ST-DiT's layout switch (DSP's; ScaleFusion schedules it): (B, N, f, D), every position of this rank's f = F/P
-    frames, <-> (B, m, F, D), this rank's m = N/P positions of every frame, in one all-to-all. Backward: the switch
-    the other way (a permutation of the group's elements)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sp: SequenceParallel, to_positions: bool) -> torch.Tensor:
-        ctx.sp, ctx.to_positions = sp, to_positions
-        return _switch(x, sp, to_positions)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _switch(grad, ctx.sp, not ctx.to_positions), None, None
-
-
-def _switch(x: torch.Tensor, sp: SequenceParallel, to_positions: bool) -> torch.Tensor:
-    P = sp.size
-    if to_positions:  # (B, N, f, D): positions band p goes to rank p, which puts the sources' frames in order
-        B, N, f, D = x.shape
-        got = _wait(_all_to_all(x.reshape(B, P, N // P, f, D).transpose(0, 1), sp.group))  # (P: source, B, m, f, D)
-        return got.permute(1, 2, 0, 3, 4).reshape(B, N // P, P * f, D)
-    B, m, F, D = x.shape  # (B, m, F, D): frames band p goes to rank p, which puts the sources' positions in order
-    got = _wait(_all_to_all(x.reshape(B, m, P, F // P, D).permute(2, 0, 1, 3, 4), sp.group))  # (P, B, m, f, D)
-    return got.transpose(0, 1).reshape(B, P * m, F // P, D)
-
-
 def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
     """Latte (framework/models/plans.py `switch`): each rank keeps its F/P frames after the patch embedding; a spatial
     block attends within frames, so it runs on them as they are, given those frames' caption, mask and timestep rows;
@@ -633,17 +604,6 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         return (args[0], args[1], frames_of(caption), None if mask is None else frames_of(mask), frames_of(timestep),
                 *args[5:])
 
-    def to_positions(module: nn.Module, args: tuple) -> tuple:
-        h = args[0]  # (B N, F/P, D)
-        B, N = dims["B"], dims["N"]
-        h = _SwitchLayout.apply(h.reshape(B, N, *h.shape[1:]), sp, True)  # (B, N/P, F, D)
-        return (h.reshape(-1, *h.shape[2:]), *args[1:4], positions_of(args[4]), *args[5:])
-
-    def to_frames(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        B = dims["B"]
-        h = _SwitchLayout.apply(out.reshape(B, -1, *out.shape[1:]), sp, False)  # (B, N, F/P, D)
-        return h.reshape(-1, *h.shape[2:])
-
     def gather_frames(module: nn.Module, args: tuple) -> tuple:
         h = args[0]  # (B F/P, N, D)
         B, F = dims["B"], dims["F"]
@@ -651,10 +611,12 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         return (whole.reshape(B * F, *h.shape[1:]),)
 
     def sliced(block: nn.Module) -> Any:
-        """The temporal block in sp.head_groups = S slices of this rank's positions (ScaleFusion's intra-layer
-        schedule; positions are independent in a temporal block): every slice's switch to positions is issued first;
-        slice s waits for its own, runs, and its switch back travels while slice s+1 runs. Backward: each exchange's
-        adjoint is issued as its gradient is ready and waited where it is used (_Tied)."""
+        """The temporal block between its two layout switches (DSP's; ScaleFusion schedules them): (B N, F/P, D), every
+        position of this rank's frames, -> (B N/P, F, D), this rank's positions of every frame, by one all-to-all; the
+        block; and back. In sp.head_groups = S slices of this rank's positions (ScaleFusion's intra-layer schedule;
+        positions are independent in a temporal block; S = 1: the whole switch): every slice's switch to positions is
+        issued first; slice s waits for its own, runs, and its switch back travels while slice s+1 runs. Backward: each
+        exchange's adjoint is issued as its gradient is ready and waited where it is used (_Tied)."""
         inner, S = block.forward, sp.head_groups
 
         def forward(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -668,8 +630,9 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
             arrivals = [_all_to_all(send.detach(), sp.group) for send in sends]  # every slice's exchange issued
             back_sends, backs = [], []
             for s in range(S):
-                r = _Tied.apply(sends[s], arrivals[s], _all_to_all, sp.group) if grad else arrivals[s]
-                rows = r.permute(1, 2, 0, 3, 4).reshape(B * w, F, D)  # waits for slice s: every frame of its positions
+                arrived = _Tied.apply(sends[s], arrivals[s], _all_to_all, sp.group) if grad else arrivals[s]
+                # (P: source frames, B, w, f, D) -> (B w, F, D); waits for slice s: every frame of its positions
+                rows = arrived.permute(1, 2, 0, 3, 4).reshape(B * w, F, D)
                 y = inner(rows, *args[:3], t[:, s].reshape(B * w, -1), *args[4:])
                 back_sends.append(y.reshape(B, w, P, f, D).permute(2, 0, 1, 3, 4).contiguous())  # (P: frames, ...)
                 backs.append(_all_to_all(back_sends[-1].detach(), sp.group))  # travels while slice s + 1 runs
@@ -686,11 +649,7 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
     for block in net.transformer_blocks:
         block.register_forward_pre_hook(spatial_inputs)
     for block in net.temporal_transformer_blocks:
-        if sp.head_groups > 1:
-            block.forward = sliced(block)
-        else:
-            block.register_forward_pre_hook(to_positions)
-            block.register_forward_hook(to_frames)
+        block.forward = sliced(block)
     net.norm_out.register_forward_pre_hook(gather_frames)
 
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from data_prep.record import unscale_latents
+from data_prep.record import latent_frame_count, unscale_latents
 from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
 from framework.inference.caching import CacheSchedule, resolve_schedule
 from framework.inference.sampling import Draws, Sampler, SamplingPlan
@@ -97,10 +97,10 @@ class Pipeline:
             return (counts[-1], *hw)
         step = int(self.info.get("temporal_compression") or 1)  # pixel frames per latent frame after the first
         pixel_frames = lambda c: 1 + (c - 1) * step
-        if num_frames < 1 or (num_frames - 1) % step or 1 + (num_frames - 1) // step not in counts:
+        if num_frames < 1 or (num_frames - 1) % step or latent_frame_count(num_frames, step) not in counts:
             raise ValueError(f"num_frames={num_frames}: the model was trained on clips of "
                              f"{', '.join(str(pixel_frames(c)) for c in counts)} frames at this size; use one of those")
-        return (1 + (num_frames - 1) // step, *hw)
+        return (latent_frame_count(num_frames, step), *hw)
 
     def _latent_hw(self, height: int | None, width: int | None, aspect: str | None) -> tuple[int, int]:
         """The latent (h, w) of latent_size."""
