@@ -251,7 +251,7 @@ def validate(cfg: TrainConfig) -> None:
         if world is not None:
             from framework.distributed.mesh import ParallelDims
 
-            ParallelDims.of(world, n_devices, sp)  # refuses a sequence group that would span nodes
+            ParallelDims.of(world, n_devices, sp)  # refuses a sequence group over parts of nodes
     if cfg.data.global_batch_size is not None:
         if t.accumulate_grad_batches != 1:
             raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size} and trainer.accumulate_grad_batches="

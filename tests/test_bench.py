@@ -135,7 +135,7 @@ def test_overlap_replay_stalls_only_for_results_not_yet_arrived():
     ms = 1e-3
     events = [Event(0, "issue", 1, "a", 0), Event(2 * ms, "wait", 1, "a", 0), Event(4 * ms, "issue", 2, "b", 0),
               Event(10 * ms, "wait", 2, "b", 0), Event(11 * ms, "issue", -1, "g", 0), Event(11 * ms, "wait", -1, "g", 0)]
-    r = replay(events, backward_at=10.5 * ms, end=12 * ms, cost=lambda op, n: {"a": 5, "b": 1, "g": 2}[op] * ms)
+    r = replay(events, backward_at=10.5 * ms, end=12 * ms, cost=lambda op, n, span: {"a": 5, "b": 1, "g": 2}[op] * ms)
     assert round(r["exposed_forward_ms"], 9) == 3 and round(r["exposed_backward_ms"], 9) == 2
     assert round(r["step_ms"], 9) == 17 and round(r["communication_ms"], 9) == 8 and r["collectives"] == 3
 
@@ -183,6 +183,56 @@ def test_bench_overlap_issues_sanas_all_reduces_by_head_group_and_waits_late(tmp
     assert row["before_exposed_fraction"] >= row["exposed_fraction"]  # strictly more on fixed times: below
 
 
+def test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video_model(tmp_path):
+    """Wan on one rank of a group of 2 nodes x 2: each layer's forward exchanges within the node, passes the other
+    node's keys and values round the ring (issued before this chunk's attention, waited after it), and exchanges back;
+    backward passes the chunk and its gradients (2 issued, both waited, then the gradients' last pass home). Latte
+    with 2 slices: each temporal block's two switches to positions issued first, each slice's switch back issued
+    after it runs, all waited before the next spatial block."""
+    out = tmp_path / "bench.json"
+    common = ["num_layers=1", "latent_size=null", "repeats=1", "text_tokens=16", f"trace_dir={tmp_path / 'traces'}"]
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=wan_debug", "ranks=4",
+                       "ranks_per_node=2", "head_groups=[1]", *common, f"out={out}"],
+                      cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wan,) = json.loads(out.read_text())
+    exchange = ["issue all_to_all", "wait all_to_all"]
+    gather = ["issue all_gather", "wait all_gather"]
+    forward = exchange + ["issue ring", "wait ring"] + exchange
+    backward = exchange + ["issue ring", "issue ring", "wait ring", "wait ring", "issue ring", "wait ring"] + exchange
+    assert wan["order"] == forward + gather + backward, wan["order"]
+    assert wan["ranks_per_node"] == 2 and wan["network"] == "infiniband" and wan["tokens"] == 64
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=latte_debug", "ranks=2",
+                       "head_groups=[2]", *common, f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (latte,) = json.loads(out.read_text())
+    switches = ["issue all_to_all"] * 2 + ["wait all_to_all", "issue all_to_all"] * 2 + ["wait all_to_all"] * 2
+    assert latte["order"] == switches + gather + switches, latte["order"]
+
+
+def test_the_cost_model_sends_the_other_nodes_share_over_the_network():
+    """4 ranks, 2 a node; node links 1 us + 4 GB/s, network 2 us + 1 GB/s; a rank holding 1,200 bytes. An all-to-all
+    over the whole group sends 3/4 of them, 1/3 of that to its node's other rank and 2/3 to the other node's two, at
+    once; over the node's 2 ranks, half of them on the node's links; a ring pass sends all of them to the next node."""
+    from framework.bench.suite_overlap import Event, cost_model, replay
+
+    cost = cost_model(1e-6, 4e9, 4, 2, (2e-6, 1e9))
+    whole = cost("all_to_all", 1200, 4)
+    assert whole["node"] == pytest.approx(1e-6 + 300 / 4e9) and whole["network"] == pytest.approx(2e-6 + 600 / 1e9)
+    assert cost("all_to_all", 1200, 2) == {"node": pytest.approx(1e-6 + 600 / 4e9)}
+    assert cost("ring", 1200) == {"network": pytest.approx(2e-6 + 1200 / 1e9)}
+    assert cost("all_reduce", 1200) == {"network": pytest.approx(2e-6 + 1800 / 1e9)}  # its slowest link
+    # By hand, ms: a ring pass (3) and a node exchange (1) issued at 0 run at once, on their own channels; an exchange
+    # over both issued at 0.5 waits for both to be free (3) and holds both for its longer part (2): it arrives at 5,
+    # 1 after its use at 4.
+    ms = 1e-3
+    parts = {"ring": {"network": 3 * ms}, "node": {"node": 1 * ms}, "both": {"node": 1 * ms, "network": 2 * ms}}
+    events = [Event(0, "issue", 1, "ring", 0), Event(0, "issue", 2, "node", 0), Event(0.5 * ms, "issue", 3, "both", 0),
+              Event(3 * ms, "wait", 1, "ring", 0), Event(3 * ms, "wait", 2, "node", 0), Event(4 * ms, "wait", 3, "both", 0)]
+    r = replay(events, backward_at=10 * ms, end=10 * ms, cost=lambda op, n, span: parts[op])
+    assert r["exposed_forward_ms"] == pytest.approx(1.0) and r["communication_ms"] == pytest.approx(6.0)
+
+
 def test_the_replay_exposes_what_the_computation_does_not_hide():
     """Fixed computation times and a cost of 1 ms per 100 bytes, replayed by hand: forward issues two exchanges
     (1 ms each) at 0 and 1 ms and waits for them at 1.2 and 1.5 ms; backward (from 5 ms) issues a 3 ms exchange at
@@ -193,7 +243,7 @@ def test_the_replay_exposes_what_the_computation_does_not_hide():
     events = [Event(0.0, "issue", 1, "all_to_all", 100), Event(1 * ms, "issue", 2, "all_to_all", 100),
               Event(1.2 * ms, "wait", 1, "all_to_all", 0), Event(1.5 * ms, "wait", 2, "all_to_all", 0),
               Event(6 * ms, "issue", 3, "all_to_all", 300), Event(7 * ms, "wait", 3, "all_to_all", 0)]
-    cost = lambda op, nbytes: nbytes * 1e-5  # noqa: E731
+    cost = lambda op, nbytes, span: nbytes * 1e-5  # noqa: E731
     got = replay(events, backward_at=5 * ms, end=10 * ms, cost=cost)
     # Exchange 2 arrives at 2 ms, 0.5 ms after its wait; exchange 3 then starts at 6.5 ms and arrives at 9.5 ms,
     # 2 ms after its wait (at 7.5 ms on the stalled clock).

@@ -111,6 +111,12 @@ class Runs:
         shutil.copytree(d, self.root / "nodes_at2")
         run_train(d, self.data, *fsdp(), f"trainer.max_steps={STEPS}")
 
+    # One sequence group of 2 nodes x 2 ranks (two launches): Ulysses within a node, ring attention across; the
+    # whole batch of 16 on every rank.
+    def _sp_nodes(self, d: Path) -> None:
+        run_nodes(d, self.data, 2, 2, *DDP[:1], "data.batch_size=16", "data.num_workers=1",
+                  "trainer.checkpoint_every_n_steps=2", "strategy.sequence_parallel=4", f"trainer.max_steps={STEPS}")
+
 
 DDP = ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1", "trainer.checkpoint_every_n_steps=2"]
 
@@ -125,7 +131,7 @@ def runs(tmp_path_factory, digits_shards) -> Runs:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sgo", "full", "ddp", "sp_ddp", "sp_2x2"])
+@pytest.mark.parametrize("name", ["sgo", "full", "ddp", "sp_ddp", "sp_2x2", "sp_nodes"])
 def test_two_ranks_follow_the_single_process_losses(runs, name):
     ref, got = losses(runs["ref"]), losses(runs[name])
     assert sorted(got) == list(range(STEPS))
@@ -144,6 +150,9 @@ def test_fsdp_and_sequence_parallelism_share_the_job_mesh(runs):
         assert m["param_mesh"] == ["fsdp"] and m["param_mesh_from_job_mesh"], m
         assert m["sequence_group_from_job_mesh"], m
         assert m["data_parallel"] == [rank // 2, 2]
+    for rank in range(4):  # one group across 2 nodes: its ring dim is the node, each rank's ring position its node's
+        m = probe(runs["sp_nodes"], rank)["mesh"]
+        assert m["dims"] == [1, 1, 4] and m["ring"] == [2, rank // 2, 2] and m["data_parallel"] == [0, 1], m
     plain = probe(runs["sgo"], 0)["mesh"]
     assert plain["dims"] == [1, 2, 1] and plain["param_mesh_from_job_mesh"] and plain["data_parallel"] is None
 

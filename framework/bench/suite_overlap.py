@@ -4,9 +4,11 @@ one machine, for head groups G = 1, 2, 4, forward and backward apart.
 One rank of a P-rank sequence-parallel group runs its real computation (torch's fake process group: every buffer a
 real rank allocates, no data moved), and every collective of framework/distributed/sequence.py is recorded where it
 is issued and where its result is first used (the Ulysses all-to-alls and SANA's all-reduces are asynchronous until
-then; the output gather and SANA's halo swap wait at once). A calibrated stand-in then gives each collective a duration,
-latency + bytes / bandwidth, on one communication channel that runs them in issue order beside the computation
-(`link`: nvlink or infiniband presets, gloo measured here on two processes, or custom). Replaying the recorded
+then; the output gather and SANA's halo swap wait at once; so are Latte's layout switches, and the ring attention's
+passes across nodes). A calibrated stand-in then gives each collective a duration, latency + bytes / bandwidth, on the
+channels it uses, each running its collectives in issue order beside the computation: a node's links (`link`: nvlink
+or infiniband presets, gloo measured here on two processes, or custom) and, for a group over several nodes
+(`ranks_per_node` < `ranks`), the network (`network`) for the share that leaves the node. Replaying the recorded
 computation with those durations gives the step: computation, communication, and exposed communication (the step
 minus the computation: waits the overlap did not hide). Each configuration's replay is saved as a Chrome trace
 (chrome://tracing, ui.perfetto.dev: a computation lane and a communication lane), and one step's torch profiler trace
@@ -41,12 +43,23 @@ class OverlapBench:
 
     preset: str = "pixart_xl_2_256"
     """Backbone preset (random weights); its sample_size is set to latent_size."""
-    latent_size: int = 256
-    """Latent side: pixart_xl_2 at 256 is 16,384 tokens (a 2048 px image)."""
+    latent_size: int | None = 256
+    """Latent side (height): pixart_xl_2 at 256 is 16,384 tokens (a 2048 px image); None: the preset's."""
+    latent_width: int | None = None
+    """Latent width, if not latent_size (a video preset's 480x832 is 60 x 104)."""
+    num_frames: int | None = None
+    """A video preset's latent frames (None: the preset's)."""
     num_layers: int | None = None
     """Fewer blocks than the preset's (each block repeats the same pattern): a CPU-sized run."""
     ranks: int = 8
     """P: the sequence-parallel group this rank is one of."""
+    ranks_per_node: int | None = None
+    """The group's ranks on one node (None: all of them); fewer: the group spans ranks / ranks_per_node nodes
+    (Ulysses within a node, ring attention across, framework/distributed/mesh.py)."""
+    network: str = "infiniband"
+    """The link between nodes, as `link` (presets, or custom with network_latency_us= and network_bandwidth_GBps=)."""
+    network_latency_us: float | None = None
+    network_bandwidth_GBps: float | None = None
     head_groups: list[int] = field(default_factory=lambda: [1, 2, 4])
     link: str = "nvlink"
     """nvlink | infiniband (presets) | gloo (latency and bandwidth measured here on two processes) | custom."""
@@ -72,8 +85,9 @@ class Event:
     t: float  # seconds since the step began (computation time: the recording runs no communication)
     kind: str  # issue | wait
     key: int
-    op: str  # all_to_all | all_gather | all_reduce | halo
+    op: str  # all_to_all | all_gather | all_reduce | halo | ring
     nbytes: int  # what this rank's buffer holds (the cost model turns it into bytes sent)
+    span: int = 0  # the ranks of the group it ran over (0: the whole sequence group)
 
 
 class Recorder:
@@ -102,8 +116,8 @@ class Recorder:
 
         rec = self
         self._saved = (seq._all_to_all, seq._all_reduce, AsyncCollectiveTensor.trigger_wait, seq._wait,
-                       dist.all_gather, seq._swap_edges)
-        all_to_all, all_reduce, trigger_wait, wait, all_gather, swap_edges = self._saved
+                       dist.all_gather, seq._swap_edges, seq._ring_pass, seq._ring_wait)
+        all_to_all, all_reduce, trigger_wait, wait, all_gather, swap_edges, ring_pass, ring_wait = self._saved
 
         def asynchronous(op: str, collective: Callable) -> Callable:
             def recorded(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -111,9 +125,23 @@ class Recorder:
                 out = collective(x, group)
                 rec._next += 1
                 rec._pending[out.elem.untyped_storage().data_ptr()] = (rec._next, op)
-                rec.events.append(Event(t, "issue", rec._next, op, x.numel() * x.element_size()))
+                rec.events.append(Event(t, "issue", rec._next, op, x.numel() * x.element_size(),
+                                        dist.get_world_size(group)))
                 return out
             return recorded
+
+        def recorded_ring_pass(x: torch.Tensor, sp: Any) -> Any:  # this rank's chunk to the next node
+            t = rec.now()
+            pending = ring_pass(x, sp)
+            rec._next += 1
+            rec._pending[pending[0].untyped_storage().data_ptr()] = (rec._next, "ring")
+            rec.events.append(Event(t, "issue", rec._next, "ring", x.numel() * x.element_size()))
+            return pending
+
+        def recorded_ring_wait(pending: Any) -> torch.Tensor:
+            key, op = rec._pending.pop(pending[0].untyped_storage().data_ptr())
+            rec.events.append(Event(rec.now(), "wait", key, op, 0))
+            return ring_wait(pending)
 
         def first_use(x: Any) -> None:
             address = x.elem.untyped_storage().data_ptr() if isinstance(x, AsyncCollectiveTensor) else None
@@ -140,6 +168,7 @@ class Recorder:
         seq._all_to_all, seq._all_reduce = asynchronous("all_to_all", all_to_all), asynchronous("all_reduce", all_reduce)
         seq._wait, AsyncCollectiveTensor.trigger_wait = recorded_wait, recorded_trigger_wait
         dist.all_gather, seq._swap_edges = recorded_all_gather, recorded_swap
+        seq._ring_pass, seq._ring_wait = recorded_ring_pass, recorded_ring_wait
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -147,7 +176,7 @@ class Recorder:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
         (seq._all_to_all, seq._all_reduce, AsyncCollectiveTensor.trigger_wait, seq._wait, dist.all_gather,
-         seq._swap_edges) = self._saved
+         seq._swap_edges, seq._ring_pass, seq._ring_wait) = self._saved
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,31 +184,51 @@ class Recorder:
 # --------------------------------------------------------------------------------------------------
 
 
-def cost_model(latency: float, bandwidth: float, ranks: int) -> Callable[[str, int], float]:
-    """Seconds for one collective of a rank holding `nbytes`: all-to-all sends (P-1)/P of it, an all-gather receives
-    P-1 times it, a ring all-reduce moves 2(P-1)/P of it, the halo swap sends it to each neighbour at once."""
-    share = {"all_to_all": (ranks - 1) / ranks, "all_gather": ranks - 1, "all_reduce": 2 * (ranks - 1) / ranks,
-             "halo": 1.0}
+def cost_model(latency: float, bandwidth: float, ranks: int, per_node: int | None = None,
+               network: tuple[float, float] | None = None) -> Callable[..., dict[str, float]]:
+    """Seconds for one collective of a rank holding `nbytes`, on each channel it uses, over a group of s ranks (its
+    span; the sequence group's P when 0): all-to-all sends (s-1)/s of it, an all-gather receives s-1 times it, a ring
+    all-reduce moves 2(s-1)/s of it, the halo swap sends it to each neighbour at once, a ring pass sends it to the
+    next node. Within a node (s <= per_node) all of it goes over the node's links; a group over several nodes sends the
+    other nodes' share over the network (`network`: latency, bandwidth) while the node's own share goes over its links,
+    at once (an all-reduce or halo across nodes: all over the network, its slowest link)."""
+    per_node = per_node or ranks
 
-    def seconds(op: str, nbytes: int) -> float:
-        return latency + share[op] * nbytes / bandwidth
+    def seconds(op: str, nbytes: int, span: int = 0) -> dict[str, float]:
+        s = span or ranks
+        if op == "ring":
+            return {"network": network[0] + nbytes / network[1]}
+        share = {"all_to_all": (s - 1) / s, "all_gather": s - 1, "all_reduce": 2 * (s - 1) / s, "halo": 1.0}[op]
+        if s <= per_node:
+            return {"node": latency + share * nbytes / bandwidth}
+        if op in ("all_reduce", "halo"):
+            return {"network": network[0] + share * nbytes / network[1]}
+        far = (s - per_node) / (s - 1)  # the share of the peers on other nodes
+        return {"node": latency + (1 - far) * share * nbytes / bandwidth,
+                "network": network[0] + far * share * nbytes / network[1]}
 
     return seconds
 
 
-def replay(events: list[Event], backward_at: float, end: float, cost: Callable[[str, int], float]) -> dict[str, Any]:
-    """The step with communication: one channel runs the collectives in issue order; a use of a result not yet
-    arrived stalls the computation until it arrives. Returns the computation, communication and exposed times
-    (forward and backward), and the timeline (for the trace)."""
-    stall, free = 0.0, 0.0
+def replay(events: list[Event], backward_at: float, end: float, cost: Callable[..., Any]) -> dict[str, Any]:
+    """The step with communication: each channel runs its collectives in issue order (`cost(op, nbytes, span)` gives
+    seconds, or seconds per channel: a collective on several channels starts when all are free and holds them all
+    for its longest part); a use of a result not yet arrived stalls the computation until it arrives. Returns the
+    computation, communication and exposed times (forward and backward), and the timeline (for the trace)."""
+    stall = 0.0
+    free: dict[str, float] = {}
     exposed = {"forward": 0.0, "backward": 0.0}
     arrive: dict[int, float] = {}
     comm, timeline = 0.0, []
     for e in sorted(events, key=lambda e: (e.t, e.kind == "wait")):
         if e.kind == "issue":
-            start = max(e.t + stall, free)
-            duration = cost(e.op, e.nbytes)
-            arrive[e.key] = free = start + duration
+            parts = cost(e.op, e.nbytes, e.span)
+            parts = parts if isinstance(parts, dict) else {"link": parts}
+            start = max(e.t + stall, *(free.get(c, 0.0) for c in parts))
+            duration = max(parts.values())
+            arrive[e.key] = start + duration
+            for c in parts:
+                free[c] = start + duration
             comm += duration
             timeline.append(("comm", e.op, start, duration))
         else:
@@ -261,21 +310,38 @@ def measure_gloo(sizes: tuple[int, ...] = (1 << 14, 1 << 20, 1 << 24)) -> tuple[
 # --------------------------------------------------------------------------------------------------
 
 
-def _link(cfg: OverlapBench) -> tuple[float, float]:
-    if cfg.link in LINKS:
-        return LINKS[cfg.link]
-    if cfg.link == "gloo":
+def _link(link: str, latency_us: float | None, bandwidth_GBps: float | None, key: str = "link") -> tuple[float, float]:
+    if link in LINKS:
+        return LINKS[link]
+    if link == "gloo":
         return measure_gloo()
-    if cfg.link == "custom" and cfg.latency_us is not None and cfg.bandwidth_GBps:
-        return cfg.latency_us * 1e-6, cfg.bandwidth_GBps * 1e9
-    raise ValueError(f"link={cfg.link!r}: choose nvlink, infiniband, gloo, or custom with latency_us= and bandwidth_GBps=")
+    if link == "custom" and latency_us is not None and bandwidth_GBps:
+        return latency_us * 1e-6, bandwidth_GBps * 1e9
+    prefix = "" if key == "link" else f"{key}_"
+    raise ValueError(f"{key}={link!r}: choose nvlink, infiniband, gloo, or custom with {prefix}latency_us= and "
+                     f"{prefix}bandwidth_GBps=")
+
+
+def _model_config(bench: OverlapBench) -> Any:
+    """The preset at the bench's size (fewer layers, another latent shape)."""
+    from framework.models.backbones import load_preset
+
+    extra: dict[str, Any] = {} if bench.num_layers is None else {"num_layers": bench.num_layers}
+    if bench.latent_size is not None:
+        extra["sample_size"] = bench.latent_size
+        extra["sample_width"] = bench.latent_width
+    elif bench.latent_width is not None:
+        extra["sample_width"] = bench.latent_width
+    if bench.num_frames is not None:
+        extra["num_frames"] = bench.num_frames
+    return load_preset(bench.preset, **extra)
 
 
 def record_step(model: Any, cfg: Any, bench: OverlapBench, device: torch.device) -> tuple[list[Event], float, float]:
     """One training step (forward, then backward of a squared-error loss) with its collectives recorded."""
     g = torch.Generator(device=device).manual_seed(0)
-    B, side = bench.batch_size, bench.latent_size
-    x = torch.randn(B, cfg.in_channels, side, side, generator=g, device=device)
+    B = bench.batch_size
+    x = torch.randn(B, cfg.in_channels, *cfg.latent_shape, generator=g, device=device)
     t = torch.rand(B, generator=g, device=device) * 1000
     text = torch.randn(B, bench.text_tokens, cfg.text_dim, generator=g, device=device)
     mask = torch.ones(B, bench.text_tokens, device=device)
@@ -294,19 +360,21 @@ def record_step(model: Any, cfg: Any, bench: OverlapBench, device: torch.device)
 
 def run(bench: OverlapBench) -> list[dict[str, Any]]:
     from framework.bench.suite_sequence import _fake_group
-    from framework.distributed.mesh import job_mesh
+    from framework.distributed.mesh import ParallelDims
     from framework.distributed.sequence import check, init, install
-    from framework.models.backbones import build_denoiser, load_preset
+    from framework.models.backbones import build_denoiser
     from framework.models.plans import plan_of
 
-    latency, bandwidth = _link(bench)
-    cost = cost_model(latency, bandwidth, bench.ranks)
+    latency, bandwidth = _link(bench.link, bench.latency_us, bench.bandwidth_GBps)
+    per_node = bench.ranks_per_node or bench.ranks
+    network = _link(bench.network, bench.network_latency_us, bench.network_bandwidth_GBps, "network") \
+        if per_node < bench.ranks else None
+    cost = cost_model(latency, bandwidth, bench.ranks, per_node, network)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for G in bench.head_groups:
         torch.manual_seed(0)
-        extra = {} if bench.num_layers is None else {"num_layers": bench.num_layers}
-        mcfg = load_preset(bench.preset, sample_size=bench.latent_size, **extra)
+        mcfg = _model_config(bench)
         try:
             check(mcfg, bench.ranks, G)
         except ValueError as e:  # e.g. 16 heads cannot go in 4 groups over 8 ranks
@@ -315,7 +383,7 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
         with device:
             model = build_denoiser(mcfg)
         _fake_group(bench.ranks)
-        install(model, init(job_mesh(bench.ranks, device_type=device.type), G))
+        install(model, init(ParallelDims.of(bench.ranks, per_node, bench.ranks).build(device.type), G))
         record_step(model, mcfg, bench, device)  # warm-up
         steps = [record_step(model, mcfg, bench, device) for _ in range(bench.repeats)]
         steps.sort(key=lambda s: s[2])
@@ -331,9 +399,13 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
             record_step(model, mcfg, bench, device)
         prof.export_chrome_trace(str(trace_dir / f"profile_G{G}.json"))
         order = [f"{e.kind} {e.op}" for e in sorted(events, key=lambda e: (e.t, e.kind == "wait"))]
-        rows.append({"preset": bench.preset, "layers": mcfg.num_layers, "tokens": (bench.latent_size // mcfg.patch_size) ** 2,
-                     "ranks": bench.ranks, "head_groups": G, "link": bench.link, "latency_us": latency * 1e6,
-                     "bandwidth_GBps": bandwidth / 1e9,
+        tokens = 1
+        for side in mcfg.latent_shape[-2:]:
+            tokens *= side // mcfg.patch_size
+        tokens *= mcfg.num_frames if mcfg.is_video else 1
+        rows.append({"preset": bench.preset, "layers": mcfg.num_layers, "tokens": tokens, "ranks": bench.ranks,
+                     "ranks_per_node": per_node, "head_groups": G, "link": bench.link, "latency_us": latency * 1e6,
+                     "bandwidth_GBps": bandwidth / 1e9, "network": bench.network if network else None,
                      **{k: v for k, v in result.items() if not k.startswith("_")}, "order": order,
                      "before_exposed_forward_ms": before["exposed_forward_ms"],
                      "before_exposed_backward_ms": before["exposed_backward_ms"],
@@ -342,7 +414,7 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
         print(f"G={G}: step {result['step_ms']:.1f} ms, exposed {result['exposed_fraction']:.1%}", flush=True)
         del model
     leave()
-    print_table(rows, ["tokens", "layers", "ranks", "head_groups", "link", "compute_forward_ms", "compute_backward_ms",
-                       "communication_ms", "exposed_forward_ms", "exposed_backward_ms", "step_ms", "exposed_fraction",
-                       "before_exposed_fraction"])
+    print_table(rows, ["tokens", "layers", "ranks", "ranks_per_node", "head_groups", "link", "compute_forward_ms",
+                       "compute_backward_ms", "communication_ms", "exposed_forward_ms", "exposed_backward_ms", "step_ms",
+                       "exposed_fraction", "before_exposed_fraction"])
     return rows

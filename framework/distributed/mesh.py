@@ -4,13 +4,15 @@
     replicate  1 (the node count under hybrid          FSDP2 replicates the shards across it (HSDP)
                sharding)
     shard      the remaining data-parallel ranks       FSDP2 shards parameters over shard x ring x ulysses
-    ring       1                                      (diffusers' context-parallel config takes a
-                                                      ring x ulysses mesh; ring attention is not used)
-    ulysses    strategy.sequence_parallel (P)          the all-to-all attention of one sequence group
+    ring       1, or P / G when a sequence group      ring attention across the nodes of one sequence group
+               spans P / G whole nodes of G ranks      (framework/distributed/sequence.py `ring_attention`)
+    ulysses    P / ring                               the all-to-all attention of one sequence group (within
+                                                      one node)
 
-Ranks are laid out row-major, ulysses innermost: a sequence group is P consecutive ranks, so on a node
-of G ranks (P dividing G) it never leaves the node, and a replicate slice is one node's ranks. The P
-ranks of a sequence group hold the same samples. Two positions of a rank: `data_parallel_rank`, its index
+P = strategy.sequence_parallel. Ranks are laid out row-major, ulysses innermost: a sequence group is P
+consecutive ranks, so on a node of G ranks (P dividing G) it never leaves the node; a P that is a multiple of G
+takes P / G whole nodes, Ulysses within each and ring attention across them. A replicate slice is one node's
+ranks. The P ranks of a sequence group hold the same samples. Two positions of a rank: `data_parallel_rank`, its index
 over replicate x shard (for work split by rank order), and `stream_position`, where Streaming puts its
 samples in the global batch (nodes innermost), which the training step's noise follows.
 
@@ -37,6 +39,8 @@ class ParallelDims:
     shard: int
     sequence: int
     nodes: int = 1
+    ring: int = 1
+    # the nodes a sequence group spans (1: within one node)
 
     @classmethod
     def of(cls, world: int, ranks_per_node: int, sequence: int = 1, hybrid: bool = False) -> "ParallelDims":
@@ -49,13 +53,20 @@ class ParallelDims:
         if sequence < 1 or world % sequence:
             raise ValueError(f"strategy.sequence_parallel={sequence} does not divide the {world} ranks of this job; "
                              f"use a device count that is a multiple of {sequence}")
+        ring = 1
         if ranks_per_node % sequence:
-            raise ValueError(f"strategy.sequence_parallel={sequence} does not divide the {ranks_per_node} ranks of a "
-                             f"node: a sequence group would span nodes and run its per-layer all-to-all over the "
-                             f"network; pick a sequence_parallel that divides the devices per node")
+            if sequence % ranks_per_node:
+                raise ValueError(f"strategy.sequence_parallel={sequence} neither divides the {ranks_per_node} ranks of a "
+                                 f"node nor is a multiple of them: a sequence group is part of one node (Ulysses) or "
+                                 f"whole nodes (Ulysses within each, ring attention across them)")
+            if hybrid:
+                raise ValueError(f"strategy.sharding=HYBRID_SHARD replicates the shards across nodes, and "
+                                 f"strategy.sequence_parallel={sequence} spans {sequence // ranks_per_node} nodes of "
+                                 f"{ranks_per_node} ranks: use FULL_SHARD or SHARD_GRAD_OP")
+            ring = sequence // ranks_per_node
         nodes = world // ranks_per_node
         replicate = nodes if hybrid else 1
-        return cls(replicate, world // (replicate * sequence), sequence, nodes)
+        return cls(replicate, world // (replicate * sequence), sequence, nodes, ring)
 
     @property
     def world(self) -> int:
@@ -68,18 +79,22 @@ class ParallelDims:
 
     def stream_position(self, rank: int) -> int:
         """Where `rank`'s samples sit in Streaming's deal of a global batch: rows p, p + D, p + 2D, ... for
-        D = data_parallel. Streaming orders its ranks nodes innermost, p = (data-parallel index on the node) x nodes
-        + node, which is not rank // sequence on more than one node; a sequence group's ranks share one position.
-        The training step draws each sample's noise by its global row (DiffusionModule._draw)."""
+        D = data_parallel. Streaming orders its ranks nodes innermost, p = (index on the node) x nodes + node, which is
+        not the rank on more than one node. With sequence groups (Streaming's `replication`) it deals to the groups as
+        ranks of a world it builds itself (streaming.base.world.World.replicate): W / P ranks, on W / P / G nodes of G
+        when G divides W / P, else on one node; a group's ranks share one position. The training step draws each
+        sample's noise by its global row (DiffusionModule._draw)."""
         per_node = self.world // self.nodes
-        node, local = divmod(rank, per_node)
-        return (local // self.sequence) * self.nodes + node
+        groups = self.world // self.sequence
+        nodes = groups // per_node if groups % per_node == 0 else 1
+        node, local = divmod(rank // self.sequence, groups // nodes)
+        return local * nodes + node
 
     def build(self, device_type: str) -> "Mesh":
         """The DeviceMesh over the running process group (a collective: every rank calls it)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_mesh = init_device_mesh(device_type, (self.replicate, self.shard, 1, self.sequence),
+        device_mesh = init_device_mesh(device_type, (self.replicate, self.shard, self.ring, self.sequence // self.ring),
                                        mesh_dim_names=DIM_NAMES)
         return Mesh(self, device_mesh)
 
@@ -91,6 +106,7 @@ class Mesh:
     dims: ParallelDims
     device_mesh: Any  # torch.distributed.device_mesh.DeviceMesh with DIM_NAMES
     _fsdp: Any = field(default=None, repr=False)
+    _sequence: Any = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -123,9 +139,24 @@ class Mesh:
         return self.device_mesh["ring", "ulysses"]
 
     def sequence_group(self) -> tuple[Any, int]:
-        """(the ProcessGroup of this rank's sequence group, this rank's index in it)."""
+        """(the ProcessGroup of this rank's whole sequence group, ring x ulysses, this rank's index in it): the
+        token bands follow this index. Built on first use when the group spans nodes (a collective)."""
+        if self.dims.ring == 1:
+            return self.ulysses_group()
+        if self._sequence is None:
+            self._sequence = self.device_mesh["ring", "ulysses"]._flatten("sequence")
+        return self._sequence.get_group(), self._sequence.get_local_rank()
+
+    def ulysses_group(self) -> tuple[Any, int]:
+        """(the ProcessGroup of the sequence group's ranks on this node, this rank's index in it)."""
         ulysses = self.device_mesh["ulysses"]
         return ulysses.get_group(), ulysses.get_local_rank()
+
+    def ring_group(self) -> tuple[Any, int]:
+        """(the ProcessGroup of the sequence group's ranks with this rank's index on their nodes, one per node, this
+        rank's index in it: which node of the group it is on)."""
+        ring = self.device_mesh["ring"]
+        return ring.get_group(), ring.get_local_rank()
 
 
 def job_mesh(sequence: int = 1, hybrid: bool = False, device_type: str | None = None) -> Mesh:

@@ -21,6 +21,10 @@ a contiguous band of rows:
     output projection     gathered back to the whole sequence, so unpatchify, loss and sampler are as on
                           one rank (the sampler's final latent is whole on every rank before decoding)
 
+A group of whole nodes (the mesh's ring dim R > 1): softmax attention's all-to-all runs over a node's P / R ranks,
+leaving each N / R queries of H R / P heads, and the keys and values go round the R nodes (`_RingAttention`); the
+halo, SANA's sums, Latte's switches and the gathers run over the whole group.
+
 Wan (full 3D attention over every frame's tokens, 3D RoPE): its tokens are flattened frame by frame, row by row in
 the net's forward, so the band is cut from the first block's input; its rotary tables are cut to the same band, so
 each rank rotates its queries and keys by their own positions before the all-to-all (the places diffusers' own
@@ -119,14 +123,30 @@ class SequenceParallel:
     # number of groups (W / P)
     head_groups: int = 1
     # G: the heads' exchanges (SANA: all-reduces) go in G groups, each overlapping another group's attention
+    ring: int = 1
+    # R: the nodes the group spans; softmax attention is Ulysses over the P / R ranks of a node, ring attention across
+    ring_group: Any = None
+    # the group's R ranks with this rank's index on their nodes (None: R = 1)
+    ring_rank: int = 0
+    # this rank's index in ring_group: which R-th of the tokens its node's ranks hold
+    ulysses_group: Any = None
+    # the group's P / R ranks on this node (None: the whole group, R = 1)
+
+    @property
+    def ulysses(self) -> tuple[Any, int]:
+        """(the group softmax attention's all-to-all runs over, its size)."""
+        return (self.group, self.size) if self.ring == 1 else (self.ulysses_group, self.size // self.ring)
 
 
 def init(mesh: Mesh, head_groups: int = 1) -> SequenceParallel:
-    """This rank's SequenceParallel from the job's mesh (framework/distributed/mesh.py): its sequence dim is the
-    group (its collectives follow the mesh's backend)."""
+    """This rank's SequenceParallel from the job's mesh (framework/distributed/mesh.py): its ring x ulysses dims are
+    the group (its collectives follow the mesh's backend)."""
     group, rank = mesh.sequence_group()
-    return SequenceParallel(mesh.dims.sequence, rank, group, mesh.data_parallel_rank, mesh.dims.data_parallel,
-                            head_groups)
+    sp = SequenceParallel(mesh.dims.sequence, rank, group, mesh.data_parallel_rank, mesh.dims.data_parallel,
+                          head_groups)
+    if mesh.dims.ring > 1:
+        sp.ring, (sp.ring_group, sp.ring_rank), sp.ulysses_group = mesh.dims.ring, mesh.ring_group(), mesh.ulysses_group()[0]
+    return sp
 
 
 def split_for_sampling(model: Denoiser, size: int, head_groups: int = 1) -> None:
@@ -314,6 +334,86 @@ class _Arrived(torch.autograd.Function):
         return _all_to_all(ctx.lay.unreceived_out(grad), ctx.group), None, None, None
 
 
+def _ring_pass(x: torch.Tensor, sp: SequenceParallel) -> Any:
+    """Send `x` to the next node's rank of the ring and receive the previous one's (non-blocking); `_ring_wait` gives the
+    received tensor. With R = 2 the two are the same peer."""
+    x = x.contiguous()
+    got = torch.empty_like(x)
+    to = dist.get_global_rank(sp.ring_group, (sp.ring_rank + 1) % sp.ring)
+    frm = dist.get_global_rank(sp.ring_group, (sp.ring_rank - 1) % sp.ring)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, sp.ring_group),
+                                    dist.P2POp(dist.irecv, got, frm, sp.ring_group)])
+    return got, works
+
+
+def _ring_wait(pending: Any) -> torch.Tensor:
+    got, works = pending
+    for work in works:
+        work.wait()
+    return got
+
+
+def _chunk_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, h, M, D) queries x (B, h, M', D) keys -> (B, h, M, M') scaled scores in q's accumulation dtype."""
+    return (q @ k.to(q.dtype).transpose(-1, -2)) * scale
+
+
+class _RingAttention(torch.autograd.Function):
+    """Softmax attention of this node's queries over every node's keys: q, k, v (B, h, M, D), the M = N / R tokens of
+    this rank's ring position (its node's bands, after the Ulysses exchange), -> (B, h, M, D).
+
+    Forward: the R key / value chunks go round the ring (each rank sends its current one to the next node and receives
+    the previous node's while it attends to the current one); each chunk gives a partial output and the log-sum-exp
+    of its scores, merged into the running ones (the online softmax). Backward: the chunks go round again, each
+    with the gradient of its keys and values so far, which every node adds to; one more pass takes it home. The
+    scores are recomputed per chunk from the saved log-sum-exp (no R x M x M scores kept). Sums in fp32 at least."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scale = q.shape[-1] ** -0.5
+        qa, kv = q.to(acc), torch.stack([k, v])
+        out = lse = None
+        for step in range(sp.ring):
+            pending = _ring_pass(kv, sp) if step < sp.ring - 1 else None  # the next chunk travels while this one runs
+            s = _chunk_scores(qa, kv[0], scale)
+            m = torch.logsumexp(s, dim=-1)  # (B, h, M)
+            o = torch.exp(s - m.unsqueeze(-1)) @ kv[1].to(acc)
+            if out is None:
+                out, lse = o, m
+            else:
+                total = torch.logaddexp(lse, m)
+                out = out * torch.exp(lse - total).unsqueeze(-1) + o * torch.exp(m - total).unsqueeze(-1)
+                lse = total
+            if pending is not None:
+                kv = _ring_wait(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.sp, ctx.scale = sp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        sp, scale = ctx.sp, ctx.scale
+        acc = lse.dtype
+        qa, g = q.to(acc), grad.to(acc)
+        delta = (g * out.to(acc)).sum(-1, keepdim=True)  # (B, h, M, 1): the softmax's row term
+        dq = torch.zeros_like(qa)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # travels with its chunk
+        for step in range(sp.ring):
+            pending = _ring_pass(kv, sp) if step < sp.ring - 1 else None
+            p = torch.exp(_chunk_scores(qa, kv[0], scale) - lse.unsqueeze(-1))  # (B, h, M, M'): the true softmax
+            ds = p * (g @ kv[1].to(acc).transpose(-1, -2) - delta)
+            dq += (ds @ kv[0].to(acc)) * scale
+            dkv = dkv + torch.stack([(ds.transpose(-1, -2) @ qa) * scale, p.transpose(-1, -2) @ g])
+            dkv = _ring_wait(_ring_pass(dkv, sp))  # on to the chunk's next node; after the last step, home
+            if pending is not None:
+                kv = _ring_wait(pending)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: SequenceParallel,
                       out_proj: nn.Linear, gap: Any = None) -> torch.Tensor:
     """Softmax attention over the whole sequence from this rank's tokens, then its output projection `out_proj`:
@@ -334,28 +434,31 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     padding's share of idle heads."""
     B, n, H, D = q.shape
     weight = out_proj.weight
-    pad = -H % (sp.head_groups * sp.size)
+    group, U = sp.ulysses  # the whole sequence group, or (across nodes) its ranks on this node
+    pad = -H % (sp.head_groups * U)
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # (B, n, H + pad, D)
         weight = F.pad(weight, (0, pad * D))
         H += pad
-    lay = _Layout(B, n, H, D, sp.head_groups, sp.size)
+    lay = _Layout(B, n, H, D, sp.head_groups, U)
     qkv = torch.stack([q, k, v])  # (3, B, n, H, D)
     grad = torch.is_grad_enabled() and qkv.requires_grad
     sends = _SendInputs.apply(qkv, lay) if grad else [lay.send_qkv(qkv, g) for g in range(lay.G)]
-    received = [_all_to_all(s.detach(), sp.group) for s in sends]  # every group's exchange issued first
+    received = [_all_to_all(s.detach(), group) for s in sends]  # every group's exchange issued first
     if gap is not None:  # work that needs none of them, done while they travel
         gap()
     out_sends, out_received = [], []
     for s, r in zip(sends, received):
-        r = _Tied.apply(s, r, _all_to_all, sp.group) if grad else r
-        o = F.scaled_dot_product_attention(*lay.received_qkv(r))  # (B, hl, N, D); waits for this group's inputs
+        r = _Tied.apply(s, r, _all_to_all, group) if grad else r
+        qkv_heads = lay.received_qkv(r)  # (B, hl, N / R, D) each
+        # waits for this group's inputs; across nodes, attends to the other nodes' keys as they come round the ring
+        o = F.scaled_dot_product_attention(*qkv_heads) if sp.ring == 1 else _RingAttention.apply(*qkv_heads, sp)
         out_sends.append(lay.send_out(o))
-        out_received.append(_all_to_all(out_sends[-1].detach(), sp.group))
+        out_received.append(_all_to_all(out_sends[-1].detach(), group))
     cols = lay.hg * D  # group g's heads are out_proj's input columns [g cols, (g + 1) cols)
     out = None
     for g, (s, r) in enumerate(zip(out_sends, out_received)):
-        o = _Arrived.apply(s, r, lay, sp.group) if grad else lay.received_out(r)  # waits for this group's output
+        o = _Arrived.apply(s, r, lay, group) if grad else lay.received_out(r)  # waits for this group's output
         part = F.linear(o.flatten(2).to(q.dtype), weight[:, g * cols:(g + 1) * cols])
         out = part if out is None else out + part
     return out if out_proj.bias is None else out + out_proj.bias

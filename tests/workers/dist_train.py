@@ -74,6 +74,7 @@ class Probe(pl.Callback):
             and param.device_mesh._get_root_mesh() is mesh.device_mesh,
             "sequence_group_from_job_mesh": sp is not None and sp.group is mesh.sequence_group()[0],
             "data_parallel": [sp.dp_rank, sp.dp_size] if sp is not None else None,
+            "ring": [sp.ring, sp.ring_rank, mesh.dims.ring] if sp is not None else None,
         }
         if trainer.global_step != 0:  # a resumed run: its start is not the run's
             return

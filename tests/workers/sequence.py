@@ -1,4 +1,4 @@
-"""`torchrun --standalone --nproc_per_node=P -m tests.workers.sequence DATA OUT`: sequence-parallel forward and
+"""`torchrun --standalone --nproc_per_node=P -m tests.workers.sequence DATA OUT [PER_NODE]`: sequence-parallel forward and
 backward of each family's debug preset against the same model on whole sequences, in fp64; and sampling (P = 2).
 Also: with activation checkpointing, against diffusers' own Ulysses attention, and which all-gathers run.
 
@@ -23,7 +23,8 @@ from framework.inference.sampling import SamplingPlan
 from framework.inference.sharing import SplitRanks
 from framework.distributed.env import init_from_env, leave
 from framework.models.backbones import build_denoiser, load_preset
-from framework.distributed.mesh import Mesh, job_mesh
+from framework.distributed.mesh import Mesh, ParallelDims, job_mesh
+from framework.distributed import sequence
 from framework.distributed.sequence import init, install
 from framework.models.blocks import block_views
 
@@ -96,16 +97,33 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
         mask[0, 3:] = False
     labels = torch.tensor([1, 2, cfg.num_classes or 0]) if cfg.num_classes else None
     target = torch.randn(B, cfg.in_channels, *shape, generator=g, dtype=torch.float64)
-    out, gathers = {}, []
-    all_gather = dist.all_gather
+    out, gathers, passes, events = {}, [], [], []
+    all_gather, batch_isend_irecv, scores = dist.all_gather, dist.batch_isend_irecv, sequence._chunk_scores
+
+    class Logged:  # a send's or receive's work, logging when it is waited for
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            return self.work.wait()
+
+    def passing(ops):
+        passes.append(len(ops))
+        events.append("pass")
+        return [Logged(w) for w in batch_isend_irecv(ops)]
+
     for name, m in (("ref", ref), ("sp", model)):
-        # every all_gather of the forward and backward (the output gather's, and any other)
+        # every all_gather of the forward and backward (the output gather's, and any other), and every batch of sends
+        # and receives (SANA's halo; the ring's passes), with the ring's chunk attentions in order
         dist.all_gather = lambda parts, x, **kw: (gathers.append(x.numel()), all_gather(parts, x, **kw))[1]
+        dist.batch_isend_irecv = passing
+        sequence._chunk_scores = lambda *a: (events.append("attend"), scores(*a))[1]
         try:
             pred = m(x, t, text, mask, labels)
             ((pred - target) ** 2).mean().backward()
         finally:
-            dist.all_gather = all_gather
+            dist.all_gather, dist.batch_isend_irecv, sequence._chunk_scores = all_gather, batch_isend_irecv, scores
         out[name] = pred.detach()
     # Relative to the largest gradient of the model: some gradients are zero up to rounding (a softmax
     # attention's key bias), so per-parameter ratios would only compare rounding noise.
@@ -118,7 +136,8 @@ def compare(mesh: Mesh, family: str, head_groups: int, hw: tuple[int, int] | Non
     kv = [getattr(v.module.attn1.processor, "kv", None) for v in block_views(model)]  # caption K/V in the gap
     return {"forward": relative(out["sp"], out["ref"]), "grad": max(diffs), "grads": len(diffs), "tokens": seen,
             "kv_in_gap": sum(k.hits for k in kv if k is not None),
-            "band_storage": band_storage, "all_gathers": len(gathers),
+            "band_storage": band_storage, "all_gathers": len(gathers), "passes": len(passes),
+            "ring_order": [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]],
             "params": sum(1 for p in ref.parameters() if p.grad is not None)}
 
 
@@ -164,9 +183,30 @@ def sample(mesh: Mesh, data: str, family: str) -> dict[str, float | list[int]]:
                 prompts, SamplingPlan(steps=4, seed=2), batch_size=2)).abs().max())}
 
 
-def main(data: str, out: str) -> None:
+def across_nodes(per_node: int) -> dict[str, dict]:
+    """One sequence group of every rank as if on nodes of `per_node` ranks: Ulysses within each, ring attention across
+    (softmax families); SANA's sums and halo and Latte's switches over the whole group."""
+    world = dist.get_world_size()
+    mesh = ParallelDims.of(world, per_node, sequence=world).build("cpu")
+    result = {}
+    for family in ("pixart", "sana", "dit", "wan", "latte"):
+        result[f"{family}/1"] = compare(mesh, family, 1)
+    result["pixart/2"] = compare(mesh, "pixart", 2)  # 2 head groups, each with its own ring
+    result["pixart/ckpt"] = compare(mesh, "pixart", 1, ckpt=True)  # the ring runs again in the recomputation
+    result["wan/pad"] = compare(mesh, "wan", 1, heads=3)
+    return result
+
+
+def main(data: str, out: str, per_node: str | None = None) -> None:
     init_from_env()
     world = dist.get_world_size()
+    if per_node is not None:
+        result = across_nodes(int(per_node))
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+        leave()
+        return
     mesh = job_mesh(sequence=world)  # one sequence group of every rank
     result = {}
     if world == 2:
@@ -189,4 +229,4 @@ def main(data: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
