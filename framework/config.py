@@ -86,10 +86,11 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    """Where metrics go (chosen with logger=csv|wandb|none), and the W&B run's identity."""
+    """Where metrics go (chosen with logger=csv|wandb|tensorboard|none), and the W&B run's identity."""
 
     kind: str = "csv"
-    """csv (run.dir/metrics.csv), wandb or none; set by the group choice logger=..."""
+    """csv (run.dir/metrics.csv), wandb, tensorboard (run.dir/tensorboard/) or none; set by the group choice
+    logger=..."""
     mode: str = "offline"
     """wandb: online (needs an API key: `wandb login` or WANDB_API_KEY) or offline (`wandb sync run.dir/wandb/
     offline-run-*` later). Chosen here, never guessed from the environment."""
@@ -105,8 +106,8 @@ class LoggerConfig:
     """W&B entity (team or user)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("csv", "wandb", "none"):
-            raise ValueError(f"logger={self.kind!r}: expected csv, wandb or none")
+        if self.kind not in ("csv", "wandb", "tensorboard", "none"):
+            raise ValueError(f"logger={self.kind!r}: expected csv, wandb, tensorboard or none")
         if self.mode not in ("online", "offline"):
             raise ValueError(f"logger.mode={self.mode!r}: expected online or offline")
 

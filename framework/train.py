@@ -22,7 +22,7 @@ from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, Sam
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu, writes_run_dir
 from framework.config import TrainConfig
 from framework.data.datamodule import LatentDataModule, split_global_batch
-from framework.training.loggers import RunCSVLogger, wandb_logger
+from framework.training.loggers import RunCSVLogger, tensorboard_logger, wandb_logger
 from framework.training.module import DiffusionModule
 from framework.preflight import check_accelerator, check_buckets, check_encoders, fit_model_to_data
 from framework.training.registry import build_plugin_callbacks
@@ -40,6 +40,8 @@ def build_logger(cfg: TrainConfig, run_dir: Path) -> Any:
         return False
     if cfg.logger.kind == "csv":
         return RunCSVLogger(run_dir)
+    if cfg.logger.kind == "tensorboard":
+        return tensorboard_logger(run_dir)
     return wandb_logger(run_dir, cfg.logger, cfg.name, launch_rank())
 
 

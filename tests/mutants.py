@@ -308,6 +308,28 @@ MUTANTS = [
              "        return rank // self.sequence"),),
            (DIST + "test_two_nodes_hybrid_sharded_follow_one_process_and_resume_on_one_node",
             "tests/test_sequence.py::test_the_job_mesh_dims_follow_nodes_and_sequence_groups")),
+    Mutant("inter_layer_waits_each_slice", "a Latte spatial block waits for each slice's switch to positions before "
+           "running the next slice's tail",
+           (("framework/distributed/sequence.py",
+             "                arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's",
+             "                arrivals.append(_wait(_all_to_all(sends[-1].detach(), sp.group)))  # travels while slice s + 1's"),),
+           ("tests/test_bench.py::test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video_model",)),
+    Mutant("inter_layer_position_table_dropped", "the spatial block that switches its output leaves out Latte's "
+           "temporal position table",
+           (("framework/distributed/sequence.py", "                if table is not None:\n"
+             "                    h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]\n", ""),),
+           ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
+    Mutant("latte_position_table_twice", "Latte's loop adds this rank's rows of the temporal position table again",
+           (("framework/distributed/sequence.py", "        module.temp_pos_embed = torch.zeros_like(mine)",
+             "        module.temp_pos_embed = mine"),),
+           ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
+    Mutant("tensorboard_no_images", "logger=tensorboard gets no sample images",
+           (("framework/training/loggers.py", '        logger.experiment.add_images(key, batch, step, dataformats="NHWC")\n', ""),),
+           ("tests/test_tensorboard.py::test_tensorboard_logs_what_wandb_gets_and_a_resumed_run_continues_in_its_folder",)),
+    Mutant("tensorboard_config_left_to_lightning", "logger=tensorboard's hparams.yaml is Lightning's (written before the "
+           "config is known)",
+           (("framework/training/loggers.py", "            Path(self.log_dir, self.NAME_HPARAMS_FILE).write_text(text)\n", ""),),
+           ("tests/test_tensorboard.py::test_tensorboard_logs_what_wandb_gets_and_a_resumed_run_continues_in_its_folder",)),
     Mutant("noise_by_physical_nodes", "with sequence groups, a rank's noise follows the physical nodes, not the world of "
            "groups Streaming deals to",
            (("framework/distributed/mesh.py", "        nodes = groups // per_node if groups % per_node == 0 else 1",

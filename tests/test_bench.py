@@ -140,14 +140,14 @@ def test_overlap_replay_stalls_only_for_results_not_yet_arrived():
     assert round(r["step_ms"], 9) == 17 and round(r["communication_ms"], 9) == 8 and r["collectives"] == 3
 
 
-def bench_overlap(tmp_path: Path, preset: str, head_groups: list[int]) -> list[dict]:
+def bench_overlap(tmp_path: Path, preset: str, head_groups: list[int], *extra: str) -> list[dict]:
     """`framework.bench overlap` on one block of `preset`, one rank of 2, a slow custom link (500 us, 10 MB/s): its
     rows; traces under tmp_path/traces."""
     out = tmp_path / "bench.json"
     proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", f"preset={preset}", "num_layers=1",
                        "latent_size=8", "ranks=2", f"head_groups={head_groups}".replace(" ", ""), "repeats=1",
                        "link=custom", "latency_us=500", "bandwidth_GBps=0.01", f"trace_dir={tmp_path / 'traces'}",
-                       f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       f"out={out}", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -187,8 +187,10 @@ def test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video
     """Wan on one rank of a group of 2 nodes x 2: each layer's forward exchanges within the node, passes the other
     node's keys and values round the ring (issued before this chunk's attention, waited after it), and exchanges back;
     backward passes the chunk and its gradients (2 issued, both waited, then the gradients' last pass home). Latte
-    with 2 slices: each temporal block's two switches to positions issued first, each slice's switch back issued
-    after it runs, all waited before the next spatial block."""
+    with 2 slices: the spatial block's tail issues each slice's switch to positions as soon as it has run it (the
+    second slice's tail runs while the first slice's switch travels), both waited when the block ends; the temporal
+    block issues each slice's switch back after running it, both waited before the output; backward likewise. With
+    inter_layer=false, the temporal block makes both switches."""
     out = tmp_path / "bench.json"
     common = ["num_layers=1", "latent_size=null", "repeats=1", "text_tokens=16", f"trace_dir={tmp_path / 'traces'}"]
     proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=wan_debug", "ranks=4",
@@ -203,11 +205,28 @@ def test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video
     assert wan["order"] == forward + gather + backward, wan["order"]
     assert wan["ranks_per_node"] == 2 and wan["network"] == "infiniband" and wan["tokens"] == 64
     proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=latte_debug", "ranks=2",
-                       "head_groups=[2]", *common, f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       "head_groups=[2]", "inter_layer=[true,false]", *common, f"out={out}"], cwd=ROOT,
+                      capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (latte,) = json.loads(out.read_text())
-    switches = ["issue all_to_all"] * 2 + ["wait all_to_all", "issue all_to_all"] * 2 + ["wait all_to_all"] * 2
+    latte, intra = json.loads(out.read_text())
+    assert (latte["inter_layer"], intra["inter_layer"]) == (True, False)
+    switches = (["issue all_to_all"] * 2 + ["wait all_to_all"] * 2) * 2
     assert latte["order"] == switches + gather + switches, latte["order"]
+    # the temporal block alone: both switches to positions issued first, each slice's own waited, its switch back
+    # issued after it runs, all waited before the next block
+    switches = ["issue all_to_all"] * 2 + ["wait all_to_all", "issue all_to_all"] * 2 + ["wait all_to_all"] * 2
+    assert intra["order"] == switches + gather + switches, intra["order"]
+
+
+def test_bench_overlap_scales_communication_to_the_target_devices_rate(tmp_path):
+    """target_tflops=T: every collective's time is multiplied by T over this machine's matmul rate (k), the figures
+    of a machine k times slower at computing meeting communication k times slower: the same step's communication is
+    k times the unscaled one's."""
+    plain = bench_overlap(tmp_path, "pixart_debug", [1])[0]
+    target = bench_overlap(tmp_path, "pixart_debug", [1], "target_tflops=400")[0]
+    k = target["communication_scale"]
+    assert plain["communication_scale"] == 1.0 and k > 1
+    assert target["communication_ms"] == pytest.approx(k * plain["communication_ms"], rel=1e-9)
 
 
 def test_the_cost_model_sends_the_other_nodes_share_over_the_network():

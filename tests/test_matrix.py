@@ -32,8 +32,9 @@ MATRIX = [
     ("ddp-1-wandb", "ddp", 1, "wandb", []),
     # The digit-pairs benchmark (8x16 latents): the 2-rank evaluation picks best-of-3 by the pair judge.
     ("ddp-2-csv-pairs-bestof", "ddp", 2, "csv", ["experiment=pairs", "eval.best_of=3"]),
-    # One sequence-parallel group of both ranks (framework/distributed/sequence.py): grids and evaluations sample split too.
-    ("ddp-2-none-sequence_parallel", "ddp", 2, "none",
+    # One sequence-parallel group of both ranks (framework/distributed/sequence.py): grids and evaluations sample split too;
+    # rank 0 writes TensorBoard's events.
+    ("ddp-2-tensorboard-sequence_parallel", "ddp", 2, "tensorboard",
      ["trainer.accumulate_grad_batches=2", "eval.every_n_steps=2", "strategy.sequence_parallel=2"]),
     # The reference code's initialisation, drawn on the sharded meta-device build.
     ("fsdp-1-none", "fsdp", 1, "none", ["model.init=reference"]),
@@ -165,7 +166,7 @@ def check_own_eval(ckpt: Path, extra: list[str], metrics: dict, out: Path) -> No
 
 # 2-rank rows whose other rank Lightning's launcher starts, as on a user's machine; the other 2-rank rows start
 # both ranks at once (as srun / torchrun do), which spares one interpreter start in turn.
-LIGHTNING_LAUNCHER = {"ddp-2-none-sequence_parallel", "fsdp-2-wandb"}
+LIGHTNING_LAUNCHER = {"ddp-2-tensorboard-sequence_parallel", "fsdp-2-wandb"}
 
 
 @pytest.mark.parametrize("strategy,devices,logger,extra,launcher", [(*m[1:], m[0] in LIGHTNING_LAUNCHER) for m in MATRIX],

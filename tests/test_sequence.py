@@ -24,7 +24,8 @@ def _check_splits(result: dict, ranks: int) -> None:
     its band, and the only all-gather is the output's (the halo moves by send / receive). Wan: 4 frames of 4x4 tokens,
     each rank's queries and keys rotated by its own tokens' 3D positions. Latte: its spatial blocks on the rank's frames
     and its temporal blocks on the rank's positions, switched by all-to-all (latte/2: each switch in 2 slices of the
-    positions, the temporal block run slice by slice)."""
+    positions, the spatial block's tail and the temporal block run slice by slice; latte/2/intra: the switch to
+    positions made by the temporal block instead)."""
     for family, tokens in (("pixart", 16), ("sana", 64), ("dit", 16), ("wan", 64), ("latte", 64)):
         keys = [k for k in result if k.startswith(f"{family}/")]
         assert f"{family}/1" in keys and f"{family}/ckpt" in keys
@@ -57,7 +58,7 @@ def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, dig
     _check_splits(result, 2)
     # 2: overlapped head groups; diffusers: its own Ulysses attention in our processors' place, the same numbers
     assert {"pixart/2", "dit/2", "sana/2", "pixart/wide", "sana/wide", "pixart/diffusers", "pixart/pad",
-            "wan/pad"} <= set(result)
+            "wan/pad", "latte/2", "latte/2/intra", "latte/2/ckpt"} <= set(result)
     for family in ("pixart", "sana"):
         r = result[f"sample/{family}"]
         assert r["shape"] == [3, 1, 8, 8] and r["max_abs"] > 0.1 and r["max_diff"] < 1e-5, (family, r)
@@ -82,7 +83,7 @@ def test_four_ranks_with_interior_bands_equal_the_whole_model(tmp_path, digits_s
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     _check_splits(result, 4)
-    assert "sana/2" in result and "latte/2" in result  # latte: each switch in 2 slices of a rank's 4 positions
+    assert {"sana/2", "latte/2", "latte/2/intra", "latte/2/ckpt"} <= set(result)  # latte: 2 slices of 4 positions
 
 
 def test_a_sequence_group_across_two_nodes_equals_the_whole_model(tmp_path, digits_shards):

@@ -60,7 +60,15 @@ class OverlapBench:
     """The link between nodes, as `link` (presets, or custom with network_latency_us= and network_bandwidth_GBps=)."""
     network_latency_us: float | None = None
     network_bandwidth_GBps: float | None = None
+    target_tflops: float | None = None
+    """The matmul rate (TFLOP/s) of the device the figures are meant for; set, every communication time is multiplied
+    by that rate over this machine's (a timed 2048^3 fp32 matmul), so a CPU's slow computation meets communication as
+    slow as the target's is fast against its computation (an H100's bf16 training matmuls: about 400). None: as is."""
     head_groups: list[int] = field(default_factory=lambda: [1, 2, 4])
+    """G (latte: S, the slices of each layout switch)."""
+    inter_layer: list[bool] = field(default_factory=lambda: [True])
+    """latte: the switch to positions made by the spatial block's tail as it runs (True, the default) and/or by the
+    temporal block (False: the intra-layer schedule alone); a row each."""
     link: str = "nvlink"
     """nvlink | infiniband (presets) | gloo (latency and bandwidth measured here on two processes) | custom."""
     latency_us: float | None = None
@@ -322,6 +330,25 @@ def _link(link: str, latency_us: float | None, bandwidth_GBps: float | None, key
                      f"{prefix}bandwidth_GBps=")
 
 
+def matmul_rate(device: torch.device, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of one n^3 fp32 matmul here (best of `repeats`, after a warm-up)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    best = float("inf")
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def scaled(cost: Callable[..., dict[str, float]], k: float) -> Callable[..., dict[str, float]]:
+    """`cost` with every time multiplied by k."""
+    return lambda op, nbytes, span=0: {c: k * t for c, t in cost(op, nbytes, span).items()}
+
+
 def _model_config(bench: OverlapBench) -> Any:
     """The preset at the bench's size (fewer layers, another latent shape)."""
     from framework.models.backbones import load_preset
@@ -369,10 +396,12 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
     per_node = bench.ranks_per_node or bench.ranks
     network = _link(bench.network, bench.network_latency_us, bench.network_bandwidth_GBps, "network") \
         if per_node < bench.ranks else None
-    cost = cost_model(latency, bandwidth, bench.ranks, per_node, network)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    scale = 1.0 if bench.target_tflops is None else bench.target_tflops * 1e12 / matmul_rate(device)
+    cost = scaled(cost_model(latency, bandwidth, bench.ranks, per_node, network), scale)
+    switch = plan_of(_model_config(bench).family).sequence.attention == "switch"
     rows = []
-    for G in bench.head_groups:
+    for G, inter in [(G, inter) for G in bench.head_groups for inter in (bench.inter_layer if switch else [True])]:
         torch.manual_seed(0)
         mcfg = _model_config(bench)
         try:
@@ -383,7 +412,9 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
         with device:
             model = build_denoiser(mcfg)
         _fake_group(bench.ranks)
-        install(model, init(ParallelDims.of(bench.ranks, per_node, bench.ranks).build(device.type), G))
+        sp = init(ParallelDims.of(bench.ranks, per_node, bench.ranks).build(device.type), G)
+        sp.inter_layer = inter
+        install(model, sp)
         record_step(model, mcfg, bench, device)  # warm-up
         steps = [record_step(model, mcfg, bench, device) for _ in range(bench.repeats)]
         steps.sort(key=lambda s: s[2])
@@ -394,27 +425,30 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
         blocking = G == 1 or plan_of(mcfg.family).sequence.attention == "linear"
         before = replay(without_overlap(events, 0.0 if blocking else backward_at), backward_at, end, cost)
         trace_dir = Path(bench.trace_dir)
-        chrome_trace(result, trace_dir / f"overlap_G{G}.json")
+        name = f"G{G}" + ("" if inter else "_intra")
+        chrome_trace(result, trace_dir / f"overlap_{name}.json")
         with torch.profiler.profile() as prof:
             record_step(model, mcfg, bench, device)
-        prof.export_chrome_trace(str(trace_dir / f"profile_G{G}.json"))
+        prof.export_chrome_trace(str(trace_dir / f"profile_{name}.json"))
         order = [f"{e.kind} {e.op}" for e in sorted(events, key=lambda e: (e.t, e.kind == "wait"))]
         tokens = 1
         for side in mcfg.latent_shape[-2:]:
             tokens *= side // mcfg.patch_size
         tokens *= mcfg.num_frames if mcfg.is_video else 1
         rows.append({"preset": bench.preset, "layers": mcfg.num_layers, "tokens": tokens, "ranks": bench.ranks,
-                     "ranks_per_node": per_node, "head_groups": G, "link": bench.link, "latency_us": latency * 1e6,
+                     "ranks_per_node": per_node, "head_groups": G, "inter_layer": inter if switch else None,
+                     "link": bench.link, "latency_us": latency * 1e6,
                      "bandwidth_GBps": bandwidth / 1e9, "network": bench.network if network else None,
+                     "communication_scale": scale,
                      **{k: v for k, v in result.items() if not k.startswith("_")}, "order": order,
                      "before_exposed_forward_ms": before["exposed_forward_ms"],
                      "before_exposed_backward_ms": before["exposed_backward_ms"],
                      "before_exposed_fraction": before["exposed_fraction"],
                      "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"})
-        print(f"G={G}: step {result['step_ms']:.1f} ms, exposed {result['exposed_fraction']:.1%}", flush=True)
+        print(f"{name}: step {result['step_ms']:.1f} ms, exposed {result['exposed_fraction']:.1%}", flush=True)
         del model
     leave()
-    print_table(rows, ["tokens", "layers", "ranks", "ranks_per_node", "head_groups", "link", "compute_forward_ms",
+    print_table(rows, ["tokens", "layers", "ranks", "ranks_per_node", "head_groups", "inter_layer", "link", "compute_forward_ms",
                        "compute_backward_ms", "communication_ms", "exposed_forward_ms", "exposed_backward_ms", "step_ms",
                        "exposed_fraction", "before_exposed_fraction"])
     return rows

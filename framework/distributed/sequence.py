@@ -131,6 +131,9 @@ class SequenceParallel:
     # this rank's index in ring_group: which R-th of the tokens its node's ranks hold
     ulysses_group: Any = None
     # the group's P / R ranks on this node (None: the whole group, R = 1)
+    inter_layer: bool = True
+    # latte: each spatial block's output switched to positions slice by slice as its per-token tail runs (False: the
+    # temporal block switches it, for the overlap bench's comparison)
 
     @property
     def ulysses(self) -> tuple[Any, int]:
@@ -696,7 +699,11 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
             raise ValueError(f"sequence_parallel={P} does not divide this clip's {F} latent frames and "
                              f"{(H // p) * (W // p)} tokens a frame")
         dims.update(B=B, F=F, N=(H // p) * (W // p), table=module.temp_pos_embed)
-        module.temp_pos_embed = module.temp_pos_embed[:, r * (F // P):(r + 1) * (F // P)]
+        # the first spatial block adds this rank's frames' rows of the temporal position table to its output (before
+        # any switch); the loop's own addition (after it) adds zeros
+        mine = module.temp_pos_embed[:, r * (F // P):(r + 1) * (F // P)]
+        dims["first_table"] = mine if F > 1 else None
+        module.temp_pos_embed = torch.zeros_like(mine)
 
     def end(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         module.temp_pos_embed = dims.pop("table")
@@ -713,7 +720,59 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         whole = _GatherTokens.apply(h.reshape(B, F // P, -1), sp)  # (B, F, N D)
         return (whole.reshape(B * F, *h.shape[1:]),)
 
-    def sliced(block: nn.Module) -> Any:
+    def spatial(block: nn.Module, i: int) -> Any:
+        """A spatial block on this rank's frames, its output switched to this rank's positions as it is made
+        (ScaleFusion's inter-layer schedule): the block's self-attention over each frame's tokens, then its per-token
+        tail (cross-attention, norm, MLP, their gates) in S = sp.head_groups slices of the positions, each slice's
+        switch issued as soon as it is computed, travelling while the next slice's tail runs. The switched rows are
+        returned in the frames layout's shape, arranged so that Latte's own frames -> positions rearrangement hands
+        the temporal block every frame of its positions (`sliced` reads them). A block whose branches are not its
+        own modules (cached sampling's stand-ins, the cache router's) runs whole and is switched by the temporal block.
+        The first block adds the temporal position table's rows of its frames. Nothing is consumed from `dims`: with
+        activation checkpointing the forward runs again in backward, and must do what it did."""
+        from diffusers.models.attention import FeedForward
+        from diffusers.models.attention_processor import Attention
+
+        inner, S = block.forward, sp.head_groups
+
+        def forward(hidden: torch.Tensor, attention_mask: Any = None, caption: Any = None, caption_mask: Any = None,
+                    timestep: Any = None, *rest: Any) -> torch.Tensor:
+            table = dims["first_table"] if i == 0 else None
+            plain = sp.inter_layer and block.norm_type == "ada_norm_single" and block.pos_embed is None \
+                and block._chunk_size is None and not block.only_cross_attention and not any(rest) \
+                and isinstance(block.attn1, Attention) and isinstance(block.attn2, Attention) \
+                and isinstance(block.ff, FeedForward)
+            dims[f"switched{i}"] = plain
+            B, N, F = dims["B"], dims["N"], dims["F"]
+            f, D = F // P, hidden.shape[-1]
+            if not plain:
+                out = inner(hidden, attention_mask, caption, caption_mask, timestep, *rest)
+                return out if table is None else (out.reshape(B, f, N, D) + table.to(out.dtype)[:, :, None]).reshape(
+                    B * f, N, D)
+            # as BasicTransformerBlock.forward (norm_type ada_norm_single), the tail by position slices
+            mods = block.scale_shift_table[None] + timestep.reshape(B * f, 6, -1)
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=1)
+            x = block.norm1(hidden) * (1 + scale_msa) + shift_msa
+            hidden = gate_msa * block.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask) + hidden
+            w = N // P // S
+            rows = hidden.reshape(B * f, P, S, w, D)  # positions by destination rank, slice, index
+            grad = torch.is_grad_enabled() and hidden.requires_grad
+            sends, arrivals = [], []
+            for s in range(S):
+                h = rows[:, :, s].reshape(B * f, P * w, D)
+                h = block.attn2(h, encoder_hidden_states=caption, attention_mask=caption_mask) + h
+                h = gate_mlp * block.ff(block.norm2(h) * (1 + scale_mlp) + shift_mlp) + h
+                if table is not None:
+                    h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]
+                sends.append(h.reshape(B, f, P, w, D).permute(2, 0, 3, 1, 4).contiguous())  # (P: destination, B, w, f, D)
+                arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's tail runs
+            arrived = [_Tied.apply(send, a, _all_to_all, sp.group) if grad else a for send, a in zip(sends, arrivals)]
+            # (S, P: source frames, B, w, f, D) -> (B, f, S, P, w, D): Latte's rearrangement then gives (B, S, P, w, f, D)
+            return torch.stack(arrived).permute(2, 4, 0, 1, 3, 5).reshape(B * f, N, D)
+
+        return forward
+
+    def sliced(block: nn.Module, i: int) -> Any:
         """The temporal block between its two layout switches (DSP's; ScaleFusion schedules them): (B N, F/P, D), every
         position of this rank's frames, -> (B N/P, F, D), this rank's positions of every frame, by one all-to-all; the
         block; and back. In sp.head_groups = S slices of this rank's positions (ScaleFusion's intra-layer schedule;
@@ -726,16 +785,24 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
             B, N, F = dims["B"], dims["N"], dims["F"]
             f, D = F // P, hidden.shape[-1]
             w = N // P // S  # positions a slice
-            x = hidden.reshape(B, P, S, w, f, D)  # positions by destination rank, slice, index
             t = positions_of(args[3]).reshape(B, S, w, -1)  # this rank's positions' timestep rows, by slice
             grad = torch.is_grad_enabled() and hidden.requires_grad
-            sends = [x[:, :, s].transpose(0, 1).contiguous() for s in range(S)]  # (P: destination, B, w, f, D)
-            arrivals = [_all_to_all(send.detach(), sp.group) for send in sends]  # every slice's exchange issued
+            switched = dims[f"switched{i}"]  # whether spatial block i switched its output
+            if switched:  # by the spatial block (inter-layer): (B, S, P: source frames, w, f, D)
+                arrivals = [None] * S
+                switched_rows = hidden.reshape(B, S, P, w, f, D)
+            else:
+                x = hidden.reshape(B, P, S, w, f, D)  # positions by destination rank, slice, index
+                sends = [x[:, :, s].transpose(0, 1).contiguous() for s in range(S)]  # (P: destination, B, w, f, D)
+                arrivals = [_all_to_all(send.detach(), sp.group) for send in sends]  # every slice's exchange issued
             back_sends, backs = [], []
             for s in range(S):
-                arrived = _Tied.apply(sends[s], arrivals[s], _all_to_all, sp.group) if grad else arrivals[s]
-                # (P: source frames, B, w, f, D) -> (B w, F, D); waits for slice s: every frame of its positions
-                rows = arrived.permute(1, 2, 0, 3, 4).reshape(B * w, F, D)
+                if switched:
+                    rows = switched_rows[:, s].permute(0, 2, 1, 3, 4).reshape(B * w, F, D)
+                else:
+                    arrived = _Tied.apply(sends[s], arrivals[s], _all_to_all, sp.group) if grad else arrivals[s]
+                    # (P: source frames, B, w, f, D) -> (B w, F, D); waits for slice s: every frame of its positions
+                    rows = arrived.permute(1, 2, 0, 3, 4).reshape(B * w, F, D)
                 y = inner(rows, *args[:3], t[:, s].reshape(B * w, -1), *args[4:])
                 back_sends.append(y.reshape(B, w, P, f, D).permute(2, 0, 1, 3, 4).contiguous())  # (P: frames, ...)
                 backs.append(_all_to_all(back_sends[-1].detach(), sp.group))  # travels while slice s + 1 runs
@@ -749,10 +816,11 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
     net.register_forward_pre_hook(start, with_kwargs=True)
     net.register_forward_hook(end, with_kwargs=True)
     net.pos_embed.register_forward_hook(lambda module, args, out: frames_of(out).clone())
-    for block in net.transformer_blocks:
+    for i, block in enumerate(net.transformer_blocks):
         block.register_forward_pre_hook(spatial_inputs)
-    for block in net.temporal_transformer_blocks:
-        block.forward = sliced(block)
+        block.forward = spatial(block, i)
+    for i, block in enumerate(net.temporal_transformer_blocks):
+        block.forward = sliced(block, i)
     net.norm_out.register_forward_pre_hook(gather_frames)
 
 

@@ -15,6 +15,7 @@ from framework.inference.pipeline import Pipeline, save_grid, to_pil, with_encod
 from framework.inference.sampling import SamplingPlan
 from framework.inference.sharing import SplitRanks
 from framework.evaluation.prompts import grid_prompts, prompt_labels
+from framework.training.loggers import log_images
 from framework.training.registry import averaged_weights, logging_step
 from framework.distributed.fsdp import reshard
 
@@ -89,11 +90,11 @@ class SampleGrid(pl.Callback):
         path = save_grid(images[order], [prompts[i] for i in order], self.out_dir / f"step{step:07d}.png",
                          ncol=1 if video else len(columns))
         self.paths.append(path)
-        # To W&B: one image per prompt and seed with its prompt as the caption (the grid stays in run.dir/samples/).
+        # To W&B and TensorBoard: one image per prompt and seed with its prompt as the caption (the grid stays in
+        # run.dir/samples/).
         captions = [prompts[i] + (f" (seed {k // len(columns)})" if c.per_prompt > 1 else "") for k, i in enumerate(order)]
         for logger in trainer.loggers:
-            if hasattr(logger, "log_image"):
-                logger.log_image(key="samples", images=[to_pil(images[i], size=96) for i in order], caption=captions, step=step)
+            log_images(logger, "samples", [to_pil(images[i], size=96) for i in order], captions, step)
         return path
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
