@@ -9,7 +9,7 @@
 # image's torch, Lightning and scientific stack are used as they are; what the project needs beyond them is
 # carried); otherwise a virtual environment .venv-gpu gets `pip install -e ".[dev,xformers]"`.
 # Results go to $GPU_RESULTS (default gpu_results/): env.txt, gpu_tier.log, gpu_tier.xml, bench_gpu.log,
-# bench_gpu.json, bench_gpu.md, bench_overlap_{nvlink,infiniband}.json with traces; the README's GPU table (its gpu-bench block) is rewritten from bench_gpu.json.
+# bench_gpu.json, bench_gpu.md, bench_overlap_{nvlink,infiniband,latte,latte_2x8,wan,wan_2x8}.json with traces; the README's GPU table (its gpu-bench block) is rewritten from bench_gpu.json.
 # Exit status: non-zero if the tier or the bench failed (each still runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +72,19 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
         "$PY" -m framework.bench overlap preset=pixart_xl_2_256 latent_size=256 ranks=8 "head_groups=[1,2]" link=$link \
             trace_dir="$RESULTS/overlap_$link" out="$RESULTS/bench_overlap_$link.json" 2>&1 \
             | tee "$RESULTS/bench_overlap_$link.log" || status=1
+    done
+    # the video families at their sizes (docs/sequence-parallelism.md): Latte's switches (DSP, intra-, inter-layer) and
+    # Wan's Ulysses, on 8 ranks of a node and on 2 nodes x 8 (ring attention across)
+    for run in "latte 8 preset=latte_1_512 num_layers=4 head_groups=[1,4] inter_layer=[false,true]" \
+               "latte_2x8 16 preset=latte_1_512 num_layers=4 head_groups=[1,4] inter_layer=[false,true] ranks_per_node=8" \
+               "wan 8 preset=wan21_t2v_1_3b num_frames=20 num_layers=2 head_groups=[1,2]" \
+               "wan_2x8 16 preset=wan21_t2v_1_3b num_frames=20 num_layers=2 head_groups=[1] ranks_per_node=8"; do
+        # shellcheck disable=SC2086
+        set -f; set -- $run; set +f  # split on spaces, no globbing of [1,4]
+        name=$1 ranks=$2
+        shift 2
+        "$PY" -m framework.bench overlap latent_size=null ranks="$ranks" "$@" trace_dir="$RESULTS/overlap_$name" \
+            out="$RESULTS/bench_overlap_$name.json" 2>&1 | tee "$RESULTS/bench_overlap_$name.log" || status=1
     done
 fi
 exit $status

@@ -314,6 +314,11 @@ MUTANTS = [
              "                arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's",
              "                arrivals.append(_wait(_all_to_all(sends[-1].detach(), sp.group)))  # travels while slice s + 1's"),),
            ("tests/test_bench.py::test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video_model",)),
+    Mutant("inter_layer_switch_waited_in_the_spatial_block", "a Latte spatial block waits for its switches to positions "
+           "(the temporal block cannot start on the first slice before the last has arrived)",
+           (("framework/distributed/sequence.py", "            if not (net.gradient_checkpointing and torch.is_grad_enabled()):",
+             "            if False:"),),
+           ("tests/test_bench.py::test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video_model",)),
     Mutant("inter_layer_position_table_dropped", "the spatial block that switches its output leaves out Latte's "
            "temporal position table",
            (("framework/distributed/sequence.py", "                if table is not None:\n"
@@ -348,8 +353,12 @@ MUTANTS = [
            ("tests/test_sequence.py::test_a_sequence_group_across_two_nodes_equals_the_whole_model",)),
     Mutant("ring_gradients_not_home", "ring attention's key and value gradients stay on the last node that added to "
            "them",
-           (("framework/distributed/sequence.py", "            dkv = _ring_wait(_ring_pass(dkv, sp))  # on to",
-             "            dkv = dkv if step == sp.ring - 1 else _ring_wait(_ring_pass(dkv, sp))  # on to"),),
+           (("framework/distributed/sequence.py", "        dkv = _ring_wait(sums)\n", "        _ring_wait(sums)\n"),),
+           ("tests/test_sequence.py::test_a_sequence_group_across_two_nodes_equals_the_whole_model",)),
+    Mutant("ring_gradients_waited_at_once", "ring attention waits for each chunk's key and value gradients as soon as "
+           "it sends them on",
+           (("framework/distributed/sequence.py", "            sums = _ring_pass(dkv, sp)  # on to",
+             "            sums = (_ring_wait(_ring_pass(dkv, sp)), [])  # on to"),),
            ("tests/test_sequence.py::test_a_sequence_group_across_two_nodes_equals_the_whole_model",)),
     Mutant("ring_waits_before_attending", "ring attention waits for the next chunk before attending to this one (no "
            "overlap)",

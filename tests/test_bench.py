@@ -187,10 +187,10 @@ def test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video
     """Wan on one rank of a group of 2 nodes x 2: each layer's forward exchanges within the node, passes the other
     node's keys and values round the ring (issued before this chunk's attention, waited after it), and exchanges back;
     backward passes the chunk and its gradients (2 issued, both waited, then the gradients' last pass home). Latte
-    with 2 slices: the spatial block's tail issues each slice's switch to positions as soon as it has run it (the
-    second slice's tail runs while the first slice's switch travels), both waited when the block ends; the temporal
-    block issues each slice's switch back after running it, both waited before the output; backward likewise. With
-    inter_layer=false, the temporal block makes both switches."""
+    with 2 slices: the spatial block's tail issues each slice's switch to positions as it makes it, before the temporal
+    block begins; the temporal block waits for slice 0's only, runs it, issues its switch back, waits for slice 1's,
+    and so on; the switches back are waited for before the next block. With inter_layer=false the temporal block
+    issues both switches to positions itself, once it has begun."""
     out = tmp_path / "bench.json"
     common = ["num_layers=1", "latent_size=null", "repeats=1", "text_tokens=16", f"trace_dir={tmp_path / 'traces'}"]
     proc = zygote.run([sys.executable, "-m", "framework.bench", "overlap", "preset=wan_debug", "ranks=4",
@@ -210,12 +210,12 @@ def test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video
     assert proc.returncode == 0, proc.stderr[-3000:]
     latte, intra = json.loads(out.read_text())
     assert (latte["inter_layer"], intra["inter_layer"]) == (True, False)
-    switches = (["issue all_to_all"] * 2 + ["wait all_to_all"] * 2) * 2
-    assert latte["order"] == switches + gather + switches, latte["order"]
-    # the temporal block alone: both switches to positions issued first, each slice's own waited, its switch back
-    # issued after it runs, all waited before the next block
-    switches = ["issue all_to_all"] * 2 + ["wait all_to_all", "issue all_to_all"] * 2 + ["wait all_to_all"] * 2
-    assert intra["order"] == switches + gather + switches, intra["order"]
+    temporal = ["wait all_to_all", "issue all_to_all"] * 2 + ["wait all_to_all"] * 2
+    backward = ["issue all_to_all"] * 2 + temporal
+    assert latte["order"] == ["issue all_to_all"] * 2 + ["enter temporal block"] + temporal + gather + backward, \
+        latte["order"]
+    assert intra["order"] == ["enter temporal block"] + ["issue all_to_all"] * 2 + temporal + gather + backward, \
+        intra["order"]
 
 
 def test_bench_overlap_scales_communication_to_the_target_devices_rate(tmp_path):

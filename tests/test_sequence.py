@@ -105,9 +105,11 @@ def test_a_sequence_group_across_two_nodes_equals_the_whole_model(tmp_path, digi
     assert [result[k]["passes"] for k in ("pixart/1", "dit/1", "wan/1", "pixart/2", "pixart/ckpt")] == [8, 8, 8, 16, 10]
     assert result["latte/1"]["passes"] == 0  # its switches are all-to-alls over the whole group
     # the order, per layer (repeats merged): forward sends this node's chunk on and attends to it before waiting for the
-    # other node's, then attends to that; backward likewise, each chunk's gradients passed on after it (the last pass
-    # takes them home), both layers' forward, then both backward
-    forward, backward = ["pass", "attend", "wait", "attend"], ["pass", "attend", "pass", "wait", "attend", "pass", "wait"]
+    # other node's, then attends to that; backward likewise, each chunk's gradients passed on after it, waited for by
+    # the next node only after it attended to the chunk (the last pass takes them home); both layers' forward, then
+    # both backward
+    forward = ["pass", "attend", "wait", "attend"]
+    backward = ["pass", "attend", "pass", "wait", "attend", "wait", "pass", "wait"]
     assert result["pixart/1"]["ring_order"] == forward * 2 + backward * 2
 
 

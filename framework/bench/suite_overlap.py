@@ -91,7 +91,7 @@ class OverlapBench:
 @dataclass
 class Event:
     t: float  # seconds since the step began (computation time: the recording runs no communication)
-    kind: str  # issue | wait
+    kind: str  # issue | wait | enter (a marked module's forward begins: `order` only, not replayed)
     key: int
     op: str  # all_to_all | all_gather | all_reduce | halo | ring
     nbytes: int  # what this rank's buffer holds (the cost model turns it into bytes sent)
@@ -239,7 +239,7 @@ def replay(events: list[Event], backward_at: float, end: float, cost: Callable[.
                 free[c] = start + duration
             comm += duration
             timeline.append(("comm", e.op, start, duration))
-        else:
+        elif e.kind == "wait":
             late = arrive[e.key] - (e.t + stall)
             if late > 0:
                 timeline.append(("stall", e.op, e.t + stall, late))
@@ -364,8 +364,10 @@ def _model_config(bench: OverlapBench) -> Any:
     return load_preset(bench.preset, **extra)
 
 
-def record_step(model: Any, cfg: Any, bench: OverlapBench, device: torch.device) -> tuple[list[Event], float, float]:
-    """One training step (forward, then backward of a squared-error loss) with its collectives recorded."""
+def record_step(model: Any, cfg: Any, bench: OverlapBench, device: torch.device,
+                marked: tuple[tuple[str, Any], ...] = ()) -> tuple[list[Event], float, float]:
+    """One training step (forward, then backward of a squared-error loss) with its collectives recorded, and where each
+    forward of a `marked` module begins."""
     g = torch.Generator(device=device).manual_seed(0)
     B = bench.batch_size
     x = torch.randn(B, cfg.in_channels, *cfg.latent_shape, generator=g, device=device)
@@ -374,6 +376,9 @@ def record_step(model: Any, cfg: Any, bench: OverlapBench, device: torch.device)
     mask = torch.ones(B, bench.text_tokens, device=device)
     model.zero_grad(set_to_none=False)
     with Recorder(device) as rec:
+        hooks = [m.register_forward_pre_hook(
+            lambda mod, args, label=label: rec.events.append(Event(rec.now(), "enter", 0, label, 0)))
+            for label, m in marked]
         rec.t0 = time.perf_counter()
         rec.now()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -382,6 +387,8 @@ def record_step(model: Any, cfg: Any, bench: OverlapBench, device: torch.device)
         backward_at = rec.now()
         loss.backward()
         end = rec.now()
+    for hook in hooks:
+        hook.remove()
     return rec.events, backward_at, end
 
 
@@ -415,8 +422,10 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
         sp = init(ParallelDims.of(bench.ranks, per_node, bench.ranks).build(device.type), G)
         sp.inter_layer = inter
         install(model, sp)
+        # where Latte's temporal blocks begin (the order shows which block issued a switch)
+        marked = tuple(("temporal block", b) for b in model.net.temporal_transformer_blocks) if switch else ()
         record_step(model, mcfg, bench, device)  # warm-up
-        steps = [record_step(model, mcfg, bench, device) for _ in range(bench.repeats)]
+        steps = [record_step(model, mcfg, bench, device, marked) for _ in range(bench.repeats)]
         steps.sort(key=lambda s: s[2])
         events, backward_at, end = steps[len(steps) // 2]
         result = replay(events, backward_at, end, cost)

@@ -29,8 +29,9 @@ class StrategyConfig:
     the groups): each rank holds 1/P of every image's tokens (framework/distributed/sequence.py). 1: off."""
     sequence_parallel_head_groups: int = 1
     """with sequence_parallel > 1: >1 splits each self-attention's all-to-all into this many head groups so
-    one group's communication overlaps another's attention (ScaleFusion); 1: one all-to-all (diffusers'). Latte: each
-    layout switch in this many slices of a rank's positions, the temporal block run slice by slice."""
+    one group's communication overlaps another's attention (PipeDiT's PipeSP); 1: one all-to-all. Latte: each
+    layout switch in this many slices of a rank's positions (ScaleFusion's intra- and inter-layer schedules): the
+    spatial block's per-token tail and the temporal block run slice by slice."""
     async_save: bool = False
     """fsdp with sharded_checkpoint: write checkpoints in the background (torch.distributed.checkpoint's
     async_save); training waits only for the copy to host memory, and each save waits for the previous one."""

@@ -368,7 +368,8 @@ class _RingAttention(torch.autograd.Function):
     Forward: the R key / value chunks go round the ring (each rank sends its current one to the next node and receives
     the previous node's while it attends to the current one); each chunk gives a partial output and the log-sum-exp
     of its scores, merged into the running ones (the online softmax). Backward: the chunks go round again, each
-    with the gradient of its keys and values so far, which every node adds to; one more pass takes it home. The
+    with the gradient of its keys and values so far, which every node adds to (waited for only after the node has
+    computed its own share, so it travels while the previous chunk runs); one more pass takes it home. The
     scores are recomputed per chunk from the saved log-sum-exp (no R x M x M scores kept). Sums in fp32 at least."""
 
     @staticmethod
@@ -404,16 +405,18 @@ class _RingAttention(torch.autograd.Function):
         delta = (g * out.to(acc)).sum(-1, keepdim=True)  # (B, h, M, 1): the softmax's row term
         dq = torch.zeros_like(qa)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # travels with its chunk
+        sums = None  # this chunk's key and value gradients so far, still travelling from the previous node
         for step in range(sp.ring):
             pending = _ring_pass(kv, sp) if step < sp.ring - 1 else None
             p = torch.exp(_chunk_scores(qa, kv[0], scale) - lse.unsqueeze(-1))  # (B, h, M, M'): the true softmax
             ds = p * (g @ kv[1].to(acc).transpose(-1, -2) - delta)
             dq += (ds @ kv[0].to(acc)) * scale
-            dkv = dkv + torch.stack([(ds.transpose(-1, -2) @ qa) * scale, p.transpose(-1, -2) @ g])
-            dkv = _ring_wait(_ring_pass(dkv, sp))  # on to the chunk's next node; after the last step, home
+            mine = torch.stack([(ds.transpose(-1, -2) @ qa) * scale, p.transpose(-1, -2) @ g])
+            dkv = mine if sums is None else _ring_wait(sums) + mine  # waited only now, after this chunk's work
+            sums = _ring_pass(dkv, sp)  # on to the chunk's next node while the next chunk runs; after the last, home
             if pending is not None:
                 kv = _ring_wait(pending)
+        dkv = _ring_wait(sums)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
@@ -429,7 +432,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Seq
     given, runs right after the first exchanges are issued (the block's caption K/V projections: CaptionKV). Backward:
     each group's output-gradient exchange is issued as soon as its projection's backward has run; group g's attention
     backward waits for its own, and its input-gradient exchange travels while group g+1's runs; they are waited
-    together at the end (ScaleFusion's schedule, both ways). Attention itself is torch's, with its own autograd
+    together at the end (PipeDiT's head-group pipelining, PipeSP, both ways). Attention itself is torch's, with its own autograd
     (activation checkpointing recomputes it as any other layer).
 
     Heads that G x P does not divide are padded with zero heads (their attention gives zeros, and the output
@@ -491,7 +494,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: Sequ
 # --------------------------------------------------------------------------------------------------
 
 class CaptionKV:
-    """ScaleFusion's other gap filler: a block's cross-attention key and value projections of the caption, which do not
+    """A gap filler of our own: a block's cross-attention key and value projections of the caption, which do not
     depend on the image tokens, computed while the self-attention's exchanges travel (`fill`, from the self-attention
     processor) and handed to the cross-attention's to_k / to_v when they are called on that same caption tensor (else
     they compute as usual). Nothing is computed at a cached-sampling step that reuses the cross-attention's output. The
@@ -724,12 +727,13 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         """A spatial block on this rank's frames, its output switched to this rank's positions as it is made
         (ScaleFusion's inter-layer schedule): the block's self-attention over each frame's tokens, then its per-token
         tail (cross-attention, norm, MLP, their gates) in S = sp.head_groups slices of the positions, each slice's
-        switch issued as soon as it is computed, travelling while the next slice's tail runs. The switched rows are
-        returned in the frames layout's shape, arranged so that Latte's own frames -> positions rearrangement hands
-        the temporal block every frame of its positions (`sliced` reads them). A block whose branches are not its
-        own modules (cached sampling's stand-ins, the cache router's) runs whole and is switched by the temporal block.
-        The first block adds the temporal position table's rows of its frames. Nothing is consumed from `dims`: with
-        activation checkpointing the forward runs again in backward, and must do what it did."""
+        switch issued as soon as it is computed, travelling while the next slice's tail runs. The switches are handed
+        to temporal block i still travelling (its slice s waits for slice s only) and the block returns a stand-in for
+        Latte's rearrangement. With activation checkpointing the recomputation must return what the forward returned,
+        so the block waits for its switches and returns them in the frames layout's shape, arranged so that Latte's
+        rearrangement hands the temporal block every frame of its positions. A block whose branches are not its own
+        modules (cached sampling's stand-ins, the cache router's) runs whole and is switched by the temporal block. The
+        first block adds the temporal position table's rows of its frames."""
         from diffusers.models.attention import FeedForward
         from diffusers.models.attention_processor import Attention
 
@@ -766,8 +770,15 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
                     h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]
                 sends.append(h.reshape(B, f, P, w, D).permute(2, 0, 3, 1, 4).contiguous())  # (P: destination, B, w, f, D)
                 arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's tail runs
+            if not (net.gradient_checkpointing and torch.is_grad_enabled()):
+                # handed to temporal block i unwaited (its slice s waits for slice s only); Latte's rearrangement of
+                # this block's output, which would wait for every slice, gets a stand-in of no cost
+                dims[f"handoff{i}"] = (sends, arrivals, grad)
+                return hidden.new_zeros(()).expand(B * f, N, D)
+            # checkpointed (the recomputation must return what the forward returned): waited here, returned in the
+            # frames layout's shape, (S, P: source frames, B, w, f, D) -> (B, f, S, P, w, D), so that Latte's
+            # rearrangement gives (B, S, P, w, f, D)
             arrived = [_Tied.apply(send, a, _all_to_all, sp.group) if grad else a for send, a in zip(sends, arrivals)]
-            # (S, P: source frames, B, w, f, D) -> (B, f, S, P, w, D): Latte's rearrangement then gives (B, S, P, w, f, D)
             return torch.stack(arrived).permute(2, 4, 0, 1, 3, 5).reshape(B * f, N, D)
 
         return forward
@@ -788,8 +799,11 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
             t = positions_of(args[3]).reshape(B, S, w, -1)  # this rank's positions' timestep rows, by slice
             grad = torch.is_grad_enabled() and hidden.requires_grad
             switched = dims[f"switched{i}"]  # whether spatial block i switched its output
-            if switched:  # by the spatial block (inter-layer): (B, S, P: source frames, w, f, D)
-                arrivals = [None] * S
+            handoff = dims.pop(f"handoff{i}", None)
+            if handoff is not None:  # spatial block i's switches, still travelling
+                sends, arrivals, grad = handoff
+                switched = False
+            elif switched:  # by the spatial block, waited (checkpointed): (B, S, P: source frames, w, f, D)
                 switched_rows = hidden.reshape(B, S, P, w, f, D)
             else:
                 x = hidden.reshape(B, P, S, w, f, D)  # positions by destination rank, slice, index
