@@ -64,9 +64,11 @@ MATRIX = [
     ("single-1-csv-latte-norms-growth", "single", 1, "csv",
      ["{video}", "model=latte_debug", "strategy.activation_checkpointing=true", "plugins=[low_precision_norm,growth]",
       "plugins.growth.ckpt={latte_source}", "model.num_layers=3", "trainer.precision=bf16-mixed"]),
-    # Wan's 3D attention sharded, from the reference init, with an EMA and the 8-bit optimizer.
-    ("fsdp-2-csv-wan-ema-came8bit", "fsdp", 2, "csv",
-     ["{video}", "model=wan_debug", "model.init=reference", "plugins=[ema]", "plugins.ema.start=1", "optimizer=came8bit"]),
+    # Wan's 3D attention sharded and split over both ranks (sequence parallelism: each rank's RoPE band), from the
+    # reference init, with an EMA and the 8-bit optimizer; its grids and evaluation sample split too.
+    ("fsdp-2-csv-wan-ema-came8bit-sequence_parallel", "fsdp", 2, "csv",
+     ["{video}", "model=wan_debug", "model.init=reference", "plugins=[ema]", "plugins.ema.start=1", "optimizer=came8bit",
+      "strategy.sequence_parallel=2"]),
 ]
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")
