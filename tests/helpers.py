@@ -644,7 +644,8 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
 def records(path: str | Path) -> Iterator[Any]:
-    """Every Record in a .wandb file, in order."""
+    """Every Record in a .wandb file, in order; read while W&B still writes it (wait_for_exit), the record being
+    written (its chunk not wholly on disk yet) ends the read."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()
@@ -659,6 +660,8 @@ def records(path: str | Path) -> Iterator[Any]:
         if kind == 0 and length == 0:  # zero padding up to the next block
             pos += left
             continue
+        if pos + CHUNK_HEADER + length > len(data):  # being written: its bytes are not all there yet
+            return
         chunk = data[pos + CHUNK_HEADER : pos + CHUNK_HEADER + length]
         pos += CHUNK_HEADER + length
         pieces = chunk if kind in (FULL, FIRST) else pieces + chunk
@@ -669,9 +672,19 @@ def records(path: str | Path) -> Iterator[Any]:
 
 
 def wait_for_exit(path: str | Path, timeout: float = 60.0) -> None:
-    """W&B's service writes the log asynchronously: wait until the run's exit record is on disk."""
+    """W&B's service writes the log asynchronously: wait until the run's exit record is on disk. Until then a read
+    can end inside a record still being written: `records` stops before a chunk not wholly there, and a record whose
+    chunks are there but not yet final reads as not yet written."""
+    from google.protobuf.message import DecodeError
+
+    def exited() -> bool:
+        try:
+            return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+        except DecodeError:
+            return False
+
     deadline = time.time() + timeout
-    while not any(r.WhichOneof("record_type") == "exit" for r in records(path)):
+    while not exited():
         assert time.time() < deadline, f"{path} has no exit record after {timeout} s"
         time.sleep(0.5)
 

@@ -325,6 +325,11 @@ MUTANTS = [
            (("framework/distributed/sequence.py", "                if table is not None:\n"
              "                    h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]\n", ""),),
            ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
+    Mutant("latte_output_gathered_from_the_first_frames", "every rank of a Latte group contributes the first frames' "
+           "projected rows to the output gather, not its own",
+           (("framework/distributed/sequence.py", "_GatherTokens.apply(out.reshape(B, F, -1)[:, r * f:(r + 1) * f], sp)",
+             "_GatherTokens.apply(out.reshape(B, F, -1)[:, :f], sp)"),),
+           ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     Mutant("latte_position_table_twice", "Latte's loop adds this rank's rows of the temporal position table again",
            (("framework/distributed/sequence.py", "        module.temp_pos_embed = torch.zeros_like(mine)",
              "        module.temp_pos_embed = mine"),),

@@ -678,8 +678,9 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
     """Latte (framework/models/plans.py `switch`): each rank keeps its F/P frames after the patch embedding; a spatial
     block attends within frames, so it runs on them as they are, given those frames' caption, mask and timestep rows;
     before each temporal block one all-to-all gives each rank its N/P positions of every frame (and their timestep
-    rows), and after it one switches back; the frames are gathered before the output norm, so the modulation,
-    projection and unpatchify are as on one rank. The temporal position table added before the first temporal block
+    rows), and after it one switches back; the output norm and projection run on this rank's frames (the modulation
+    between them on every frame's rows, the others' zeros) and the projection's output is gathered, so unpatchify is as
+    on one rank. The temporal position table added before the first temporal block
     (still in the frames layout) is cut to this rank's frames for the forward."""
     net, P, r = denoiser.net, sp.size, sp.rank
     dims: dict[str, Any] = {}
@@ -717,11 +718,21 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         return (args[0], args[1], frames_of(caption), None if mask is None else frames_of(mask), frames_of(timestep),
                 *args[5:])
 
-    def gather_frames(module: nn.Module, args: tuple) -> tuple:
-        h = args[0]  # (B F/P, N, D)
+    def spread_frames(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        """The output norm's (B F/P, N, D) -> (B F, N, D): this rank's frames in place, zeros for the others (nothing
+        exchanged). Latte's modulation after the norm takes every frame's rows; only this rank's reach `gather_output`."""
         B, F = dims["B"], dims["F"]
-        whole = _GatherTokens.apply(h.reshape(B, F // P, -1), sp)  # (B, F, N D)
-        return (whole.reshape(B * F, *h.shape[1:]),)
+        f, rest = F // P, out.shape[1:]
+        own = out.reshape(B, f, *rest)
+        before, after = own.new_zeros(B, r * f, *rest), own.new_zeros(B, F - (r + 1) * f, *rest)
+        return torch.cat([before, own, after], dim=1).reshape(B * F, *rest)
+
+    def gather_output(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        """The output projection's (B F, N, C), of which this rank's frames are its own, -> every rank's frames: the one
+        gather, at C = p^2 x the output channels (32 for Latte-1, against 1,152 hidden channels before the norm)."""
+        B, F = dims["B"], dims["F"]
+        f = F // P
+        return _GatherTokens.apply(out.reshape(B, F, -1)[:, r * f:(r + 1) * f], sp).reshape(out.shape)
 
     def spatial(block: nn.Module, i: int) -> Any:
         """A spatial block on this rank's frames, its output switched to this rank's positions as it is made
@@ -835,7 +846,8 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         block.forward = spatial(block, i)
     for i, block in enumerate(net.temporal_transformer_blocks):
         block.forward = sliced(block, i)
-    net.norm_out.register_forward_pre_hook(gather_frames)
+    net.norm_out.register_forward_hook(spread_frames)
+    net.proj_out.register_forward_hook(gather_output)
 
 
 def _split_rows(block: nn.Module, sp: SequenceParallel, rows_arg: int) -> None:
