@@ -19,6 +19,7 @@ G = 1, in backward for G > 1).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -406,11 +407,12 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scale = 1.0 if bench.target_tflops is None else bench.target_tflops * 1e12 / matmul_rate(device)
     cost = scaled(cost_model(latency, bandwidth, bench.ranks, per_node, network), scale)
-    switch = plan_of(_model_config(bench).family).sequence.attention == "switch"
+    mcfg = _model_config(bench)
+    switch = plan_of(mcfg.family).sequence.attention == "switch"
+    tokens = math.prod(side // mcfg.patch_size for side in mcfg.latent_hw) * (mcfg.num_frames if mcfg.is_video else 1)
     rows = []
     for G, inter in [(G, inter) for G in bench.head_groups for inter in (bench.inter_layer if switch else [True])]:
         torch.manual_seed(0)
-        mcfg = _model_config(bench)
         try:
             check(mcfg, bench.ranks, G)
         except ValueError as e:  # e.g. 16 heads cannot go in 4 groups over 8 ranks
@@ -440,10 +442,6 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
             record_step(model, mcfg, bench, device)
         prof.export_chrome_trace(str(trace_dir / f"profile_{name}.json"))
         order = [f"{e.kind} {e.op}" for e in sorted(events, key=lambda e: (e.t, e.kind == "wait"))]
-        tokens = 1
-        for side in mcfg.latent_shape[-2:]:
-            tokens *= side // mcfg.patch_size
-        tokens *= mcfg.num_frames if mcfg.is_video else 1
         rows.append({"preset": bench.preset, "layers": mcfg.num_layers, "tokens": tokens, "ranks": bench.ranks,
                      "ranks_per_node": per_node, "head_groups": G, "inter_layer": inter if switch else None,
                      "link": bench.link, "latency_us": latency * 1e6,

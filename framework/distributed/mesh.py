@@ -5,7 +5,7 @@
                sharding)
     shard      the remaining data-parallel ranks       FSDP2 shards parameters over shard x ring x ulysses
     ring       1, or P / G when a sequence group      ring attention across the nodes of one sequence group
-               spans P / G whole nodes of G ranks      (framework/distributed/sequence.py `ring_attention`)
+               spans P / G whole nodes of G ranks      (framework/distributed/sequence.py `_RingAttention`)
     ulysses    P / ring                               the all-to-all attention of one sequence group (within
                                                       one node)
 

@@ -757,7 +757,7 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
                 and block._chunk_size is None and not block.only_cross_attention and not any(rest) \
                 and isinstance(block.attn1, Attention) and isinstance(block.attn2, Attention) \
                 and isinstance(block.ff, FeedForward)
-            dims[f"switched{i}"] = plain
+            dims[f"switched{i}"] = False  # True: returned switched and waited (below, checkpointed)
             B, N, F = dims["B"], dims["N"], dims["F"]
             f, D = F // P, hidden.shape[-1]
             if not plain:
@@ -789,6 +789,7 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
             # checkpointed (the recomputation must return what the forward returned): waited here, returned in the
             # frames layout's shape, (S, P: source frames, B, w, f, D) -> (B, f, S, P, w, D), so that Latte's
             # rearrangement gives (B, S, P, w, f, D)
+            dims[f"switched{i}"] = True
             arrived = [_Tied.apply(send, a, _all_to_all, sp.group) if grad else a for send, a in zip(sends, arrivals)]
             return torch.stack(arrived).permute(2, 4, 0, 1, 3, 5).reshape(B * f, N, D)
 
@@ -809,11 +810,10 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
             w = N // P // S  # positions a slice
             t = positions_of(args[3]).reshape(B, S, w, -1)  # this rank's positions' timestep rows, by slice
             grad = torch.is_grad_enabled() and hidden.requires_grad
-            switched = dims[f"switched{i}"]  # whether spatial block i switched its output
+            switched = dims[f"switched{i}"]  # spatial block i returned its output switched, waited
             handoff = dims.pop(f"handoff{i}", None)
             if handoff is not None:  # spatial block i's switches, still travelling
                 sends, arrivals, grad = handoff
-                switched = False
             elif switched:  # by the spatial block, waited (checkpointed): (B, S, P: source frames, w, f, D)
                 switched_rows = hidden.reshape(B, S, P, w, f, D)
             else:

@@ -199,17 +199,10 @@ def across_nodes(per_node: int) -> dict[str, dict]:
     return result
 
 
-def main(data: str, out: str, per_node: str | None = None) -> None:
-    init_from_env()
+def on_one_node(data: str) -> dict[str, dict]:
+    """One sequence group of every rank, on one node: every family, sampling on 2 ranks."""
     world = dist.get_world_size()
-    if per_node is not None:
-        result = across_nodes(int(per_node))
-        if dist.get_rank() == 0:
-            with open(out, "w") as f:
-                json.dump(result, f)
-        leave()
-        return
-    mesh = job_mesh(sequence=world)  # one sequence group of every rank
+    mesh = job_mesh(sequence=world)
     result = {}
     if world == 2:
         for family in ("pixart", "sana"):
@@ -228,6 +221,12 @@ def main(data: str, out: str, per_node: str | None = None) -> None:
     result["pixart/diffusers"] = compare(mesh, "pixart", 1, diffusers_attention=True)
     for family in ("pixart", "wan"):  # 3 heads on 2 or 4 ranks: padded to 4
         result[f"{family}/pad"] = compare(mesh, family, 1, heads=3)
+    return result
+
+
+def main(data: str, out: str, per_node: str | None = None) -> None:
+    init_from_env()
+    result = on_one_node(data) if per_node is None else across_nodes(int(per_node))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
