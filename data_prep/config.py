@@ -122,8 +122,19 @@ class PrecomputeConfig:
     # filters={punsafe: {max: 0.5}, similarity: {min: 0.28}} or +filters.punsafe.max=0.5; bounds are inclusive. A
     # record without the key (or with null or a non-number there) is dropped and counted as <key>.missing.
     filters: Optional[Any] = None
+    # A held-out split for the validation loss (eval.val_every_n_steps): this fraction of the records, chosen by a hash
+    # of each record's key (the same records whatever the ranks or parts), is written to out/val instead of out, a
+    # dataset of its own that training reads as data.path/val. 0: no split.
+    val_fraction: float = 0.0
+    # Which records this output holds: all, or (set by precompute itself for out and out/val) the train or val ones.
+    split: str = "all"
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction={self.val_fraction}: the fraction of records held out for validation, in "
+                             "[0, 1) (0: none).")
+        if self.split not in ("all", "train", "val"):
+            raise ValueError(f"split={self.split!r}: all, train or val (precompute sets it with val_fraction).")
         if self.resolution < 1:
             raise ValueError(f"resolution={self.resolution}: must be a positive image side in pixels.")
         if self.width is not None and self.width < 1:

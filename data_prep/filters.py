@@ -26,18 +26,27 @@ class RecordFilter:
     """The precompute config's min_size, max_aspect and filters; each check returns the failed filter's name or None."""
 
     def __init__(self, min_size: Optional[int] = None, max_aspect: Optional[float] = None,
-                 thresholds: Optional[dict[str, dict[str, float]]] = None) -> None:
+                 thresholds: Optional[dict[str, dict[str, float]]] = None, val_fraction: float = 0.0,
+                 split: str = "all") -> None:
         self.min_size, self.max_aspect = min_size, max_aspect
         self.thresholds = dict(thresholds or {})
+        self.val_fraction, self.split = val_fraction, split
 
     @classmethod
     def from_config(cls, cfg: Any) -> "RecordFilter":
-        return cls(cfg.min_size, cfg.max_aspect, cfg.filters)
+        return cls(cfg.min_size, cfg.max_aspect, cfg.filters, cfg.val_fraction, cfg.split)
 
     def names(self) -> list[str]:
         """Every counter, in the order the checks run (dataset.json lists them all, zeros included)."""
-        names = [f"{key}.{n}" for key, bounds in self.thresholds.items() for n in ("missing", *bounds)]
+        names = ["other_split"] if self.split != "all" else []
+        names += [f"{key}.{n}" for key, bounds in self.thresholds.items() for n in ("missing", *bounds)]
         return names + [n for n, v in (("min_size", self.min_size), ("max_aspect", self.max_aspect)) if v is not None]
+
+    def check_split(self, key: str) -> Optional[str]:
+        """First: a record of the other split of val_fraction (counted as other_split)."""
+        if self.split == "all":
+            return None
+        return None if (in_val(key, self.val_fraction) == (self.split == "val")) else "other_split"
 
     def check_meta(self, meta: dict) -> Optional[str]:
         """Before decoding: the thresholds, and the size and shape when the .json gives the original size."""
@@ -63,6 +72,14 @@ class RecordFilter:
         if self.max_aspect is not None and long > self.max_aspect * short:
             return "max_aspect"
         return None
+
+
+def in_val(key: str, fraction: float) -> bool:
+    """Whether the record `key` belongs to the held-out split of `fraction`: its key's CRC-32 in the lowest `fraction` of
+    the range, so the split follows the keys alone."""
+    import zlib
+
+    return zlib.crc32(key.encode()) < fraction * 2**32
 
 
 def check_source(cfg: Any, source: Any) -> None:

@@ -33,7 +33,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -105,7 +105,7 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
                 "max_aspect": cfg.max_aspect, "filters": cfg.filters or None,
                 "caption_layout": cfg.caption_layout if cfg.caption_layout != "per_caption" else None,
                 "text_prefix": cfg.text_prefix or None, "num_frames": cfg.num_frames, "fps": cfg.fps,
-                "vae_tile": cfg.vae_tile}
+                "vae_tile": cfg.vae_tile, "split": [cfg.split, cfg.val_fraction] if cfg.split != "all" else None}
     content.update({k: v for k, v in optional.items() if v is not None})
     if cfg.width is not None:
         content["width"] = cfg.width
@@ -276,7 +276,8 @@ def decode_record(r: Record, cfg: PrecomputeConfig, mode: str, buckets: list[tup
     from data_prep.buckets import nearest_bucket
 
     bare = Record(key=r.key, image=None, captions=r.captions, label=r.label, meta=r.meta)
-    if (dropped := keep.check_meta(r.meta)) is not None:  # before the caption: a dropped record is not a bad one
+    # Before the caption: a dropped record is not a bad one (nor one of the other split).
+    if (dropped := keep.check_split(r.key) or keep.check_meta(r.meta)) is not None:
         return Decoded(bare, skip=("filtered", dropped))
     if not r.captions:
         return Decoded(bare, skip=("missing_captions", f"{r.key}: missing caption"))
@@ -727,14 +728,19 @@ def precompute(cfg: Any, rank: int | None = None, world_size: int | None = None)
     env_rank, env_world, local_rank = _world()
     rank = env_rank if rank is None else rank
     world = env_world if world_size is None else world_size
-    scratch = _scratch(cfg, rank)
-    try:
-        out = open_output(cfg.out, None if scratch is None else scratch / "out")
-        _build(cfg, out, rank, world, local_rank, None if scratch is None else scratch / "in")
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)  # what passed through is uploaded, encoded or of no more use
-    return out.url if isinstance(out, RemoteLocation) else out.root
+    splits = [cfg] if cfg.val_fraction == 0 or cfg.split != "all" else [  # val_fraction: out, then out/val
+        replace(cfg, split="train"), replace(cfg, split="val", out=f"{cfg.out.rstrip('/')}/val")]
+    written = []
+    for part in splits:  # each its own dataset (its parts, fingerprint, dataset.json): no rank waits between them
+        scratch = _scratch(part, rank)
+        try:
+            out = open_output(part.out, None if scratch is None else scratch / "out")
+            _build(part, out, rank, world, local_rank, None if scratch is None else scratch / "in")
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)  # what passed through is uploaded, encoded or of no more use
+        written.append(out.url if isinstance(out, RemoteLocation) else out.root)
+    return written[0]
 
 
 def _build(cfg: PrecomputeConfig, out: Location, rank: int, world: int, local_rank: int, inputs: Path | None) -> None:

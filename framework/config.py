@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.data.datamodule import DataConfig
 from framework.distributed.config import StrategyConfig
 from framework.evaluation.settings import EvalSettings
+from framework.models.adapters import AdapterConfig
 from framework.models.backbones import ModelConfig
 from framework.models.objectives import SAMPLERS, ObjectiveConfig, check_sampler
 from framework.training.optim import OptimizerConfig
@@ -158,11 +159,16 @@ class EvalConfig(EvalSettings):
     """Evaluate the final weights when training ends and print the summary."""
     every_n_steps: int = 0
     """Also evaluate at the first step and every this many steps (eval/* in the logs: curves); 0: never."""
+    val_every_n_steps: int = 0
+    """The validation loss (val/loss, val/loss_t0..3) on data.val_path (or data.path/val) at fixed noise and noise
+    levels, at the first step and every this many steps (framework/training/validation.py); 0: never."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.every_n_steps < 0:
             raise ValueError(f"eval.every_n_steps={self.every_n_steps} must be >= 0 (0: no evaluation during training)")
+        if self.val_every_n_steps < 0:
+            raise ValueError(f"eval.val_every_n_steps={self.val_every_n_steps} must be >= 0 (0: no validation loss)")
 
 
 @dataclass
@@ -181,6 +187,8 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """Parameter-efficient fine-tuning (adapter=lora|lokr|loha): a frozen init_from base and a trained adapter."""
     plugins: dict[str, Any] = field(default_factory=dict)
     """Plugin callbacks by name, each with its own fields (plugins=[ema,...])."""
     resume: str | None = None
@@ -230,6 +238,22 @@ def check_plugins(plugins: Any) -> None:
         plugin_config(name, fields)
 
 
+# Plugins that replace the weights an adapter would sit on (growth) or train a stage of their own (cache_router).
+NOT_WITH_ADAPTER = ("growth", "cache_router")
+
+
+def check_adapter(cfg: TrainConfig) -> None:
+    """adapter=lora|lokr|loha fine-tunes given weights: it needs init_from and no plugin that rebuilds the model."""
+    if not cfg.init_from:
+        raise ValueError(f"adapter={cfg.adapter.kind} trains an adapter on frozen weights: give them with init_from= (a "
+                         "diffusers folder, a .safetensors file or a checkpoint of ours); every checkpoint of the run "
+                         "holds the adapter alone and names init_from as its base")
+    clash = [name for name in NOT_WITH_ADAPTER if name in (cfg.plugins or {})]
+    if clash:
+        raise ValueError(f"adapter={cfg.adapter.kind} with plugins={clash}: the growth plugin replaces the weights the "
+                         "adapter sits on and cache_router trains its own stage; run them without an adapter")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need more than one group, and the plugins' own fields."""
     check_plugins(cfg.plugins)
@@ -266,5 +290,7 @@ def validate(cfg: TrainConfig) -> None:
         check_sampler(cfg.objective.name, cfg.sample.sampler)
     if cfg.eval.sampler is not None:
         check_sampler(cfg.objective.name, cfg.eval.sampler)
+    if cfg.adapter.on:
+        check_adapter(cfg)
     if m.family == "dit" and cfg.objective.caption_dropout > 0 and not m.num_classes:
         raise ValueError("model.num_classes must be set for the class-conditional dit family")

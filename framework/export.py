@@ -1,4 +1,4 @@
-"""`python -m framework.export ckpt=PATH out=PATH format=safetensors|diffusers`: weights for other tools.
+"""`python -m framework.export ckpt=PATH out=PATH format=safetensors|diffusers|lora`: weights for other tools.
 
 Any checkpoint of ours, one file or a sharded (fsdp) folder, becomes either one .safetensors file
 with the backbone's diffusers state dict (the model config in its metadata; `init_from=` loads it)
@@ -7,6 +7,11 @@ the backbone, a scheduler configured for the training objective, and the VAE and
 dataset (or `vae=` / `text_encoder=` folders on this machine). The backbone alone is in its subfolder
 (`transformer/`, `unet/`), which the family's class loads. EMA weights when the checkpoint has them,
 unless weights=train.
+
+A run with an adapter (adapter=lora|lokr|loha) is exported merged into its base (its init_from) by
+format=safetensors and diffusers; format=lora writes the LoRA alone as diffusers' LoRA file
+(`pytorch_lora_weights.safetensors` in the folder `out`), which a stock pipeline of the base loads with
+`pipe.load_lora_weights(out)` (docs/finetune.md), and format=lora merge=true the merged pipeline.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ class ExportCommand:
     out: str = "???"
     """Output: a .safetensors file (format=safetensors) or a folder (format=diffusers)."""
     format: str = "safetensors"
-    """safetensors (one file) or diffusers (a save_pretrained folder)."""
+    """safetensors (one file), diffusers (a save_pretrained folder) or lora (diffusers' LoRA file of an adapter=lora
+    run, in the folder out)."""
+    merge: bool = False
+    """format=lora: write the pipeline with the LoRA merged into its base instead (as format=diffusers)."""
     weights: str = "ema"
     """ema (when the checkpoint has EMA weights) or train."""
     vae: str | None = None
@@ -44,8 +52,10 @@ class ExportCommand:
     family's pipeline can run it, else the objective's default."""
 
     def __post_init__(self) -> None:
-        if self.format not in ("safetensors", "diffusers"):
-            raise ValueError(f"format={self.format!r}: expected safetensors or diffusers")
+        if self.format not in ("safetensors", "diffusers", "lora"):
+            raise ValueError(f"format={self.format!r}: expected safetensors, diffusers or lora")
+        if self.merge and self.format != "lora":
+            raise ValueError(f"merge=true goes with format=lora (format={self.format} always writes whole weights)")
         if self.weights not in ("ema", "train"):
             raise ValueError(f"weights={self.weights!r}: expected ema or train")
 
@@ -57,16 +67,16 @@ def export(cmd: ExportCommand) -> Path:
     """Write the checkpoint's backbone weights as asked; returns the written path."""
     from safetensors.torch import save_file
 
-    from framework.models.backbones import ModelConfig, build_denoiser
-    from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
+    from framework.inference.checkpoint import build_model, read_checkpoint, weights_used
 
     ckpt = read_checkpoint(cmd.ckpt)
-    model_cfg = ModelConfig(**ckpt[CKPT_KEY]["config"]["model"])
-    denoiser = build_denoiser(model_cfg)
-    # load_state_dict(strict) fails on any mismatch, so the file always fits its own config.
-    denoiser.load_state_dict(model_weights(ckpt, weights_used(ckpt, cmd.weights)))
+    if cmd.format == "lora" and not cmd.merge:
+        return save_lora(ckpt, cmd, Path(cmd.out))
+    # Every key checked, so the file always fits its own config; an adapter run's adapter merged into its base.
+    denoiser = build_model(ckpt, weights_used(ckpt, cmd.weights), cmd.ckpt)
+    model_cfg = denoiser.cfg
     out = Path(cmd.out)
-    if cmd.format == "diffusers":
+    if cmd.format in ("diffusers", "lora"):  # format=lora here: merge=true
         return save_pipeline(denoiser, ckpt, cmd, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in denoiser.net.state_dict().items()}  # bare diffusers keys
@@ -153,6 +163,50 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     pipe = getattr(diffusers, pipeline_name)(**parts)
     pipe.save_pretrained(out, safe_serialization=True)
     return out
+
+
+# Where stock diffusers loads a LoRA file into a pipeline of the family: pipe.load_lora_weights(folder) (a LoRA loader
+# mixin) or, for the families whose pipelines have none, through peft on the backbone (docs/finetune.md).
+STOCK_LORA_LOADERS = {"sana": "SanaPipeline", "wan": "WanPipeline", "unet": "StableDiffusionPipeline"}
+
+
+def save_lora(ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
+    """diffusers' LoRA file of an adapter=lora run: `out/pytorch_lora_weights.safetensors`, keys `<component>.<layer>.
+    lora_A.weight` / `lora_B.weight` and the LoraConfig in its metadata (rank, alpha, targets), written by diffusers'
+    own save_lora_weights. Needs no base weights: the adapter is read onto a meta-device model of the config."""
+    import diffusers
+    import torch
+    from diffusers.loaders.lora_pipeline import SanaLoraLoaderMixin
+    from peft.utils import get_peft_model_state_dict
+
+    from framework.inference.checkpoint import CKPT_KEY, model_weights, weights_used
+    from framework.models.adapters import add_adapter, to_adapter_config
+    from framework.models.backbones import ModelConfig, build_denoiser
+
+    cfg = ckpt[CKPT_KEY]["config"]
+    adapter = to_adapter_config(cfg.get("adapter"))
+    if adapter.kind != "lora":
+        raise ValueError(f"format=lora: ckpt={cmd.ckpt} was trained with adapter={adapter.kind}, and diffusers' LoRA "
+                         "loaders read LoRA alone; export it merged into its base instead: format=lora merge=true (a "
+                         "pipeline), format=diffusers or format=safetensors")
+    with torch.device("meta"):
+        model = build_denoiser(ModelConfig(**cfg["model"]))
+        add_adapter(model, adapter)
+    state = {k: v for k, v in model_weights(ckpt, weights_used(ckpt, cmd.weights)).items() if k in model.state_dict()}
+    model.load_state_dict(state, strict=False, assign=True)
+    layers = {k: v.contiguous() for k, v in get_peft_model_state_dict(model.net).items()}
+    pipeline_name, component = PIPELINES[model.cfg.family]
+    saver = getattr(diffusers, STOCK_LORA_LOADERS.get(model.cfg.family, ""), SanaLoraLoaderMixin)
+    metadata = adapter.peft_config(model.cfg.family).to_dict()
+    metadata["target_modules"] = sorted(metadata["target_modules"])
+    saver.save_lora_weights(out, **{f"{component}_lora_layers": layers, f"{component}_lora_adapter_metadata": metadata})
+    if model.cfg.family in STOCK_LORA_LOADERS:
+        print(f"export: load it into a stock {pipeline_name} of the base with pipe.load_lora_weights({str(out)!r}, "
+              "weight_name='pytorch_lora_weights.safetensors')")
+    else:
+        print(f"export: stock {pipeline_name} has no LoRA loader; load it into pipe.{component} with peft "
+              "(docs/finetune.md), or export format=lora merge=true for a merged pipeline")
+    return out / "pytorch_lora_weights.safetensors"
 
 
 def check_video_pipeline(cfg: Any, vae: Any) -> None:

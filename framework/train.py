@@ -67,11 +67,25 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
     ]
     if cfg.eval.every_n_steps:
         cbs.append(PeriodicEval(cfg.eval, run_dir, cfg.sample.vae, cfg.sample.text_encoder))
+    if cfg.eval.val_every_n_steps:
+        cbs.append(validation_callback(cfg))
     if cfg.logger.kind != "none":
         cbs.append(LearningRateMonitor(logging_interval="step"))
         # Rates (samples/s, TFLOP/s, MFU) since the previous logging step, without a per-step GPU wait.
         cbs.append(LoggedStepThroughput())
     return cbs
+
+
+def validation_callback(cfg: TrainConfig) -> pl.Callback:
+    """eval.val_every_n_steps: the validation loss on data.val_path, or on the val split precompute wrote."""
+    from framework.training.validation import ValidationLoss, val_folder
+
+    path = val_folder(cfg.data.val_path, cfg.data.path)
+    if path is None:
+        raise ValueError(f"eval.val_every_n_steps={cfg.eval.val_every_n_steps} needs held-out latents: give "
+                         f"data.val_path=DIR (a precomputed dataset), or precompute data.path={cfg.data.path} with "
+                         "val_fraction=F, which writes its val split to data.path/val")
+    return ValidationLoss(path, cfg.eval.val_every_n_steps, cfg.data.batch_size, cfg.seed)
 
 
 def default_precision(cfg: TrainConfig) -> str:
@@ -248,6 +262,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
         config=OmegaConf.to_container(dcfg, resolve=True),
         strategy=cfg.strategy,
         init_from=cfg.init_from,
+        adapter=cfg.adapter,
     )
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)

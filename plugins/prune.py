@@ -170,7 +170,7 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
     """Measure, choose, write; returns the report written to importance.json."""
     from framework.training.checkpointing import save_derived
     from framework.cli import resolve_device
-    from framework.inference.checkpoint import model_weights, read_checkpoint, weights_used
+    from framework.inference.checkpoint import read_checkpoint, weights_used
     from framework.evaluation.prompts import prompt_labels
 
     ckpt = read_checkpoint(cmd.ckpt)
@@ -184,7 +184,8 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
         importance = block_importance(pipe, prompts, prompt_labels(pipe, prompts), SamplingPlan.of(cmd))
     n = len(importance)
     kept = choose_kept(importance, cmd.keep, cmd.method, list(cmd.protect), cmd.seed, pipe.model.cfg.family)
-    state = restack_state(model_weights(ckpt, used), kept, pipe.model.cfg.family)
+    whole = {k: v.detach().cpu() for k, v in pipe.model.state_dict().items()}  # an adapter run's: merged
+    state = restack_state(whole, kept, pipe.model.cfg.family)
     report = {"command": "prune", "source": str(cmd.ckpt), "source_step": ckpt.get("global_step"), "weights": used,
               "method": cmd.method, "from_layers": n, "to_layers": cmd.keep, "kept": kept,
               "dropped": [i for i in range(n) if i not in kept], "protect": list(cmd.protect),

@@ -1177,6 +1177,43 @@ KEYS: dict[str, dict] = {
         "tests/test_recipes.py::test_a_folder_of_another_family_is_refused_naming_the_class",
         "tests/test_recipes.py::test_a_preset_or_key_that_contradicts_the_folder_is_refused_naming_both",
     ], "mutant": "released_kwargs_ignored"},
+    "adapter.kind": {"tests": [
+        "tests/test_adapters.py::test_only_the_adapter_trains_and_the_checkpoint_holds_it_alone",
+        "tests/test_adapters.py::test_resuming_with_another_adapter_is_refused",
+        "tests/test_adapters.py::test_bad_adapter_settings_are_refused",
+        "tests/test_distributed.py::test_an_adapter_sharded_on_two_ranks_follows_one_process_and_resumes_on_one",
+        "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
+        "tests/test_own_data.py::test_a_lora_file_loads_into_the_stock_sd2_pipeline_and_samples_like_framework_sample",
+    ], "mutant": "adapter_base_trains"},
+    "adapter.rank": {"tests": [
+        "tests/test_adapters.py::test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers",
+        "tests/test_adapters.py::test_resuming_with_another_adapter_is_refused",
+        "tests/test_adapters.py::test_bad_adapter_settings_are_refused",
+    ], "mutant": "adapter_rank_ignored"},
+    "adapter.alpha": {"tests": [
+        "tests/test_adapters.py::test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers",
+        "tests/test_adapters.py::test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights",
+    ], "mutant": "adapter_alpha_ignored"},
+    "adapter.dropout": {"tests": [
+        "tests/test_adapters.py::test_adapter_dropout_changes_what_the_adapter_learns",
+        "tests/test_adapters.py::test_bad_adapter_settings_are_refused",
+    ], "mutant": "adapter_dropout_ignored"},
+    "adapter.targets": {"tests": [
+        "tests/test_adapters.py::test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers",
+        "tests/test_adapters.py::test_targets_that_match_nothing_are_refused_naming_the_layers",
+    ], "mutant": "adapter_targets_ignored"},
+    "data.val_path": {"tests": [
+        "tests/test_validation.py::test_the_validation_loss_of_unchanged_weights_is_the_same_at_every_evaluation",
+        "tests/test_validation.py::test_a_validation_loss_without_held_out_latents_is_refused",
+        "tests/test_distributed.py::test_the_validation_loss_on_two_ranks_is_the_one_process_loss",
+        "tests/test_train.py::test_quickstart_learns_the_prompts",
+    ], "mutant": None},
+    "eval.val_every_n_steps": {"tests": [
+        "tests/test_validation.py::test_the_validation_loss_of_unchanged_weights_is_the_same_at_every_evaluation",
+        "tests/test_validation.py::test_a_validation_loss_without_held_out_latents_is_refused",
+        "tests/test_distributed.py::test_the_validation_loss_on_two_ranks_is_the_one_process_loss",
+        "tests/test_train.py::test_quickstart_learns_the_prompts",
+    ], "mutant": "val_every_ignored"},
     # the default seed, twice: the losses must be bit-identical (no test sets another seed)
     "seed": {"tests": [
         "tests/test_train.py::test_same_seed_gives_identical_losses",

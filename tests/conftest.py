@@ -82,6 +82,17 @@ def digits_shards(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def digits_val(tmp_path_factory) -> Path:
+    """The held-out digits (359 images, one caption each) at 8x8 as the training set is encoded: a validation set
+    (data.val_path) for the digits runs."""
+    from data_prep.precompute import precompute
+
+    return precompute(digits_config(tmp_path_factory.mktemp("digits_val") / "data",
+                                    source={"name": "digits", "split": "heldout", "rows_per_image": 1}),
+                      rank=0, world_size=1)
+
+
+@pytest.fixture(scope="session")
 def pairs_shards(tmp_path_factory) -> Path:
     """A small digit-pairs training set: 2 images of each of the 90 training pairs x 5 phrasings, 8x16."""
     from data_prep.precompute import precompute

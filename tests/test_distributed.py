@@ -50,8 +50,10 @@ pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytes
 class Runs:
     """The module's training runs, each built the first time a test reads it (`runs["sgo"]` -> its folder)."""
 
-    def __init__(self, root: Path, data: Path) -> None:
+    def __init__(self, root: Path, data: Path, val: Path) -> None:
         self.root, self.data, self.built = root, data, set()
+        # The validation loss on the held-out digits at steps 0, 2 and 4 of ref, sgo, ddp and sp_ddp.
+        self.val = [f"data.val_path={val}", "eval.val_every_n_steps=2"]
 
     def __getitem__(self, name: str) -> Path:
         if name not in self.built:
@@ -60,10 +62,11 @@ class Runs:
         return self.root / name
 
     def _ref(self, d: Path) -> None:
-        run_train(d, self.data, "data.batch_size=16", "trainer.checkpoint_every_n_steps=2", f"trainer.max_steps={STEPS}")
+        run_train(d, self.data, "data.batch_size=16", "trainer.checkpoint_every_n_steps=2", f"trainer.max_steps={STEPS}",
+                  *self.val)
 
     def _sgo(self, d: Path) -> None:
-        run_train(d, self.data, *fsdp(), f"trainer.max_steps={STEPS}")
+        run_train(d, self.data, *fsdp(), f"trainer.max_steps={STEPS}", *self.val)
 
     def _full(self, d: Path) -> None:
         run_train(d, self.data, *fsdp("FULL_SHARD"), f"trainer.max_steps={STEPS}")
@@ -85,17 +88,30 @@ class Runs:
         run_train(d, self.data, *fsdp(), f"trainer.max_steps={STEPS}")
 
     def _ddp(self, d: Path) -> None:
-        run_train(d, self.data, *DDP, f"trainer.max_steps={STEPS}")
+        run_train(d, self.data, *DDP, f"trainer.max_steps={STEPS}", *self.val)
 
     def _ddp_split(self, d: Path) -> None:
         run_train(d, self.data, *DDP, "trainer.max_steps=2")
         run_train(d, self.data, *DDP, f"trainer.max_steps={STEPS}")
 
+    # A LoRA (rank 4) on the reference's final weights: one process (the reference of the adapter runs); fsdp on 2 ranks
+    # stopped at step 2 (its sharded checkpoint holds the adapter alone) and resumed on 1 rank.
+    def _lora(self) -> list[str]:
+        return ["adapter=lora", "adapter.rank=4", f"init_from={self['ref'] / 'checkpoints' / 'last.ckpt'}"]
+
+    def _lora_ref(self, d: Path) -> None:
+        run_train(d, self.data, *self._lora(), "data.batch_size=16", "trainer.checkpoint_every_n_steps=2",
+                  f"trainer.max_steps={STEPS}")
+
+    def _lora_fsdp(self, d: Path) -> None:
+        run_train(d, self.data, *self._lora(), *fsdp(), "trainer.max_steps=2")
+        run_train(d, self.data, *self._lora(), *fsdp(devices=1, batch=16), f"trainer.max_steps={STEPS}")
+
     # Sequence parallelism: one group of 2 ranks (the whole batch of 16 on both); 2 data x 2 sequence ranks
     # under fsdp (8 per group), its all-to-all in 2 overlapped head groups.
     def _sp_ddp(self, d: Path) -> None:
         run_train(d, self.data, *DDP[:2], "data.batch_size=16", "data.num_workers=1", "strategy.sequence_parallel=2",
-                  f"trainer.max_steps={STEPS}")
+                  f"trainer.max_steps={STEPS}", *self.val)
 
     def _sp_2x2(self, d: Path) -> None:
         run_train(d, self.data, *fsdp(devices=4), "strategy.sequence_parallel=2", "strategy.sequence_parallel_head_groups=2",
@@ -122,8 +138,8 @@ DDP = ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "data.num_worke
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, digits_shards) -> Runs:
-    return Runs(tmp_path_factory.mktemp("dist"), digits_shards)
+def runs(tmp_path_factory, digits_shards, digits_val) -> Runs:
+    return Runs(tmp_path_factory.mktemp("dist"), digits_shards, digits_val)
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,6 +154,43 @@ def test_two_ranks_follow_the_single_process_losses(runs, name):
     torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
                                torch.tensor([ref[s] for s in range(STEPS)]), **TOL)
     same_updates(runs[name], runs["ref"])
+
+
+@pytest.mark.parametrize("name", ["sgo", "ddp", "sp_ddp"])
+def test_the_validation_loss_on_two_ranks_is_the_one_process_loss(runs, name):
+    """eval.val_every_n_steps=2 on 2 ranks (fsdp, ddp: each rank half the held-out samples; one sequence group: both
+    the same ones) logs the 1-process val/loss and val/loss_t0..3 at steps 0, 2 and 4."""
+    def rows(d: Path) -> dict[int, dict[str, float]]:
+        with open(d / "metrics.csv", newline="") as f:
+            return {int(r["step"]): {k: float(v) for k, v in r.items() if k.startswith("val/") and v}
+                    for r in csv.DictReader(f) if r.get("val/loss")}
+
+    ref, got = rows(runs["ref"]), rows(runs[name])
+    assert sorted(ref) == sorted(got) == [0, 2, 4] and len(ref[0]) == 5
+    for step in ref:
+        assert got[step].keys() == ref[step].keys()
+        torch.testing.assert_close(torch.tensor([got[step][k] for k in ref[step]]),
+                                   torch.tensor([ref[step][k] for k in ref[step]]), **TOL)
+
+
+def test_an_adapter_sharded_on_two_ranks_follows_one_process_and_resumes_on_one(runs):
+    """adapter=lora under fsdp: the 2-rank run (the frozen base sharded with its adapter) logs the 1-process losses,
+    writes a step-2 sharded checkpoint of the adapter alone, and resumed from it on 1 rank ends with the 1-process
+    run's adapter updates."""
+    import torch.distributed.checkpoint as dcp
+
+    from framework.models.adapters import is_adapter_key
+
+    ref, got = losses(runs["lora_ref"]), losses(runs["lora_fsdp"])
+    assert sorted(got) == list(range(STEPS))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
+                               torch.tensor([ref[s] for s in range(STEPS)]), **TOL)
+    same_updates(runs["lora_fsdp"], runs["lora_ref"])
+    stored = dcp.FileSystemReader(str(runs["lora_fsdp"] / "checkpoints" / "step0000002.ckpt")).read_metadata()
+    model_keys = [k for k in stored.state_dict_metadata if k.startswith("state_dict.")]
+    assert model_keys and all(is_adapter_key(k) for k in model_keys)
+    assert set(weights(runs["lora_fsdp"] / "checkpoints" / "last.ckpt")) == set(torch.load(
+        runs["lora_ref"] / "init_weights.pt", weights_only=True))
 
 
 def test_fsdp_and_sequence_parallelism_share_the_job_mesh(runs):

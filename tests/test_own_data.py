@@ -259,6 +259,45 @@ def test_diffusers_export_of_an_sd2_unet_samples_like_framework_sample_unguided(
     torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
 
 
+def test_a_lora_file_loads_into_the_stock_sd2_pipeline_and_samples_like_framework_sample(own_data, tmp_path, capsys):
+    """adapter=lora on an SD2 UNet: `framework.export format=lora` writes the file that stock
+    StableDiffusionPipeline.load_lora_weights() puts on the exported base pipeline; from the same noise the pipeline
+    then draws framework.sample's image of the LoRA run (and without the LoRA, another one)."""
+    from diffusers import DiffusionPipeline
+
+    from framework.export import ExportCommand, export
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import noise_seeds
+
+    encoders = dict(vae=str(own_data["vae"]), text_encoder=str(own_data["text"]))
+    sd2 = ["model=sd2_unet_debug", "objective=v", "sample.every_n_steps=0", f"sample.vae={own_data['vae']}",
+           f"sample.text_encoder={own_data['text']}"]
+    base = train(compose_cfg(_run(own_data, "sd2_base", *sd2, "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=2")))
+    tuned = train(compose_cfg(_run(own_data, "sd2_lora", *sd2, "adapter=lora", "adapter.rank=4", "adapter.alpha=8",
+                                   f"init_from={base['checkpoint']}", "optimizer.lr=1e-2", "optimizer.warmup_steps=0")))
+    folder = export(ExportCommand(ckpt=base["checkpoint"], out=str(tmp_path / "pipe"), format="diffusers", **encoders))
+    lora = export(ExportCommand(ckpt=tuned["checkpoint"], out=str(tmp_path / "lora"), format="lora"))
+    assert lora.name == "pytorch_lora_weights.safetensors"
+    assert "pipe.load_lora_weights" in capsys.readouterr().out
+
+    prompt, seed, steps = "a random picture number 2", 7, 4
+    ours = Pipeline.from_checkpoint(tuned["checkpoint"], **encoders)
+    expected = ours.generate([prompt], SamplingPlan(steps, 1.0, "dpm++", seed))  # (1, 3, 16, 16) in [-1, 1]
+    (embeds,) = ours.encode([prompt])
+    (s,) = noise_seeds(seed, 1)
+    latents = torch.randn(4, 8, 8, generator=torch.Generator().manual_seed(s))[None]
+    pipe = DiffusionPipeline.from_pretrained(folder)
+
+    def draw() -> torch.Tensor:
+        return pipe(prompt_embeds=embeds[None], num_inference_steps=steps, guidance_scale=1.0, latents=latents.clone(),
+                    height=16, width=16, output_type="pt").images * 2 - 1
+
+    without = draw()
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # (weight_name: needed offline, HF_HUB_OFFLINE)
+    torch.testing.assert_close(draw(), expected, rtol=0, atol=2e-4)
+    assert (without - expected).abs().max() > 1e-2  # the LoRA changed the image: the comparison above could fail
+
+
 # --------------------------------------------------------------------------------------------
 # Evaluation on one's own data: fid and clip_score against held-out real images
 # --------------------------------------------------------------------------------------------

@@ -93,6 +93,9 @@ class DataConfig:
     # corner (the size conditioning of a bucketed dataset) is its own.
     hflip: bool = False
     prepare: Optional[dict[str, Any]] = None  # a data_prep PrecomputeConfig: build `path` if it is missing
+    # The held-out latents of the validation loss (eval.val_every_n_steps; framework/training/validation.py), a local
+    # dataset folder; null: data.path/val when precompute wrote one (val_fraction=).
+    val_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -107,3 +107,22 @@ def weights_used(ckpt: dict[str, Any], weights: str = "ema") -> str:
               "Train longer or with a smaller plugins.ema.decay for an EMA worth using.")
         return "train"
     return "ema"
+
+
+def build_model(ckpt: dict[str, Any], weights: str = "ema", where: str | os.PathLike = "checkpoint") -> Any:
+    """The checkpoint's denoiser (a Denoiser of its config) with `weights` (see model_weights) loaded, every key checked.
+    A run with an adapter (adapter=lora|lokr|loha) stored the adapter alone: it is put on the run's base weights
+    (its init_from) and merged, so the result is a plain denoiser either way."""
+    from framework.models.adapters import load_adapted, to_adapter_config
+    from framework.models.backbones import ModelConfig, build_denoiser
+
+    cfg = ckpt[CKPT_KEY]["config"]
+    model = build_denoiser(ModelConfig(**cfg["model"]))
+    adapter = to_adapter_config(cfg.get("adapter"))
+    if adapter.on:
+        return load_adapted(model, adapter, cfg.get("init_from"), model_weights(ckpt, weights), where=f"ckpt={where}")
+    missing, unexpected = model.load_state_dict(model_weights(ckpt, weights), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"ckpt={where} does not fit its own model config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return model

@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from data_prep.record import latent_frame_count, unscale_latents
-from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
+from framework.inference.checkpoint import CKPT_KEY, build_model, read_checkpoint, weights_used
 from framework.inference.caching import CacheSchedule, resolve_schedule
 from framework.inference.sampling import Draws, Sampler, SamplingPlan
 from framework.inference.sharing import OneProcess, Sharing
@@ -150,12 +150,7 @@ class Pipeline:
         used, model_cfg = weights_used(ckpt, weights), ModelConfig(**cfg["model"])
 
         def build() -> Denoiser:
-            model = build_denoiser(model_cfg)
-            missing, unexpected = model.load_state_dict(model_weights(ckpt, used), strict=False)
-            if missing or unexpected:
-                raise ValueError(f"ckpt={path} does not fit its own model config: missing {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]}")
-            return model.to(device).eval()
+            return build_model(ckpt, used, path).to(device).eval()
 
         objective = Objective(ObjectiveConfig(**cfg["objective"]))
         info = with_encoders(extra["dataset"], vae, text_encoder)

@@ -121,6 +121,7 @@ def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], sour
     extra = {k: v for k, v in source[CKPT_KEY].items() if k in ("config", "dataset", "empty_text", "derived")}
     extra["config"] = copy.deepcopy(extra["config"])
     extra["config"]["model"].update(model)
+    extra["config"]["adapter"] = {"kind": "none"}  # whole weights (an adapter run's merged into its base)
     extra["derived"] = [*extra.get("derived", []), record]
     path.parent.mkdir(parents=True, exist_ok=True)
     AtomicCheckpointIO().save_checkpoint({"state_dict": {f"model.{k}": v.contiguous() for k, v in weights.items()},

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.inference.checkpoint import CKPT_KEY
+from framework.models.adapters import AdapterConfig, add_adapter, is_adapter_key
 from framework.models.conditioning import drop_captions
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
 from framework.models.init import init_weights
@@ -48,12 +49,14 @@ class DiffusionModule(pl.LightningModule):
         config: dict[str, Any] | None = None,
         strategy: StrategyConfig | None = None,
         init_from: str | None = None,
+        adapter: AdapterConfig | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg, self.optimizer_cfg = model, optimizer
         self.init_from = init_from  # weights only: a checkpoint, a .safetensors file or a diffusers folder
         self._start_state: dict[str, torch.Tensor] | None = None  # set by start_from() under fsdp
-        if strategy is not None and strategy.name == "fsdp":
+        self.adapter_cfg = adapter if adapter is not None and adapter.on else None
+        if strategy is not None and strategy.name == "fsdp" and self.adapter_cfg is None:
             # No rank holds the whole model: shapes only now, this rank's shards in configure_model,
             # drawn from the RNG state the ordinary build would have started from (framework/distributed/fsdp.py).
             from framework.distributed.fsdp import build_meta
@@ -67,6 +70,8 @@ class DiffusionModule(pl.LightningModule):
                 load_weights(self.model, init_from)
             else:
                 init_weights(self.model)  # model.init=reference: as the family's reference code initialises
+        if self.adapter_cfg is not None:
+            self._add_adapter(self.adapter_cfg)
         self.objective = Objective(objective)
         self.max_steps, self.seed = max_steps, seed
         self.finite = FiniteGuard(skip_nonfinite)  # trainer.skip_nonfinite: the non-finite checks of every step
@@ -129,6 +134,48 @@ class DiffusionModule(pl.LightningModule):
                 start = self._start_state if self._start_state is not None else self.init_from
                 materialize(self.model, self._init_rng_state, strategy.root_device, start)
                 self._init_rng_state, self._start_state = None, None
+
+    def _add_adapter(self, cfg: AdapterConfig) -> None:
+        """adapter=lora|lokr|loha: the base (init_from) frozen, the adapter trainable; checkpoints hold the adapter's
+        tensors only (a state-dict hook drops the base's, which init_from gives back on resume and in every command).
+        Under fsdp the base is built whole on each rank and sharded in configure_model (no meta-device build)."""
+        base = sum(p.numel() for p in self.model.parameters())
+        trained = add_adapter(self.model, cfg)
+        rank_zero_info(f"adapter={cfg.kind}: {trained:,} trainable parameters (rank {cfg.rank}) on a frozen base of "
+                       f"{base:,} ({trained / base:.2%})")
+        self.strict_loading = False  # the base's keys are not in the checkpoint; on_load_checkpoint checks the adapter's
+
+        def drop_base(module: torch.nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            for key in [k for k in state if k.startswith(prefix + "model.") and not is_adapter_key(k)]:
+                del state[key]
+
+        self.register_state_dict_post_hook(drop_base)
+
+    def _check_adapter_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A resumed checkpoint must hold this run's adapter (same kind, rank and targets), every tensor of it; an
+        adapter checkpoint is refused by a run without one."""
+        saved = (checkpoint.get(CKPT_KEY, {}).get("config") or {}).get("adapter") or {"kind": "none"}
+        now = {} if self.adapter_cfg is None else vars(self.adapter_cfg)
+        fields = ("kind", "rank", "alpha", "targets")
+        if saved.get("kind", "none") != now.get("kind", "none") or (
+                self.adapter_cfg is not None and any(saved.get(f) != now[f] for f in fields)):
+            raise ValueError(f"resuming a checkpoint trained with adapter={ {f: saved.get(f) for f in fields} } in a run "
+                             f"with adapter={ {f: now.get(f, 'none' if f == 'kind' else None) for f in fields} }: the "
+                             "checkpoint's weights would not fit. Resume with the adapter settings it was trained with "
+                             "(or start a new run.dir; init_from= takes a merged export of it)")
+        if self.adapter_cfg is None:
+            return
+        stored = checkpoint.get("state_dict")
+        if stored is None:  # a sharded folder, already read into the model (strict_loading off): its names are on file
+            from torch.distributed.checkpoint import FileSystemReader
+
+            names = FileSystemReader(str(self.trainer.ckpt_path)).read_metadata().state_dict_metadata
+            stored = {k[len("state_dict."):] for k in names if k.startswith("state_dict.")}
+        own = [f"model.{k}" for k, p in self.model.named_parameters() if p.requires_grad]
+        missing = [k for k in own if k not in stored]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} of the adapter's tensors ({missing[:3]}): it was not "
+                             "written by this adapter run")
 
     def start_from(self, state: dict[str, torch.Tensor]) -> None:
         """Start training from these whole weights (Denoiser keys) instead of the fresh or init_from ones.
@@ -391,6 +438,7 @@ class DiffusionModule(pl.LightningModule):
         })
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_adapter_checkpoint(checkpoint)
         extra = checkpoint.get(CKPT_KEY, {})
         saved, now = extra.get("global_batch"), self.global_batch()
         if saved is not None and now is not None and saved != now and not self.allow_global_batch_change:

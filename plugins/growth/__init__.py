@@ -194,14 +194,15 @@ def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int
 def grow_checkpoint(path: str, n_target: int, cfg: GrowthConfig, seed: int,
                     target_cfg: ModelConfig | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """(grown weights, the source checkpoint, a record of what was done) for the checkpoint at `path`."""
-    from framework.inference.checkpoint import CKPT_KEY, model_weights, read_checkpoint, weights_used
+    from framework.inference.checkpoint import CKPT_KEY, build_model, read_checkpoint, weights_used
 
     ckpt = read_checkpoint(path)
     source_cfg = to_model_config(ckpt[CKPT_KEY]["config"]["model"])
     if target_cfg is not None:
         check_growable(source_cfg, target_cfg)
     used = weights_used(ckpt, cfg.weights)
-    state, plan = grow(model_weights(ckpt, used), source_cfg, n_target, cfg.init, cfg.drop_last, cfg.zero_gate, seed)
+    whole = build_model(ckpt, used, path).state_dict()  # an adapter run's adapter merged into its base
+    state, plan = grow(whole, source_cfg, n_target, cfg.init, cfg.drop_last, cfg.zero_gate, seed)
     record = {"command": "growth", "source": str(path), "source_step": ckpt.get("global_step"), "weights": used,
               "init": cfg.init, "drop_last": cfg.drop_last, "zero_gate": cfg.zero_gate, "seed": seed,
               "from_layers": source_cfg.num_layers, "to_layers": n_target,

@@ -78,7 +78,8 @@ class Probe(pl.Callback):
         }
         if trainer.global_step != 0:  # a resumed run: its start is not the run's
             return
-        init = {n: full_tensor(p.detach()).clone() for n, p in pl_module.model.named_parameters()}  # all ranks gather
+        saved = {k[len("model."):] for k in pl_module.state_dict()}  # what checkpoints hold (an adapter run: the adapter)
+        init = {n: full_tensor(p.detach()).clone() for n, p in pl_module.model.named_parameters() if n in saved}
         if trainer.global_rank == 0:
             torch.save(init, self.run_dir / "init_weights.pt")
 

@@ -1,0 +1,83 @@
+"""The validation loss (eval.val_every_n_steps) and its held-out split (precompute val_fraction=).
+
+References: the records' keys (the split must follow them alone), a run whose weights cannot move (lr 1e-30: every
+evaluation must give the same numbers, whatever the batch size that reads them), and the split's own counts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from framework.training.validation import HeldOut
+from tests.helpers import cheap, compose_cfg, digits_config
+
+FIT = ["model.in_channels=1", "model.sample_size=8", "model.text_dim=384"]
+
+
+def _keys(path: Path) -> list[str]:
+    """The record keys of a dataset's rows (a row's key is its record's, then '#' and the caption's index)."""
+    held = HeldOut(str(path))
+    return [row["key"].split("#")[0] for group in held.groups for row in (group[i] for i in range(len(group)))]
+
+
+def test_val_fraction_holds_out_the_records_whose_keys_hash_low(tmp_path):
+    """precompute val_fraction=0.25 writes two datasets: out (the training records) and out/val (the held-out ones),
+    disjoint, together every record; the held-out ones are those whose key's CRC-32 is in the lowest quarter."""
+    import zlib
+
+    from data_prep.precompute import precompute
+
+    out = Path(precompute(digits_config(tmp_path / "d", val_fraction=0.25, source={"name": "digits", "rows_per_image": 1}),
+                          rank=0, world_size=1))
+    train, val = _keys(out), _keys(out / "val")
+    assert len(set(train)) == len(train) and len(set(val)) == len(val) and not set(train) & set(val)
+    assert len(train) + len(val) == 1438
+    assert all(zlib.crc32(k.encode()) < 0.25 * 2**32 for k in val)
+    assert all(zlib.crc32(k.encode()) >= 0.25 * 2**32 for k in train)
+    assert 0.2 < len(val) / 1438 < 0.3
+    info = json.loads((out / "dataset.json").read_text())
+    assert info["num_samples"] == len(train) and info["skipped"]["filtered"]["other_split"] == len(val)
+
+
+def _val_rows(run_dir: Path) -> dict[int, dict[str, float]]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {int(r["step"]): {k: float(v) for k, v in r.items() if k.startswith("val/") and v}
+                for r in csv.DictReader(f) if r.get("val/loss")}
+
+
+def test_the_validation_loss_of_unchanged_weights_is_the_same_at_every_evaluation(tmp_path, digits_shards, digits_val):
+    """lr 1e-30: the weights do not move (an Adam step of 1e-30 is lost in every weight's float32 rounding, save a few
+    zero biases'), so each evaluation (steps 0, 2, 4) gives the same val/loss and val/loss_t0..3,
+    and so does another batch size (16 and 5: the last batches padded differently), while train/loss, drawn anew each
+    step, moves."""
+    from framework.train import train
+
+    runs = {}
+    for batch in (16, 5):
+        run = train(compose_cfg(cheap(tmp_path, digits_shards, *FIT, "logger=csv", "optimizer.lr=1e-30",
+                                      "optimizer.warmup_steps=0", f"data.val_path={digits_val}",
+                                      "eval.val_every_n_steps=2", f"data.batch_size={batch}", "sample.every_n_steps=0",
+                                      steps=4, run=f"b{batch}")))
+        runs[batch] = Path(run["run_dir"])
+    rows = _val_rows(runs[16])
+    assert sorted(rows) == [0, 2, 4]
+    assert set(rows[0]) == {"val/loss", *(f"val/loss_t{k}" for k in range(4))}
+    for step in (2, 4):
+        assert rows[step] == pytest.approx(rows[0], rel=1e-9)
+    other = _val_rows(runs[5])
+    for k, v in rows[0].items():
+        assert other[0][k] == pytest.approx(v, rel=1e-6)
+    with open(runs[16] / "metrics.csv", newline="") as f:
+        train_losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(set(train_losses)) == len(train_losses) == 4
+
+
+def test_a_validation_loss_without_held_out_latents_is_refused(tmp_path, digits_shards):
+    from framework.train import train
+
+    with pytest.raises(ValueError, match="needs held-out latents: give data.val_path=DIR"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, *FIT, "logger=none", "eval.val_every_n_steps=2", steps=2)))
