@@ -22,6 +22,7 @@ class SourceConfig:
     path: Optional[str] = None
     split: str = "train"  # digits: "train" (training set) or "heldout" (evaluation only)
     rows_per_image: int = 3  # digits, digit_pairs: rows written per image, rotating through the caption phrasings
+    labels: Optional[list[int]] = None  # digits: only the images of these digits (e.g. [0,1,2,3,4]); null: all ten
     pairs_per_combination: int = 40  # digit_pairs: images of each of the 90 training pairs
     scenes: int = 1200  # shapes: synthetic mixed-aspect scenes (a third each wide, tall, square)
     recursive: bool = True  # folder: search sub-folders too
@@ -38,6 +39,8 @@ class SourceConfig:
             raise ValueError(f"source.scenes={self.scenes}: must be >= 1.")
         if self.rows_per_image < 1:
             raise ValueError(f"source.rows_per_image={self.rows_per_image}: must be >= 1.")
+        if self.labels is not None and (not self.labels or any(not 0 <= int(d) <= 9 for d in self.labels)):
+            raise ValueError(f"source.labels={self.labels}: digits from 0 to 9 (null: all ten).")
         if self.split not in ("train", "heldout"):
             raise ValueError(f"source.split={self.split!r}: use 'train' or 'heldout'.")
 

@@ -92,6 +92,8 @@ def fingerprint(cfg: PrecomputeConfig) -> dict:
     for field_, reader in (("pairs_per_combination", "digit_pairs"), ("scenes", "shapes")):
         if cfg.source.name != reader:  # a field only that source reads: other datasets keep their fingerprints
             source.pop(field_)
+    if source.get("labels") is None:  # likewise when not set
+        source.pop("labels", None)
     content = {
         "source": source, "vae": resolve(cfg.vae, "pixel"),
         "text_encoder": resolve(cfg.text_encoder, "minilm", "none"), "resolution": cfg.resolution,

@@ -248,6 +248,9 @@ def check_adapter(cfg: TrainConfig) -> None:
         raise ValueError(f"adapter={cfg.adapter.kind} trains an adapter on frozen weights: give them with init_from= (a "
                          "diffusers folder, a .safetensors file or a checkpoint of ours); every checkpoint of the run "
                          "holds the adapter alone and names init_from as its base")
+    if cfg.adapter.base_dtype == "bf16" and cfg.trainer.precision not in (None, "bf16-mixed", "16-mixed"):
+        raise ValueError(f"adapter.base_dtype=bf16 with trainer.precision={cfg.trainer.precision}: the bf16 base computes "
+                         "under mixed precision's autocast; use trainer.precision=bf16-mixed (or base_dtype=fp32)")
     clash = [name for name in NOT_WITH_ADAPTER if name in (cfg.plugins or {})]
     if clash:
         raise ValueError(f"adapter={cfg.adapter.kind} with plugins={clash}: the growth plugin replaces the weights the "

@@ -178,6 +178,8 @@ def apply_global_batch(cfg: TrainConfig, trainer: pl.Trainer) -> None:
 def check_memory(cfg: TrainConfig, trainer: pl.Trainer) -> None:
     """Refuse, before anything is trained, a run predicted to need more memory than a rank has
     (framework/training/memory.py; trainer.memory_limit_gb)."""
+    from lightning.pytorch.utilities import rank_zero_info
+
     from framework.training import memory
 
     limit = cfg.trainer.memory_limit_gb
@@ -188,6 +190,8 @@ def check_memory(cfg: TrainConfig, trainer: pl.Trainer) -> None:
         available, what = memory.available_bytes(trainer.strategy.root_device)
     else:
         available, what = limit * memory.GIB, "trainer.memory_limit_gb ="
+    rank_zero_info(f"memory: predicted peak {plan.total / memory.GIB:.1f} GiB of {available / memory.GIB:.1f} a rank "
+                   f"({plan.describe()})")
     memory.check(plan, available, what)
 
 
@@ -244,6 +248,9 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     if not uses_gpu(cfg.trainer.accelerator) and isinstance(devices, int):
         share_cpu_threads(devices)
 
+    if cfg.adapter.base_dtype == "bf16" and default_precision(cfg) not in ("bf16-mixed", "16-mixed"):
+        raise ValueError(f"adapter.base_dtype=bf16: this run's precision is {default_precision(cfg)} (the default on a "
+                         "CPU); the bf16 base computes under mixed precision's autocast: set trainer.precision=bf16-mixed")
     callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
     trainer = build_trainer(cfg, run_dir, callbacks)
     if cfg.data.global_batch_size is not None:

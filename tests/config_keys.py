@@ -1198,6 +1198,12 @@ KEYS: dict[str, dict] = {
         "tests/test_adapters.py::test_adapter_dropout_changes_what_the_adapter_learns",
         "tests/test_adapters.py::test_bad_adapter_settings_are_refused",
     ], "mutant": "adapter_dropout_ignored"},
+    "adapter.base_dtype": {"tests": [
+        "tests/test_adapters.py::test_a_bf16_base_is_held_in_bf16_and_the_memory_prediction_counts_it_so",
+        "tests/test_adapters.py::test_bf16_base_needs_mixed_precision",
+        "tests/test_bench.py::test_bench_finetune_measures_each_arm_beside_its_predicted_peak",
+        "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
+    ], "mutant": "adapter_base_dtype_ignored"},
     "adapter.targets": {"tests": [
         "tests/test_adapters.py::test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers",
         "tests/test_adapters.py::test_targets_that_match_nothing_are_refused_naming_the_layers",

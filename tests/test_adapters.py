@@ -215,3 +215,36 @@ def test_merge_adapter_puts_the_plain_layers_back():
     merge_adapter(model)
     assert set(model.state_dict()) == keys and all(type(m).__module__.startswith("torch") for m in model.net.modules()
                                                    if isinstance(m, torch.nn.Linear))
+
+
+def test_a_bf16_base_is_held_in_bf16_and_the_memory_prediction_counts_it_so():
+    """adapter.base_dtype=bf16: every frozen weight in bf16, the adapter in fp32; the prediction framework.train prints
+    counts 2 bytes a frozen weight and 4 a trained one (fp32 base: 4 each)."""
+    from framework.config import to_object
+    from framework.training.memory import plan_run
+
+    model = build_denoiser(ModelConfig(family="pixart", num_layers=1, num_heads=2, head_dim=8, sample_size=8,
+                                       in_channels=1, text_dim=16))
+    add_adapter(model, AdapterConfig(kind="lora", rank=2, base_dtype="bf16"))
+    for name, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if is_adapter_key(name) else torch.bfloat16), name
+    weights = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = to_object(compose_cfg(["adapter=lora", "adapter.rank=4", f"adapter.base_dtype={dtype}", "init_from=X",
+                                     "trainer.precision=bf16-mixed", "model.in_channels=1", "model.sample_size=8",
+                                     "model.text_dim=384"]))
+        weights[dtype] = plan_run(cfg, 1, "bf16-mixed").parts["weights"]
+    reference = build_denoiser(ModelConfig(family="pixart", name="pixart_debug", **{
+        k: v for k, v in compose_cfg(["model.in_channels=1", "model.sample_size=8", "model.text_dim=384"]).model.items()
+        if k != "name" and k != "family"}))
+    base = sum(p.numel() for p in reference.parameters())
+    trained = add_adapter(reference, AdapterConfig(kind="lora", rank=4))
+    assert weights["fp32"] == 4 * (base + trained)
+    assert weights["bf16"] == 2 * base + 4 * trained
+
+
+def test_bf16_base_needs_mixed_precision():
+    from framework.config import to_object
+
+    with pytest.raises(ValueError, match="use trainer.precision=bf16-mixed"):
+        to_object(compose_cfg(["adapter=lora", "adapter.base_dtype=bf16", "init_from=X", "trainer.precision=32-true"]))

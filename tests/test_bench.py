@@ -308,3 +308,22 @@ def test_bench_precompute_writes_a_row_per_rank_and_worker_count(tmp_path, tiny_
         assert 0 < r["encoder_busy"] < 1 and 0 < r["waiting"] < 1
         assert r["seconds_encode"] + r["seconds_wait"] + r["seconds_write"] <= r["seconds"]
     assert "encoder_busy" in capsys.readouterr().out  # the printed table
+
+
+@pytest.mark.slow
+def test_bench_finetune_measures_each_arm_beside_its_predicted_peak(tmp_path):
+    """Full fine-tuning trains every weight, the LoRA arms the adapter alone (the same count, on a bf16 base in the last);
+    each row has its measured peak beside the prediction framework.train prints (within 30% on this small model, whose
+    peak is mostly the process itself)."""
+    out = tmp_path / "bench.json"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "finetune", "model=pixart_debug", "batch_size=2",
+                       "warmup=1", "steps=1", "rank=4", f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["arm"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["full", "lora", "lora_bf16"]
+    assert rows["full"]["trainable"] == rows["full"]["params"] > rows["lora"]["trainable"] == rows["lora_bf16"]["trainable"]
+    assert rows["lora_bf16"]["precision"] == "bf16-mixed" and rows["lora"]["precision"] == "32-true"
+    assert rows["full"]["predicted_gib"] > rows["lora"]["predicted_gib"] > rows["lora_bf16"]["predicted_gib"]
+    for r in rows.values():
+        assert r["samples_per_s"] > 0 and 0.7 < r["measured_over_predicted"] < 1.3, r
+    assert "measured_over_predicted" in proc.stdout

@@ -940,3 +940,18 @@ def test_a_folder_another_rank_is_writing_the_fingerprint_into_is_not_refused(tm
     (out / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="is not empty and was not written by data_prep.precompute"):
         _check_existing(open_output(str(out), None), fp)
+
+
+def test_digits_labels_keeps_only_those_digits(tmp_path):
+    """source.labels=[3,7]: the dataset holds the training images of digits 3 and 7 and no other."""
+    from data_prep.precompute import precompute
+    from data_prep.sources.digits import load_digits
+    from framework.training.validation import HeldOut
+    from tests.helpers import digits_config
+
+    out = precompute(digits_config(tmp_path / "d", source={"name": "digits", "labels": [3, 7], "rows_per_image": 1}),
+                     rank=0, world_size=1)
+    held = HeldOut(str(out))
+    labels = [int(row["label"]) for group in held.groups for row in (group[i] for i in range(len(group)))]
+    _, train_labels = load_digits("train")
+    assert sorted(set(labels)) == [3, 7] and len(labels) == int(((train_labels == 3) | (train_labels == 7)).sum())

@@ -69,11 +69,12 @@ MATRIX = [
     ("fsdp-2-csv-wan-ema-came8bit-sequence_parallel", "fsdp", 2, "csv",
      ["{video}", "model=wan_debug", "model.init=reference", "plugins=[ema]", "plugins.ema.start=1", "optimizer=came8bit",
       "strategy.sequence_parallel=2"]),
-    # A LoRA with an EMA of it on the 2-layer Latte ({latte_source}, frozen), its blocks checkpointed, in bf16; exported
-    # merged into its base.
+    # A LoRA with an EMA of it on the 2-layer Latte ({latte_source}, frozen and held in bf16), its blocks checkpointed,
+    # in bf16-mixed; exported merged into its base.
     ("ddp-2-wandb-latte-lora-ema", "ddp", 2, "wandb",
      ["{video}", "model=latte_debug", "init_from={latte_source}", "adapter=lora", "adapter.rank=4", "plugins=[ema]",
-      "plugins.ema.decay=0.5", "strategy.activation_checkpointing=true", "trainer.precision=bf16-mixed"]),
+      "plugins.ema.decay=0.5", "strategy.activation_checkpointing=true", "trainer.precision=bf16-mixed",
+      "adapter.base_dtype=bf16"]),
 ]
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")

@@ -461,6 +461,59 @@ def test_the_finetune_recipe_runs_from_a_released_folder_to_a_sampled_export(tmp
     assert type(DiffusionPipeline.from_pretrained(tmp_path / "export")).__name__ == "PixArtSigmaPipeline"
 
 
+def test_the_lora_recipe_runs_from_a_released_folder_to_a_lora_file(tmp_path):
+    """docs/finetune.md's LoRA commands on a debug-size released folder: precompute with a held-out split
+    (val_fraction), train experiment=pixart_sigma_lora from the folder's weights (its bf16 base under bf16-mixed, the
+    validation loss at steps 0 and 2), export format=lora; the LoRA file, put on the folder's transformer by peft,
+    computes what the checkpoint does."""
+    import csv
+    import sys
+
+    from diffusers import PixArtTransformer2DModel
+    from peft import inject_adapter_in_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from data_prep.precompute import precompute
+    from framework.inference.checkpoint import build_model, read_checkpoint
+    from framework.models.adapters import AdapterConfig
+    from framework.train import train
+    from tests import zygote
+    from tests.helpers import ROOT, make_image_folder
+
+    released = _released_pipeline(tmp_path / "PixArt-Sigma-XL-2-512-MS")
+    images = make_image_folder(tmp_path / "images", n=16, size=20)
+    data = precompute({"source": {"name": "folder", "path": str(images)}, "vae": str(released),
+                       "text_encoder": str(released), "max_tokens": 300, "resolution": 16, "out": str(tmp_path / "data"),
+                       "val_fraction": 0.25, "progress": False}, rank=0, world_size=1)
+    assert (Path(data) / "val" / "dataset.json").is_file()
+    out = train(compose_cfg([
+        "experiment=pixart_sigma_lora", "model=pixart_debug", f"init_from={released}", f"data.path={data}",
+        f"data.local={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}", "strategy=single", "trainer.accelerator=cpu",
+        "data.num_workers=0", "data.batch_size=4", "trainer.max_steps=2", "eval.val_every_n_steps=2", "logger=csv",
+        "optimizer.lr=1e-2", "sample.every_n_steps=0", "sample.steps=2", "trainer.enable_progress_bar=false"]))
+    with open(out["metrics"], newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if r.get("val/loss")] == [0, 2]
+    lora = zygote.run([sys.executable, "-m", "framework.export", f"ckpt={out['checkpoint']}", f"out={tmp_path / 'lora'}",
+                       "format=lora", f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True,
+                      timeout=300)
+    assert lora.returncode == 0, lora.stderr[-2000:]
+    state = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
+    net = PixArtTransformer2DModel.from_pretrained(released / "transformer")
+    cfg = compose_cfg(["experiment=pixart_sigma_lora", "data.path=DIR"]).adapter
+    adapter = AdapterConfig(kind="lora", rank=cfg.rank, alpha=cfg.alpha, targets=list(cfg.targets))
+    inject_adapter_in_model(adapter.peft_config("pixart"), net)
+    assert not set_peft_model_state_dict(net, {k[len("transformer."):]: v for k, v in state.items()}).unexpected_keys
+    merged = build_model(read_checkpoint(out["checkpoint"]), "train").eval()
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 5, 32, generator=g)
+    with torch.no_grad():
+        expected = merged(x, torch.tensor([500.0]), text, torch.ones(1, 5, dtype=torch.bool))
+        mine = build_model(read_checkpoint(out["checkpoint"]), "train").eval()
+        mine.net = net.eval()
+        torch.testing.assert_close(mine(x, torch.tensor([500.0]), text, torch.ones(1, 5, dtype=torch.bool)), expected,
+                                   rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # A class-conditional DiT on class labels alone: text_encoder=none
 # --------------------------------------------------------------------------------------------

@@ -85,6 +85,9 @@ class DigitsSource(ImageCaptionSource):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.images, self.labels = load_digits(cfg.split)
+        if getattr(cfg, "labels", None) is not None:  # source.labels: only these digits
+            keep = np.isin(self.labels, [int(d) for d in cfg.labels])
+            self.images, self.labels = self.images[keep], self.labels[keep]
 
     def record(self, index: int) -> Record:
         k, label = max(1, int(self.cfg.rows_per_image)), int(self.labels[index])
@@ -97,7 +100,10 @@ class DigitsSource(ImageCaptionSource):
         return len(self.images)
 
     def metadata(self) -> dict:
-        return {"class_names": DIGIT_WORDS, "split": self.cfg.split, "rows_per_image": self.cfg.rows_per_image}
+        meta = {"class_names": DIGIT_WORDS, "split": self.cfg.split, "rows_per_image": self.cfg.rows_per_image}
+        if getattr(self.cfg, "labels", None) is not None:
+            meta["labels"] = [int(d) for d in self.cfg.labels]
+        return meta
 
     def grid_prompts(self) -> list[str]:
         return DIGIT_GRID_PROMPTS

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 KINDS = ("none", "lora", "lokr", "loha")
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 FAMILY_TARGETS: dict[str, list[str]] = {
     "pixart": ATTENTION, "dit": ATTENTION, "sana": ATTENTION, "latte": ATTENTION, "unet": ATTENTION,
@@ -45,6 +46,9 @@ class AdapterConfig:
     targets: list[str] | None = None
     """Names of the linear layers that get an adapter: a layer whose name is one of these or ends with '.' + one
     (e.g. to_q, attn2.to_k, ffn.net.2); null: the family's default (FAMILY_TARGETS: the attention projections)."""
+    base_dtype: str = "fp32"
+    """How the frozen base is held: fp32, or bf16 (half its bytes; needs trainer.precision=bf16-mixed or 16-mixed,
+    whose autocast computes with it; the adapter stays fp32)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -55,6 +59,8 @@ class AdapterConfig:
             raise ValueError(f"adapter.alpha={self.alpha} must be > 0 (null: alpha = rank)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"adapter.dropout={self.dropout} must be in [0, 1)")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(f"adapter.base_dtype={self.base_dtype!r}: expected one of {', '.join(BASE_DTYPES)}")
         if self.targets is not None and not self.targets:
             raise ValueError("adapter.targets=[] selects no layer; give layer names (e.g. [to_q,to_v]) or null for "
                              "the family's default")
@@ -100,8 +106,11 @@ def add_adapter(denoiser: nn.Module, cfg: AdapterConfig) -> int:
         raise ValueError(f"adapter.targets={targets} matches no linear layer of this {family} backbone; its linear "
                          f"layers are named like {linear[:4]} (a target matches a name or its ending after a '.')")
     inject_adapter_in_model(cfg.peft_config(family), denoiser.net)
+    dtype = BASE_DTYPES[cfg.base_dtype]
     for name, p in denoiser.named_parameters():  # peft freezes the base; nothing outside the adapter may train
         p.requires_grad_(is_adapter_key(name))
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)  # the frozen base held at adapter.base_dtype
     return sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
 
 
@@ -148,8 +157,10 @@ def load_adapted(denoiser: nn.Module, cfg: AdapterConfig, base: str | None, stat
 
     if not base:
         raise ValueError(f"{where} holds an adapter (adapter={cfg.kind}) but its run records no base weights (init_from)")
+    from dataclasses import replace
+
     load_weights(denoiser, base)
-    add_adapter(denoiser, cfg)
+    add_adapter(denoiser, replace(cfg, base_dtype="fp32"))  # merged into the base's own fp32 weights
     own = adapter_state(denoiser)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:

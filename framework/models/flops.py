@@ -92,6 +92,12 @@ def meta_replica(denoiser: Denoiser) -> Denoiser | None:
 
     with torch.device("meta"):
         replica = build_denoiser(denoiser.cfg)
+        adapters = getattr(denoiser.net, "peft_config", None)  # an adapter run's (framework/models/adapters.py)
+        if adapters:
+            from peft import inject_adapter_in_model
+
+            for name, config in adapters.items():  # on the replica's fp32 base: the count does not depend on dtypes
+                inject_adapter_in_model(config, replica.net, adapter_name=name)
     shapes = lambda m: {name: tuple(p.shape) for name, p in m.named_parameters()}  # a DTensor's shape is the whole
     if shapes(replica) != shapes(denoiser):
         return None

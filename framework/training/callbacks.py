@@ -39,11 +39,22 @@ def inference_view(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterat
     was_training = pl_module.training
     pl_module.eval()
     try:
-        with averaged_weights(trainer, pl_module):
+        with averaged_weights(trainer, pl_module), base_precision(trainer, pl_module):
             yield
     finally:
         reshard(pl_module.model)
         pl_module.train(was_training)
+
+
+def base_precision(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The training's autocast when the module's frozen base is held in bf16 (adapter.base_dtype=bf16), which computes
+    only under it; nothing otherwise (sampling keeps the weights' own precision)."""
+    from contextlib import nullcontext
+
+    adapter = getattr(pl_module, "adapter_cfg", None)
+    if adapter is None or adapter.base_dtype == "fp32":
+        return nullcontext()
+    return trainer.precision_plugin.forward_context()
 
 
 class SampleGrid(pl.Callback):

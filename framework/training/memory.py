@@ -38,16 +38,17 @@ class MemoryPlan:
 
 
 def predict(params: int, trainable: int, *, optimizer: str, ema: bool, shards: int, batch: int, tokens: int,
-            width: int, layers: int, checkpointing: bool, precision: str) -> MemoryPlan:
-    """One rank's predicted peak: the process, the weights, gradients, optimizer state and EMA (over `shards` ranks
-    under fsdp, 1 otherwise), AdamW's step temporary, and the activations of `batch` samples of `tokens` tokens of
-    `width` through `layers` blocks (bf16 halves them; checkpointing keeps one block's and each block's input)."""
+            width: int, layers: int, checkpointing: bool, precision: str, frozen_bytes: float = 4.0) -> MemoryPlan:
+    """One rank's predicted peak: the process, the weights (trainable ones fp32, frozen ones `frozen_bytes` each: 2 for
+    an adapter's bf16 base), gradients, optimizer state and EMA of the trainable ones (over `shards` ranks under fsdp, 1
+    otherwise), AdamW's step temporary, and the activations of `batch` samples of `tokens` tokens of `width` through
+    `layers` blocks (bf16 halves them; checkpointing keeps one block's and each block's input)."""
     state = OPTIMIZER_STATE_BYTES.get(optimizer, 8.0)
     per_value = 2 if precision.startswith("bf16") or precision.startswith("16") else 4
     kept = ACTIVATION_FACTOR + layers if checkpointing else ACTIVATION_FACTOR * layers
     parts = {
         "process": PROCESS_BYTES,
-        "weights": 4.0 * params / shards,
+        "weights": (4.0 * trainable + frozen_bytes * (params - trainable)) / shards,
         "gradients": 4.0 * trainable / shards,
         "optimizer": state * trainable / shards,
         "ema": 4.0 * trainable / shards if ema else 0.0,
@@ -82,16 +83,24 @@ def plan_run(cfg: Any, world_size: int, precision: str) -> MemoryPlan:
     model_cfg = to_model_config(cfg.model)
     model = build_meta(model_cfg)
     params = sum(p.numel() for p in model.parameters())
+    trainable, frozen_bytes = params, 4.0
+    adapter = getattr(cfg, "adapter", None)
+    if adapter is not None and adapter.on:  # the adapter trains; the base is held at adapter.base_dtype
+        from framework.models.adapters import BASE_DTYPES, add_adapter
+
+        trainable = add_adapter(model, adapter)
+        params = sum(p.numel() for p in model.parameters())
+        frozen_bytes = float(BASE_DTYPES[adapter.base_dtype].itemsize)
     devices = cfg.trainer.devices if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > 0 else world_size
     shards = 1
     if cfg.strategy.name == "fsdp":
         shards = devices if cfg.strategy.sharding == "HYBRID_SHARD" else world_size
     h, w = model_cfg.latent_hw
     transformer = model_cfg.family != "unet"  # the UNet's activations are not estimated here
-    return predict(params, params, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}), shards=shards,
+    return predict(params, trainable, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}), shards=shards,
                    batch=cfg.data.batch_size, tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
                    width=model_cfg.hidden_size if transformer else 0, layers=model_cfg.num_layers,
-                   checkpointing=cfg.strategy.activation_checkpointing, precision=precision)
+                   checkpointing=cfg.strategy.activation_checkpointing, precision=precision, frozen_bytes=frozen_bytes)
 
 
 def check(plan: MemoryPlan, limit: float, what: str) -> None:

@@ -167,7 +167,10 @@ class ValidationLoss(pl.Callback):
         was_training = pl_module.training
         pl_module.eval()
         try:
-            metrics = validation_loss(pl_module, self.held_out, r, world, self.batch_size, self.seed)
+            from framework.training.callbacks import base_precision
+
+            with base_precision(trainer, pl_module):
+                metrics = validation_loss(pl_module, self.held_out, r, world, self.batch_size, self.seed)
         finally:
             from framework.distributed.fsdp import reshard
 
