@@ -9,7 +9,7 @@
 # image's torch, Lightning and scientific stack are used as they are; what the project needs beyond them is
 # carried); otherwise a virtual environment .venv-gpu gets `pip install -e ".[dev,xformers]"`.
 # Results go to $GPU_RESULTS (default gpu_results/): env.txt, gpu_tier.log, gpu_tier.xml, bench_gpu.log,
-# bench_gpu.json, bench_gpu.md, bench_overlap_{nvlink,infiniband,latte,latte_2x8,wan,wan_2x8}.json with traces; the README's GPU table (its gpu-bench block) is rewritten from bench_gpu.json.
+# bench_gpu.json, bench_gpu.md, bench_finetune.json, bench_overlap_{nvlink,infiniband,latte,latte_2x8,wan,wan_2x8}.json with traces; the README's GPU table (its gpu-bench block) is rewritten from bench_gpu.json.
 # Exit status: non-zero if the tier or the bench failed (each still runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +67,9 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     "$PY" -m framework.bench gpu ${BENCH_ARGS-warmup=3 steps=10 max_batch=256} out="$RESULTS/bench_gpu.json" \
         markdown="$RESULTS/bench_gpu.md" readme=README.md 2>&1 \
         | tee "$RESULTS/bench_gpu.log" || status=1
+    # fine-tuning memory and speed: full vs LoRA vs LoRA on a bf16 base, each beside its predicted peak (docs/finetune.md)
+    "$PY" -m framework.bench finetune model=pixart_xl_2_512 batch_size=8 warmup=2 steps=5 \
+        out="$RESULTS/bench_finetune.json" 2>&1 | tee "$RESULTS/bench_finetune.log" || status=1
     # sequence parallelism's exposed communication at 16k tokens over 8 ranks, with this GPU's computation
     for link in nvlink infiniband; do
         "$PY" -m framework.bench overlap preset=pixart_xl_2_256 latent_size=256 ranks=8 "head_groups=[1,2]" link=$link \
