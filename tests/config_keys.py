@@ -1210,12 +1210,16 @@ KEYS: dict[str, dict] = {
     ], "mutant": "adapter_targets_ignored"},
     "data.val_path": {"tests": [
         "tests/test_validation.py::test_the_validation_loss_of_unchanged_weights_is_the_same_at_every_evaluation",
+        "tests/test_tensorboard.py::test_tensorboard_logs_what_wandb_gets_and_a_resumed_run_continues_in_its_folder",
+        "tests/test_loggers.py::test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_run",
         "tests/test_validation.py::test_a_validation_loss_without_held_out_latents_is_refused",
         "tests/test_distributed.py::test_the_validation_loss_on_two_ranks_is_the_one_process_loss",
         "tests/test_train.py::test_quickstart_learns_the_prompts",
     ], "mutant": None},
     "eval.val_every_n_steps": {"tests": [
         "tests/test_validation.py::test_the_validation_loss_of_unchanged_weights_is_the_same_at_every_evaluation",
+        "tests/test_tensorboard.py::test_tensorboard_logs_what_wandb_gets_and_a_resumed_run_continues_in_its_folder",
+        "tests/test_loggers.py::test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_run",
         "tests/test_validation.py::test_a_validation_loss_without_held_out_latents_is_refused",
         "tests/test_distributed.py::test_the_validation_loss_on_two_ranks_is_the_one_process_loss",
         "tests/test_train.py::test_quickstart_learns_the_prompts",

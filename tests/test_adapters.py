@@ -39,6 +39,28 @@ def _tune(tmp_path: Path, data: Path, base: Path, *extra: str, steps: int = 3, r
     return Path(train(compose_cfg(args))["checkpoint"])
 
 
+# The module's adapter runs on the base, each trained once (3 steps) when a test first reads it.
+RUNS = {
+    "lora": ["adapter=lora", "adapter.rank=4"],
+    "lokr": ["adapter=lokr", "adapter.rank=4"],
+    "loha": ["adapter=loha", "adapter.rank=4"],
+    # rank 2, alpha 6 (scale 3), on the self-attention queries alone
+    "lora_q": ["adapter=lora", "adapter.rank=2", "adapter.alpha=6", "adapter.targets=[attn1.to_q]"],
+}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory, digits_shards, base):
+    root, made = tmp_path_factory.mktemp("adapter_runs"), {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = _tune(root, digits_shards, base, *RUNS[name], run=name)
+        return made[name]
+
+    return get
+
+
 def _inputs() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1, 8, 8, generator=g)  # (B, C, h, w)
@@ -62,11 +84,11 @@ def _adapted(base: Path, ckpt: Path, cfg: AdapterConfig):
 
 
 @pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
-def test_only_the_adapter_trains_and_the_checkpoint_holds_it_alone(tmp_path, digits_shards, base, kind):
+def test_only_the_adapter_trains_and_the_checkpoint_holds_it_alone(tuned, base, kind):
     """The checkpoint's weights are the adapter's tensors, every one of them; merged onto the base (what sample, eval
     and export read), every tensor outside the targets is the base's bit for bit, the targets have moved, and the
     merged model computes what the adapted one did."""
-    ckpt = _tune(tmp_path, digits_shards, base, f"adapter={kind}", "adapter.rank=4")
+    ckpt = tuned(kind)
     cfg = AdapterConfig(kind=kind, rank=4)
     stored = read_checkpoint(ckpt)["state_dict"]
     adapted = _adapted(base, ckpt, cfg)
@@ -85,11 +107,10 @@ def test_only_the_adapter_trains_and_the_checkpoint_holds_it_alone(tmp_path, dig
         torch.testing.assert_close(merged(*_inputs()), adapted(*_inputs()), rtol=1e-5, atol=1e-5)
 
 
-def test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers(tmp_path, digits_shards, base):
+def test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers(tuned, base):
     """adapter.rank, adapter.alpha and adapter.targets as LoRA defines them: only to_q layers carry an adapter of rank
     2, and the merged weight is W + (alpha / r) B A with alpha 6 (scale 3), computed here from the stored A and B."""
-    ckpt = _tune(tmp_path, digits_shards, base, "adapter=lora", "adapter.rank=2", "adapter.alpha=6",
-                 "adapter.targets=[attn1.to_q]")
+    ckpt = tuned("lora_q")
     stored = {k[len("model."):]: v for k, v in read_checkpoint(ckpt)["state_dict"].items()}
     layers = sorted({k.split(".lora_")[0] for k in stored})
     before, merged = _base_model(base).state_dict(), build_model(read_checkpoint(ckpt), "train")
@@ -101,11 +122,10 @@ def test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers(tmp_path,
         torch.testing.assert_close(after[f"{layer}.weight"], before[f"{layer}.weight"] + 3.0 * b @ a, rtol=1e-6, atol=1e-7)
 
 
-def test_adapter_dropout_changes_what_the_adapter_learns(tmp_path, digits_shards, base):
+def test_adapter_dropout_changes_what_the_adapter_learns(tmp_path, digits_shards, base, tuned):
     """adapter.dropout drops the adapter's inputs in training: the same run with dropout 0.5 learns other tensors."""
-    plain = read_checkpoint(_tune(tmp_path, digits_shards, base, "adapter=lora", "adapter.rank=4", run="a"))
-    dropped = read_checkpoint(_tune(tmp_path, digits_shards, base, "adapter=lora", "adapter.rank=4",
-                                    "adapter.dropout=0.5", run="b"))
+    plain = read_checkpoint(tuned("lora"))
+    dropped = read_checkpoint(_tune(tmp_path, digits_shards, base, *RUNS["lora"], "adapter.dropout=0.5", run="b"))
     assert plain["state_dict"].keys() == dropped["state_dict"].keys()
     assert any(not torch.equal(plain["state_dict"][k], dropped["state_dict"][k]) for k in plain["state_dict"])
 
@@ -125,9 +145,8 @@ def test_an_adapter_run_with_ema_resumes_exactly(tmp_path, digits_shards, base, 
     assert all(torch.equal(a[CKPT_KEY]["ema_state"][k], b[CKPT_KEY]["ema_state"][k]) for k in a[CKPT_KEY]["ema_state"])
 
 
-def test_resuming_with_another_adapter_is_refused(tmp_path, digits_shards, base):
-    ckpt = _tune(tmp_path, digits_shards, base, "adapter=lora", "adapter.rank=4", "trainer.checkpoint_every_n_steps=3",
-                 steps=3)
+def test_resuming_with_another_adapter_is_refused(tmp_path, digits_shards, base, tuned):
+    ckpt = tuned("lora")
     for run, extra in (("r8", ["adapter=lora", "adapter.rank=8"]), ("full", [])):
         with pytest.raises(Exception) as refused:
             _tune(tmp_path, digits_shards, base, *extra, f"resume={ckpt}", steps=4, run=run)
@@ -162,7 +181,7 @@ def _export(tmp_path: Path, ckpt: Path, out: Path, *extra: str) -> str:
     return proc.stdout
 
 
-def test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights(tmp_path, digits_shards, base):
+def test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights(tmp_path, base, tuned):
     """format=lora: diffusers' LoRA file (transformer.* keys, the LoraConfig in its metadata), which peft puts on the
     base transformer to compute what the checkpoint computes; merge=true: a pipeline whose transformer is the merged
     model; format=safetensors: the merged weights, which init_from loads. LoKr is refused by format=lora."""
@@ -170,7 +189,7 @@ def test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights(
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
     from safetensors import safe_open
 
-    ckpt = _tune(tmp_path, digits_shards, base, "adapter=lora", "adapter.rank=4", "adapter.alpha=8")
+    ckpt = tuned("lora_q")  # rank 2, alpha 6, on attn1.to_q
     expected_model = build_model(read_checkpoint(ckpt), "train").eval()
     with torch.no_grad():
         expected = expected_model(*_inputs())
@@ -181,9 +200,9 @@ def test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights(
         keys, metadata = list(f.keys()), f.metadata()
         file_state = {k[len("transformer."):]: f.get_tensor(k) for k in keys}
     assert keys and all(k.startswith("transformer.") and (".lora_A.weight" in k or ".lora_B.weight" in k) for k in keys)
-    assert '"transformer.lora_alpha": 8.0' in metadata["lora_adapter_metadata"]
+    assert '"transformer.lora_alpha": 6.0' in metadata["lora_adapter_metadata"]
     model = _base_model(base)  # the base's transformer, with the file put on it by peft
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]), model.net)
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=6, target_modules=["attn1.to_q"]), model.net)
     result = set_peft_model_state_dict(model.net, file_state)
     assert not result.unexpected_keys
     with torch.no_grad():
@@ -199,7 +218,7 @@ def test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights(
         torch.testing.assert_close(got(*_inputs()), expected, rtol=0, atol=0)
         torch.testing.assert_close(loaded(*_inputs()), expected, rtol=0, atol=0)
 
-    lokr = _tune(tmp_path, digits_shards, base, "adapter=lokr", "adapter.rank=4", run="lokr")
+    lokr = tuned("lokr")
     proc = zygote.run([sys.executable, "-m", "framework.export", f"ckpt={lokr}", f"out={tmp_path / 'x'}", "format=lora",
                        f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "diffusers' LoRA loaders read LoRA alone" in proc.stderr

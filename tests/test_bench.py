@@ -312,18 +312,19 @@ def test_bench_precompute_writes_a_row_per_rank_and_worker_count(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_bench_finetune_measures_each_arm_beside_its_predicted_peak(tmp_path):
-    """Full fine-tuning trains every weight, the LoRA arms the adapter alone (the same count, on a bf16 base in the last);
-    each row has its measured peak beside the prediction framework.train prints (within 30% on this small model, whose
-    peak is mostly the process itself)."""
+    """Full fine-tuning trains every weight, the LoRA on a bf16 base the adapter alone; each row has its measured peak
+    beside the prediction framework.train prints (within 30% on this small model, whose peak is mostly the process
+    itself). (The fp32 LoRA arm differs from the bf16 one by its base's dtype alone: left out to save a process.)"""
     out = tmp_path / "bench.json"
     proc = zygote.run([sys.executable, "-m", "framework.bench", "finetune", "model=pixart_debug", "batch_size=2",
-                       "warmup=1", "steps=1", "rank=4", f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       "warmup=1", "steps=1", "rank=4", "arms=[full,lora_bf16]", f"out={out}"], cwd=ROOT,
+                      capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["arm"]: r for r in json.loads(out.read_text())}
-    assert list(rows) == ["full", "lora", "lora_bf16"]
-    assert rows["full"]["trainable"] == rows["full"]["params"] > rows["lora"]["trainable"] == rows["lora_bf16"]["trainable"]
-    assert rows["lora_bf16"]["precision"] == "bf16-mixed" and rows["lora"]["precision"] == "32-true"
-    assert rows["full"]["predicted_gib"] > rows["lora"]["predicted_gib"] > rows["lora_bf16"]["predicted_gib"]
+    assert list(rows) == ["full", "lora_bf16"]
+    assert rows["full"]["trainable"] == rows["full"]["params"] > 10 * rows["lora_bf16"]["trainable"]
+    assert rows["lora_bf16"]["precision"] == "bf16-mixed" and rows["full"]["precision"] == "32-true"
+    assert rows["full"]["predicted_gib"] > rows["lora_bf16"]["predicted_gib"]
     for r in rows.values():
         assert r["samples_per_s"] > 0 and 0.7 < r["measured_over_predicted"] < 1.3, r
     assert "measured_over_predicted" in proc.stdout

@@ -31,10 +31,12 @@ def _log_file(run_dir: Path, run_no: int) -> Path:
     return log
 
 
-def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_run(tmp_path, digits_shards, offline_wandb):
+def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_run(tmp_path, digits_shards, offline_wandb,
+                                                                                    digits_val):
     args = ["logger=wandb", "sample.every_n_steps=3", "sample.prompts=[a handwritten 3,a handwritten 7]",
             "sample.per_prompt=2", "trainer.checkpoint_every_n_steps=3", "logger.name=fox-256",
-            "logger.group=ablation", "logger.tags=[baseline,cpu]", "optimizer.lr=3e-4"]
+            "logger.group=ablation", "logger.tags=[baseline,cpu]", "optimizer.lr=3e-4", f"data.val_path={digits_val}",
+            "eval.val_every_n_steps=12"]
     first = train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=24)))
     run_dir = Path(first["run_dir"])
     run_id = (run_dir / "wandb_id.txt").read_text().strip()
@@ -50,6 +52,8 @@ def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_ru
     assert per_step <= keys, sorted(keys)
     loss_steps = sorted(r["trainer/global_step"] for r in rows if "train/loss" in r)
     assert loss_steps == list(range(24))
+    val = [r for r in rows if "val/loss" in r]  # the validation loss and its quarters at steps 0, 12 and 24
+    assert [r["trainer/global_step"] for r in val] == [0, 12, 24] and all(f"val/loss_t{i}" in val[0] for i in range(4))
     # Every step logged its gradient norm (> 0: the optimizer had gradients), its data wait from step 1 on, and
     # the loss of each noise-level quarter its samples fell in; the step's loss, their count-weighted mean, lies
     # between the lowest and the highest of them.

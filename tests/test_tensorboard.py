@@ -13,11 +13,12 @@ from tests.helpers import cheap, compose_cfg
 pytest.importorskip("tensorboard")
 
 
-def test_tensorboard_logs_what_wandb_gets_and_a_resumed_run_continues_in_its_folder(tmp_path, digits_shards):
+def test_tensorboard_logs_what_wandb_gets_and_a_resumed_run_continues_in_its_folder(tmp_path, digits_shards, digits_val):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     args = ["logger=tensorboard", "sample.every_n_steps=3", "sample.prompts=[a handwritten 3,a handwritten 7]",
-            "sample.per_prompt=2", "trainer.checkpoint_every_n_steps=3", "optimizer.lr=3e-4"]
+            "sample.per_prompt=2", "trainer.checkpoint_every_n_steps=3", "optimizer.lr=3e-4",
+            f"data.val_path={digits_val}", "eval.val_every_n_steps=3"]
     run_dir = Path(train(compose_cfg(cheap(tmp_path, digits_shards, *args, steps=6)))["run_dir"])
     train(compose_cfg(cheap(tmp_path, digits_shards, *args, "resume=auto", steps=9)))
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
@@ -28,6 +29,9 @@ def test_tensorboard_logs_what_wandb_gets_and_a_resumed_run_continues_in_its_fol
                 "trainer/images_seen", *(f"train/loss_t{i}" for i in range(4))}
     assert per_step <= set(tags["scalars"]), sorted(tags["scalars"])
     assert [e.step for e in events.Scalars("train/loss")] == list(range(9))
+    # the validation loss at the first step of each run (0, and 6 again on resuming) and every 3 steps
+    assert [e.step for e in events.Scalars("val/loss")] == [0, 3, 6, 6, 9]
+    assert {f"val/loss_t{i}" for i in range(4)} <= set(tags["scalars"])
     # each grid (steps 3, 6, 9) as one picture of its 4 images (prompt x seed, 96 px each, in a row) with their captions
     assert "samples" in tags["images"] and "samples/captions/text_summary" in tags["tensors"], tags
     grids = events.Images("samples")

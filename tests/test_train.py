@@ -34,8 +34,10 @@ DEBUG_PRESETS = ["pixart_debug", "sana_debug", "dit_debug", "sd2_unet_debug"]
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
 def test_every_experiment_composes(experiment):
-    # The real-size experiments read data=shards, whose path the user gives.
-    given = ["data.path=DIR"] if "override /data: shards" in (CONF / "experiment" / f"{experiment}.yaml").read_text() else []
+    # The real-size experiments read data=shards, whose path the user gives; an adapter recipe, its base (init_from).
+    text = (CONF / "experiment" / f"{experiment}.yaml").read_text()
+    given = ["data.path=DIR"] if "override /data: shards" in text else []
+    given += ["init_from=DIR"] if "override /adapter: lora" in text else []
     cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}", *given]))  # the plugins' own fields too
     assert cfg.trainer.max_steps > 0
 
@@ -332,8 +334,9 @@ def test_skip_nonfinite_gives_up_on_a_run_of_bad_steps(tmp_path, digits_shards):
 def test_quickstart_learns_the_prompts(tmp_path, digits_shards, digits_val):
     """The README's job cut to 500 steps (about a minute): the digits it draws are the ones the captions ask for, and
     the validation loss on the held-out digits (eval.val_every_n_steps=100) falls at every evaluation while the
-    training loss of each step goes up and down (each batch its own noise and levels: 2.49, 0.81, 0.68, 0.62, 0.53,
-    0.50 measured on 2026-11-27).
+    training loss (logged as the mean of every 5 steps) goes up and down (each batch its own noise and levels). The
+    validation losses measured on 2026-11-27: 2.49, 0.81, 0.68, 0.62, 0.53, 0.50; the 5-step loss rose 34 times in
+    80 after step 100.
 
     The digit judge reads every generated image: a model that ignores its captions scores about 0.1 (measured
     0.14 with caption dropout inverted), one that learned them near 1. The lr is held at its peak after the
@@ -345,7 +348,7 @@ def test_quickstart_learns_the_prompts(tmp_path, digits_shards, digits_val):
     out = train(compose_cfg([
         f"run.dir={tmp_path / 'run'}", f"data.path={digits_shards}", f"data.local={tmp_path / 'cache'}",
         "trainer.max_steps=500", "trainer.enable_progress_bar=false", "trainer.checkpoint_every_n_steps=0",
-        "sample.every_n_steps=0", "eval.seeds=2", "logger=csv", "trainer.log_every_n_steps=1",
+        "sample.every_n_steps=0", "eval.seeds=2", "logger=csv", "trainer.log_every_n_steps=5",
         "optimizer.schedule=constant", f"data.val_path={digits_val}", "eval.val_every_n_steps=100", *LEAST_GRID,
     ]))
     with open(Path(out["metrics"]), newline="") as f:
@@ -353,8 +356,8 @@ def test_quickstart_learns_the_prompts(tmp_path, digits_shards, digits_val):
     val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
     steps = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(val) == 6 and all(b < a for a, b in zip(val, val[1:])), val
-    rises = sum(b > a for a, b in zip(steps[100:], steps[101:]))
-    assert rises > len(steps[100:]) // 5, rises  # after the first 100 steps, the step's loss rises often
+    rises = sum(b > a for a, b in zip(steps[20:], steps[21:]))
+    assert rises > len(steps[20:]) // 5, rises  # after the first 100 steps, the loss of 5 steps rises often
     metrics = out["eval"]
     assert metrics["num_images"] == 10 * (5 + 3) * 2, metrics  # 5 training and 3 held-out phrasings, 2 seeds
     assert metrics["prompt_accuracy"] >= 0.8, metrics
