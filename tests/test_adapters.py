@@ -189,6 +189,8 @@ def test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights(
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
     from safetensors import safe_open
 
+    from framework.export import ExportCommand, export
+
     ckpt = tuned("lora_q")  # rank 2, alpha 6, on attn1.to_q
     expected_model = build_model(read_checkpoint(ckpt), "train").eval()
     with torch.no_grad():
@@ -208,20 +210,19 @@ def test_lora_exports_as_diffusers_lora_file_merged_pipeline_and_merged_weights(
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(*_inputs()), expected, rtol=1e-5, atol=1e-5)
 
-    _export(tmp_path, ckpt, tmp_path / "merged", "format=lora", "merge=true")
+    export(ExportCommand(ckpt=str(ckpt), out=str(tmp_path / "merged"), format="lora", merge=True))  # in-process
     assert (tmp_path / "merged" / "model_index.json").is_file()  # a pipeline folder
     got = build_denoiser(expected_model.cfg).eval()
     got.net = PixArtTransformer2DModel.from_pretrained(tmp_path / "merged" / "transformer").eval()
-    _export(tmp_path, ckpt, tmp_path / "m.safetensors", "format=safetensors")
+    export(ExportCommand(ckpt=str(ckpt), out=str(tmp_path / "m.safetensors"), format="safetensors"))
     loaded = load_weights(build_denoiser(expected_model.cfg), tmp_path / "m.safetensors").eval()
     with torch.no_grad():
         torch.testing.assert_close(got(*_inputs()), expected, rtol=0, atol=0)
         torch.testing.assert_close(loaded(*_inputs()), expected, rtol=0, atol=0)
 
     lokr = tuned("lokr")
-    proc = zygote.run([sys.executable, "-m", "framework.export", f"ckpt={lokr}", f"out={tmp_path / 'x'}", "format=lora",
-                       f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "diffusers' LoRA loaders read LoRA alone" in proc.stderr
+    with pytest.raises(ValueError, match="diffusers' LoRA loaders read LoRA alone"):
+        export(ExportCommand(ckpt=str(lokr), out=str(tmp_path / "x"), format="lora"))
 
 
 def test_merge_adapter_puts_the_plain_layers_back():

@@ -467,18 +467,17 @@ def test_the_lora_recipe_runs_from_a_released_folder_to_a_lora_file(tmp_path):
     validation loss at steps 0 and 2), export format=lora; the LoRA file, put on the folder's transformer by peft,
     computes what the checkpoint does."""
     import csv
-    import sys
 
     from diffusers import PixArtTransformer2DModel
     from peft import inject_adapter_in_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
     from data_prep.precompute import precompute
+    from framework.export import ExportCommand, export
     from framework.inference.checkpoint import build_model, read_checkpoint
     from framework.models.adapters import AdapterConfig
     from framework.train import train
-    from tests import zygote
-    from tests.helpers import ROOT, make_image_folder
+    from tests.helpers import make_image_folder
 
     released = _released_pipeline(tmp_path / "PixArt-Sigma-XL-2-512-MS")
     images = make_image_folder(tmp_path / "images", n=16, size=20)
@@ -493,10 +492,7 @@ def test_the_lora_recipe_runs_from_a_released_folder_to_a_lora_file(tmp_path):
         "optimizer.lr=1e-2", "sample.every_n_steps=0", "sample.steps=2", "trainer.enable_progress_bar=false"]))
     with open(out["metrics"], newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f) if r.get("val/loss")] == [0, 2]
-    lora = zygote.run([sys.executable, "-m", "framework.export", f"ckpt={out['checkpoint']}", f"out={tmp_path / 'lora'}",
-                       "format=lora", f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True,
-                      timeout=300)
-    assert lora.returncode == 0, lora.stderr[-2000:]
+    export(ExportCommand(ckpt=out["checkpoint"], out=str(tmp_path / "lora"), format="lora"))
     state = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
     net = PixArtTransformer2DModel.from_pretrained(released / "transformer")
     cfg = compose_cfg(["experiment=pixart_sigma_lora", "data.path=DIR"]).adapter

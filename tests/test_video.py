@@ -466,6 +466,43 @@ def test_diffusers_export_is_a_stock_video_pipeline_that_samples_like_framework_
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-4)
 
 
+def test_a_wan_lora_file_loads_into_the_stock_wan_pipeline_and_samples_like_framework_sample(tmp_path, trained,
+                                                                                             moving_shards, capsys):
+    """A LoRA on the Wan run (the family of experiment=wan21_t2v_1_3b_lora): `framework.export format=lora` writes the
+    file that stock WanPipeline.load_lora_weights() puts on the base's exported pipeline, which then draws
+    framework.sample's latents of the LoRA run from the same noise, guided (and without the LoRA, others)."""
+    from diffusers import DiffusionPipeline
+
+    from framework.export import ExportCommand, export
+    from framework.inference.pipeline import Pipeline
+    from framework.inference.sampling import Draws, Sampler, SamplingPlan, noise_seeds
+    from framework.train import train
+
+    _, base = trained("wan")
+    tuned = train(compose_cfg(cheap(tmp_path, moving_shards, "model=wan_debug", f"init_from={base}", "adapter=lora",
+                                    "adapter.rank=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0",
+                                    "sample.every_n_steps=0", steps=2)))["checkpoint"]
+    folder = export(ExportCommand(ckpt=base, out=str(tmp_path / "pipe"), format="diffusers"))
+    lora = export(ExportCommand(ckpt=tuned, out=str(tmp_path / "lora"), format="lora"))
+    assert "stock WanPipeline of the base with pipe.load_lora_weights" in capsys.readouterr().out
+
+    prompt, seed, steps, guidance = "a 3 drifting to the left", 5, 3, 3.0
+    expected = Sampler(Pipeline.from_checkpoint(tuned), SamplingPlan(steps, guidance, "dpm++", seed)).latents(
+        Draws.of([prompt], None, seed, 1))  # (1, 1, 8, 16, 16)
+    (s,) = noise_seeds(seed, 1)
+    latents = torch.randn(1, 8, 16, 16, generator=torch.Generator().manual_seed(s))[None]
+    pipe = DiffusionPipeline.from_pretrained(folder, vae=None)
+
+    def draw() -> torch.Tensor:
+        return pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents.clone(), height=128,
+                    width=128, output_type="latent", max_sequence_length=32, num_frames=29).frames
+
+    without = draw()
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # (weight_name: needed offline, HF_HUB_OFFLINE)
+    torch.testing.assert_close(draw(), expected, rtol=0, atol=2e-4)
+    assert (without - expected).abs().max() > 1e-2  # the LoRA changed the latents: the comparison above could fail
+
+
 def test_a_latte_export_that_stock_diffusers_would_sample_wrongly_is_refused():
     from framework.export import check_video_pipeline
 
