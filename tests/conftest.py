@@ -114,8 +114,8 @@ def moving_shards(tmp_path_factory) -> Path:
     return precompute(cfg, rank=0, world_size=1)
 
 
-# The longest modules (by their summed test time in a full run, 2026-11-26; test_video and test_bench added 2026-11-28,
-# which at the end of the file order had one worker finish them alone) start first, one per worker, the rest
+# The longest modules (by their summed test time in a full run, 2026-11-26; test_video and test_bench, long ones late
+# in the file order, added 2026-11-28) start first, one per worker, the rest
 # following in file order: each module runs whole on one worker (--dist loadfile), and xdist's own order (most tests
 # first) left the Slurm module, with few but long tests, for the end, where one worker ran it alone for minutes.
 # `--no-loadscope-reorder` (pyproject.toml) keeps this order.
