@@ -192,7 +192,8 @@ def save_lora(ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
     with torch.device("meta"):
         model = build_denoiser(ModelConfig(**cfg["model"]))
         add_adapter(model, adapter)
-    state = {k: v for k, v in model_weights(ckpt, weights_used(ckpt, cmd.weights)).items() if k in model.state_dict()}
+    own = model.state_dict().keys()
+    state = {k: v for k, v in model_weights(ckpt, weights_used(ckpt, cmd.weights)).items() if k in own}
     model.load_state_dict(state, strict=False, assign=True)
     layers = {k: v.contiguous() for k, v in get_peft_model_state_dict(model.net).items()}
     pipeline_name, component = PIPELINES[model.cfg.family]
