@@ -248,6 +248,16 @@ def check_adapter(cfg: TrainConfig) -> None:
         raise ValueError(f"adapter={cfg.adapter.kind} trains an adapter on frozen weights: give them with init_from= (a "
                          "diffusers folder, a .safetensors file or a checkpoint of ours); every checkpoint of the run "
                          "holds the adapter alone and names init_from as its base")
+    if cfg.adapter.base_dtype in ("int8", "fp8") and cfg.strategy.name == "fsdp":
+        raise ValueError(f"adapter.base_dtype={cfg.adapter.base_dtype} with strategy=fsdp: torchao's quantized weights "
+                         "cannot be sharded by fully_shard; use strategy=ddp (each rank holds the quantized base, about a "
+                         "quarter of its fp32 bytes) or adapter.base_dtype=bf16 under fsdp")
+    if cfg.adapter.offload_blocks and (not cfg.strategy.activation_checkpointing or cfg.strategy.name == "fsdp"):
+        raise ValueError("adapter.offload_blocks=true copies each block's frozen weights to the device for its forward "
+                         "and again for its recomputation in backward: it needs strategy.activation_checkpointing=true "
+                         "(without it every copy stays alive until backward), and strategy=single or ddp (fsdp shards "
+                         f"the base instead); this run has activation_checkpointing="
+                         f"{cfg.strategy.activation_checkpointing}, strategy={cfg.strategy.name}")
     if cfg.adapter.base_dtype == "bf16" and cfg.trainer.precision not in (None, "bf16-mixed", "16-mixed"):
         raise ValueError(f"adapter.base_dtype=bf16 with trainer.precision={cfg.trainer.precision}: the bf16 base computes "
                          "under mixed precision's autocast; use trainer.precision=bf16-mixed (or base_dtype=fp32)")

@@ -185,7 +185,7 @@ def check_memory(cfg: TrainConfig, trainer: pl.Trainer) -> None:
     limit = cfg.trainer.memory_limit_gb
     if limit == 0:
         return
-    plan = memory.plan_run(cfg, trainer.world_size, default_precision(cfg))
+    plan = memory.plan_run(cfg, trainer.world_size, default_precision(cfg), trainer.strategy.root_device.type == "cuda")
     if limit is None:
         available, what = memory.available_bytes(trainer.strategy.root_device)
     else:

@@ -1203,7 +1203,14 @@ KEYS: dict[str, dict] = {
         "tests/test_adapters.py::test_bf16_base_needs_mixed_precision",
         "tests/test_bench.py::test_bench_finetune_measures_each_arm_beside_its_predicted_peak",
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
+        "tests/test_adapters.py::test_an_int8_base_computes_with_per_row_int8_weights_and_the_prediction_counts_a_byte_each",
     ], "mutant": "adapter_base_dtype_ignored"},
+    "adapter.offload_blocks": {"tests": [
+        "tests/test_adapters.py::test_offloaded_blocks_train_the_same_adapter_from_copies_made_for_each_forward_and_recomputation",
+        "tests/test_adapters.py::test_offloading_needs_activation_checkpointing_and_no_fsdp_and_is_predicted_as_one_block_on_a_gpu",
+        "tests/test_bench.py::test_bench_finetune_measures_each_arm_beside_its_predicted_peak",
+        "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
+    ], "mutant": "offload_blocks_ignored"},
     "adapter.targets": {"tests": [
         "tests/test_adapters.py::test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers",
         "tests/test_adapters.py::test_targets_that_match_nothing_are_refused_naming_the_layers",

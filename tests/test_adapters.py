@@ -158,6 +158,8 @@ def test_resuming_with_another_adapter_is_refused(tmp_path, digits_shards, base,
     (["adapter=lora", "init_from=X", "plugins=[growth]", "plugins.growth.ckpt=X"], "growth plugin replaces the weights"),
     (["adapter=lora", "adapter.rank=0"], "adapter.rank=0 must be >= 1"),
     (["adapter=loha", "adapter.dropout=1.0"], r"adapter.dropout=1.0 must be in \[0, 1\)"),
+    (["adapter=lora", "init_from=X", "adapter.base_dtype=int8", "strategy=fsdp"], "cannot be sharded by fully_shard"),
+    (["adapter=lora", "init_from=X", "adapter.base_dtype=fp4"], "expected one of fp32, bf16, int8, fp8"),
 ])
 def test_bad_adapter_settings_are_refused(overrides, message):
     import plugins  # noqa: F401  (registers growth)
@@ -268,3 +270,148 @@ def test_bf16_base_needs_mixed_precision():
 
     with pytest.raises(ValueError, match="use trainer.precision=bf16-mixed"):
         to_object(compose_cfg(["adapter=lora", "adapter.base_dtype=bf16", "init_from=X", "trainer.precision=32-true"]))
+
+
+def _tiny() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_denoiser(ModelConfig(family="pixart", num_layers=2, num_heads=2, head_dim=8, sample_size=8,
+                                      in_channels=1, text_dim=16))
+
+
+def _tiny_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(2, 1, 8, 8, generator=g), torch.tensor([10.0, 700.0]), torch.randn(2, 5, 16, generator=g),
+            torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_an_int8_base_computes_with_per_row_int8_weights_and_the_prediction_counts_a_byte_each():
+    """adapter.base_dtype=int8 (torchao): the adapted model computes what the fp32 model computes with every linear
+    weight W replaced by round(W / s) s in [-128 s, 127 s], s = max |W_row| / 127.5 (done here by hand; the division
+    as a product with 1 / s, as torchao rounds the row's largest weight); the adapter's weights stay fp32 and
+    alone trainable. The memory prediction counts the base as held: a byte a quantized weight plus an fp32 scale a
+    row, 4 bytes every other frozen weight, 4 a trained one. fp8 holds the same weights in a byte too."""
+    from framework.config import to_object
+    from framework.training.memory import plan_run
+
+    model, by_hand = _tiny(), _tiny()
+    with torch.no_grad():
+        for layer in by_hand.modules():
+            if isinstance(layer, torch.nn.Linear):
+                scale = layer.weight.abs().amax(dim=1, keepdim=True) / 127.5  # [-128, 127] over the row's range
+                layer.weight.copy_(torch.round(layer.weight * (1 / scale)).clamp(-128, 127) * scale)
+    torch.manual_seed(1)  # the same adapter initialisation on both
+    add_adapter(model, AdapterConfig(kind="lora", rank=2, base_dtype="int8"))
+    torch.manual_seed(1)
+    add_adapter(by_hand, AdapterConfig(kind="lora", rank=2))
+    quantized = [n for n, p in model.named_parameters() if type(p.data).__name__ == "Int8Tensor"]
+    linear = [f"{n}.weight" for n, m in by_hand.named_modules() if isinstance(m, torch.nn.Linear) and not is_adapter_key(n)]
+    assert quantized == linear and len(quantized) > 10
+    assert all(p.requires_grad == is_adapter_key(n) and (not p.requires_grad or p.dtype == torch.float32)
+               for n, p in model.named_parameters())
+    with torch.no_grad():
+        plain = _tiny().eval()(*_tiny_inputs())
+    saved, differentiated = [], []  # what autograd keeps for the backward: the int8 weights, not fp32 copies of them
+    for name in quantized:
+        model.get_submodule(name[:-len(".weight")]).register_forward_pre_hook(
+            lambda module, args: differentiated.append(args[0].requires_grad))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(type(t).__name__) or t, lambda t: t):
+        got = model.eval()(*_tiny_inputs())
+    expected = by_hand.eval()(*_tiny_inputs())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (got - plain).abs().max() > 1e-4  # the rounding is visible: the comparison can fail
+    assert saved.count("Int8Tensor") == sum(differentiated) > 0  # once for each layer whose input needs a gradient
+    got.square().mean().backward()
+    expected.square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), by_hand.named_parameters()):
+        if p.requires_grad:  # the adapter's gradients: through the int8 weights as through their values by hand
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    fp8 = _tiny()
+    add_adapter(fp8, AdapterConfig(kind="lora", rank=2, base_dtype="fp8"))
+    assert [n for n, p in fp8.named_parameters() if type(p.data).__name__ == "Float8Tensor"] == linear
+    with torch.no_grad():
+        torch.testing.assert_close(fp8.eval()(*_tiny_inputs()), plain, rtol=0, atol=0.1)
+
+    weights = {}
+    for dtype in ("fp32", "int8", "fp8"):
+        cfg = to_object(compose_cfg(["adapter=lora", "adapter.rank=4", f"adapter.base_dtype={dtype}", "init_from=X",
+                                     "model.in_channels=1", "model.sample_size=8", "model.text_dim=384"]))
+        weights[dtype] = plan_run(cfg, 1, "32-true").parts["weights"]
+    reference = build_denoiser(ModelConfig(family="pixart", name="pixart_debug", **{
+        k: v for k, v in compose_cfg(["model.in_channels=1", "model.sample_size=8", "model.text_dim=384"]).model.items()
+        if k != "name" and k != "family"}))
+    trained = add_adapter(reference, AdapterConfig(kind="lora", rank=4))
+    rows = {f"{n}.weight": m.out_features for n, m in reference.named_modules()
+            if isinstance(m, torch.nn.Linear) and not is_adapter_key(n)}
+    held = sum(p.numel() + 4 * rows[n] if n in rows else 4 * p.numel()
+               for n, p in reference.named_parameters() if not p.requires_grad)
+    assert weights["int8"] == weights["fp8"] == 4 * trained + held
+    assert weights["fp32"] > 3 * weights["int8"] - 4 * 4 * trained  # the linear weights dominate the base
+
+
+class _CopyProbe:
+    """Records, in a block's first target layer, whether its base weight during each call is the tensor the module
+    holds between calls (not offloaded) or another one (a copy), and whether the call computes gradients."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, bool]] = []  # (training, copied)
+
+    def attach(self, layer: torch.nn.Module) -> None:
+        held = layer.weight
+
+        def hook(module: torch.nn.Module, args: object) -> None:
+            self.calls.append((torch.is_grad_enabled(), module.weight is not held))
+
+        layer.register_forward_pre_hook(hook)
+
+
+def test_offloaded_blocks_train_the_same_adapter_from_copies_made_for_each_forward_and_recomputation(
+        tmp_path, digits_shards, base, monkeypatch):
+    """adapter.offload_blocks=true (with activation checkpointing, on an int8 base): the blocks' frozen weights are
+    held on the host and each call of a block (its forward, its recomputation in backward, the final grid's sampling)
+    computes with a fresh copy; the adapter learned is the one the run without offloading learns, bit for bit."""
+    import lightning.pytorch as pl
+
+    from framework.train import train
+
+    probe = _CopyProbe()
+
+    class Attach(pl.Callback):
+        def on_train_start(self, trainer, module) -> None:
+            probe.attach(module.model.net.transformer_blocks[0].attn1.to_q.base_layer)
+
+    common = [*FIT, f"init_from={base}", "adapter=lora", "adapter.rank=4", "adapter.base_dtype=int8",
+              "strategy.activation_checkpointing=true", "sample.every_n_steps=0"]
+    plain = train(compose_cfg(cheap(tmp_path, digits_shards, *common, run="plain")))
+    offloaded = train(compose_cfg(cheap(tmp_path, digits_shards, *common, "adapter.offload_blocks=true", run="off")),
+                      extra_callbacks=[Attach()])
+    training = [copied for grad, copied in probe.calls if grad]
+    sampling = [copied for grad, copied in probe.calls if not grad]  # the final grid
+    assert len(training) == 2 * 3 and all(training) and sampling and all(sampling), probe.calls  # forward + recomputation
+    a, b = read_checkpoint(plain["checkpoint"])["state_dict"], read_checkpoint(offloaded["checkpoint"])["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in a.items() if "lora_B" in k)  # it trained
+
+
+def test_offloading_needs_activation_checkpointing_and_no_fsdp_and_is_predicted_as_one_block_on_a_gpu():
+    """Refused without activation checkpointing and under fsdp; on a GPU run the prediction counts the frozen weights
+    outside the blocks and one block's (the copy being computed), by hand here; on a CPU run all of them."""
+    from framework.config import to_object
+    from framework.distributed.fsdp import shard_units
+    from framework.models.adapters import held_bytes
+    from framework.training.memory import plan_run
+
+    for extra in (["strategy.activation_checkpointing=false"], ["strategy=fsdp", "strategy.activation_checkpointing=true"]):
+        with pytest.raises(ValueError, match="it needs strategy.activation_checkpointing=true"):
+            to_object(compose_cfg(["adapter=lora", "adapter.offload_blocks=true", "init_from=X", *extra]))
+    fit = ["model.in_channels=1", "model.sample_size=8", "model.text_dim=384"]
+    cfg = to_object(compose_cfg(["adapter=lora", "adapter.rank=4", "adapter.offload_blocks=true", "init_from=X",
+                                 "strategy.activation_checkpointing=true", *fit]))
+    weights = {where: plan_run(cfg, 1, "32-true", on_gpu=where == "gpu").parts["weights"] for where in ("cpu", "gpu")}
+    reference = build_denoiser(ModelConfig(family="pixart", name="pixart_debug", **{
+        k: v for k, v in compose_cfg(fit).model.items() if k != "name" and k != "family"}))
+    trained = add_adapter(reference, AdapterConfig(kind="lora", rank=4))
+    blocks = [held_bytes(block, "fp32") for block in shard_units(reference)]
+    everything = held_bytes(reference, "fp32")
+    assert len(blocks) > 1 and weights["cpu"] == 4 * trained + everything
+    assert weights["gpu"] == 4 * trained + everything - sum(blocks) + max(blocks)

@@ -312,16 +312,17 @@ def test_bench_precompute_writes_a_row_per_rank_and_worker_count(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_bench_finetune_measures_each_arm_beside_its_predicted_peak(tmp_path):
-    """The LoRA on a bf16 base trains the adapter alone; its row has the measured peak beside the prediction
-    framework.train prints (within 30% on this small model, whose peak is mostly the process itself). One arm: each arm
-    is a fresh process, and the prediction of the others is checked in tests/test_adapters.py."""
+    """The LoRA on a bf16 base with its blocks offloaded (and its activations checkpointed, which offloading needs)
+    trains the adapter alone; its row has the measured peak beside the prediction framework.train prints (within 30% on
+    this small model, whose peak is mostly the process itself). One arm: each arm is a fresh process, and the
+    prediction of the others is checked in tests/test_adapters.py."""
     out = tmp_path / "bench.json"
     proc = zygote.run([sys.executable, "-m", "framework.bench", "finetune", "model=pixart_debug", "batch_size=2",
-                       "warmup=1", "steps=1", "rank=4", "arms=[lora_bf16]", f"out={out}"], cwd=ROOT,
+                       "warmup=1", "steps=1", "rank=4", "arms=[lora_bf16_offload]", f"out={out}"], cwd=ROOT,
                       capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
-    assert row["arm"] == "lora_bf16" and row["precision"] == "bf16-mixed"
+    assert row["arm"] == "lora_bf16_offload" and row["precision"] == "bf16-mixed" and row["activation_checkpointing"]
     assert row["params"] > 10 * row["trainable"] > 0
     assert row["samples_per_s"] > 0 and 0.7 < row["measured_over_predicted"] < 1.3, row
     assert "measured_over_predicted" in proc.stdout

@@ -438,3 +438,46 @@ def test_low_precision_norms_compute_a_real_size_forward_in_bf16(cuda, preset):
     assert dtypes == {torch.bfloat16}, dtypes
     rel = (got - ref).norm() / ref.norm()
     assert rel < 2e-2, f"{preset}: low-precision norms moved the output by {rel:.2e}"
+
+
+def _lora_step_peak(preset: str, device: torch.device, *, base_dtype: str, offload: bool) -> tuple[float, float]:
+    """(peak GPU bytes of a bf16 forward and backward of a rank-16 LoRA on `preset`'s frozen base, activations
+    checkpointed, with its blocks offloaded or not; the bytes of the blocks' frozen weights as held)."""
+    from framework.distributed.fsdp import prepare_blocks, shard_units
+    from framework.models.adapters import AdapterConfig, add_adapter, held_bytes, offload_frozen_blocks
+    from framework.models.backbones import build_denoiser, load_preset
+
+    torch.manual_seed(0)
+    model = build_denoiser(load_preset(preset))
+    add_adapter(model, AdapterConfig(kind="lora", rank=16, base_dtype=base_dtype))
+    prepare_blocks(model, True, False)
+    blocks = sum(held_bytes(block, base_dtype) for block in shard_units(model))
+    model.to(device).train()
+    if offload:
+        offload_frozen_blocks(shard_units(model), device)
+    cfg = model.cfg
+    h, w = cfg.latent_hw
+    x = torch.randn(1, cfg.in_channels, h, w, device=device)
+    text = torch.randn(1, 77, cfg.text_dim, device=device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(x, torch.tensor([500.0], device=device), text, torch.ones(1, 77, dtype=torch.bool, device=device)).float() \
+            .square().mean().backward()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del model
+    return float(peak), float(blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base_dtype", ["bf16", "int8"])
+def test_offloaded_blocks_leave_the_gpu_one_blocks_frozen_weights(cuda, base_dtype):
+    """adapter.offload_blocks on a real-size model: the step's GPU peak falls by at least 80% of the blocks' frozen
+    weights less one block's (what stays: the layers outside the blocks, the block being computed)."""
+    kept, blocks = _lora_step_peak("pixart_xl_2_256", cuda, base_dtype=base_dtype, offload=False)
+    offloaded, _ = _lora_step_peak("pixart_xl_2_256", cuda, base_dtype=base_dtype, offload=True)
+    print(f"pixart_xl_2_256 LoRA, {base_dtype} base: peak {kept / 2**30:.2f} GiB kept, {offloaded / 2**30:.2f} GiB "
+          f"offloaded (blocks' frozen weights {blocks / 2**30:.2f} GiB)")
+    assert kept - offloaded > 0.8 * blocks * (1 - 1 / 28), (kept, offloaded, blocks)

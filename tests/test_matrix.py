@@ -69,12 +69,12 @@ MATRIX = [
     ("fsdp-2-csv-wan-ema-came8bit-sequence_parallel", "fsdp", 2, "csv",
      ["{video}", "model=wan_debug", "model.init=reference", "plugins=[ema]", "plugins.ema.start=1", "optimizer=came8bit",
       "strategy.sequence_parallel=2"]),
-    # A LoRA with an EMA of it on the 2-layer Latte ({latte_source}, frozen and held in bf16), its blocks checkpointed,
-    # in bf16-mixed; exported merged into its base.
-    ("ddp-2-wandb-latte-lora-ema", "ddp", 2, "wandb",
+    # A LoRA with an EMA of it on the 2-layer Latte ({latte_source}, frozen, its linear weights in int8 and its blocks
+    # offloaded), its blocks checkpointed, in bf16-mixed; exported merged into its base.
+    ("ddp-2-wandb-latte-lora-int8-offload-ema", "ddp", 2, "wandb",
      ["{video}", "model=latte_debug", "init_from={latte_source}", "adapter=lora", "adapter.rank=4", "plugins=[ema]",
       "plugins.ema.decay=0.5", "strategy.activation_checkpointing=true", "trainer.precision=bf16-mixed",
-      "adapter.base_dtype=bf16"]),
+      "adapter.base_dtype=int8", "adapter.offload_blocks=true"]),
 ]
 
 pytestmark = pytest.mark.slow  # multi-process runs: not in the fast tier (pytest -m "not slow")
@@ -134,7 +134,7 @@ def latte_source(tmp_path_factory, moving_shards) -> Path:
 
 
 # Rows whose final checkpoint also goes through `python -m framework.export` (a sharded folder; a grown model's EMA).
-EXPORTED = {"fsdp-2-wandb", "ddp-2-wandb-growth-ema", "ddp-2-wandb-latte-lora-ema"}
+EXPORTED = {"fsdp-2-wandb", "ddp-2-wandb-growth-ema", "ddp-2-wandb-latte-lora-int8-offload-ema"}
 
 
 def m_id(request: pytest.FixtureRequest) -> str:

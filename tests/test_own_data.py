@@ -192,7 +192,9 @@ def test_diffusers_export_of_sana_needs_a_dc_ae(own_data, tmp_path):
 def test_diffusers_export_of_sana_with_a_dc_ae_samples_like_framework_sample(own_data, tmp_path, capsys):
     """sana on the latents of a DC-AE (32 px images, 16x16 latents): the exported SanaPipeline, asked to encode the
     prompt as it is (without the Gemma instruction prefix stock SANA adds), draws framework.sample's image from the
-    same noise, guided by the empty caption."""
+    same noise, guided by the empty caption. A LoRA trained on that run, exported `format=lora`, goes onto the stock
+    pipeline through SanaPipeline.load_lora_weights(), which then draws framework.sample's image of the LoRA run (and
+    without it, another one)."""
     from diffusers import DiffusionPipeline
 
     from data_prep.precompute import precompute
@@ -221,11 +223,26 @@ def test_diffusers_export_of_sana_with_a_dc_ae_samples_like_framework_sample(own
     expected = ours.generate([prompt], SamplingPlan(steps, guidance, "dpm++", seed))
     (s,) = noise_seeds(seed, 1)
     latents = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(s))[None]  # framework.sample's noise
-    got = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents, height=32, width=32,
+    got = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents.clone(), height=32, width=32,
                use_resolution_binning=False, complex_human_instruction=None, max_sequence_length=64,  # the tiny BERT: 128
                output_type="pt").images
     assert got.shape == expected.shape == (1, 3, 32, 32)
     torch.testing.assert_close(got * 2 - 1, expected, rtol=0, atol=2e-4)
+
+    tuned = train(compose_cfg(["model=sana_debug", f"data.path={data}", "data.batch_size=4", f"run.dir={tmp_path / 'lora'}",
+                               "trainer.max_steps=2", "trainer.enable_progress_bar=false", "logger=none", "eval.at_end=false",
+                               "sample.every_n_steps=0", "sample.per_prompt=1", "sample.steps=2", f"sample.vae={dcae}",
+                               f"sample.text_encoder={own_data['text']}", f"init_from={out['checkpoint']}", "adapter=lora",
+                               "adapter.rank=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0"]))["checkpoint"]
+    lora = export(ExportCommand(ckpt=tuned, out=str(tmp_path / "sana_lora"), format="lora"))
+    assert "stock SanaPipeline of the base with pipe.load_lora_weights" in capsys.readouterr().out
+    expected = Pipeline.from_checkpoint(tuned, **encoders).generate([prompt], SamplingPlan(steps, guidance, "dpm++", seed))
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # (weight_name: needed offline, HF_HUB_OFFLINE)
+    with_lora = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, latents=latents.clone(), height=32, width=32,
+                     use_resolution_binning=False, complex_human_instruction=None, max_sequence_length=64,
+                     output_type="pt").images
+    torch.testing.assert_close(with_lora * 2 - 1, expected, rtol=0, atol=2e-4)
+    assert (got - with_lora).abs().max() > 1e-2  # the LoRA changed the image: the comparison above could fail
 
 
 def test_diffusers_export_of_an_sd2_unet_samples_like_framework_sample_unguided(own_data, tmp_path, capsys):

@@ -1,10 +1,12 @@
 """`python -m framework.bench finetune`: peak memory and samples/s of fine-tuning a preset whole, with a LoRA on its
-frozen weights, and with a LoRA on a frozen bf16 base (framework/models/adapters.py), each arm a fresh process; beside
-each measured peak, the prediction framework.train prints before the first step (framework/training/memory.py).
+frozen weights, and with a LoRA on a frozen base held in bf16, in int8 (torchao), or in bf16 with its blocks offloaded
+to the host (framework/models/adapters.py), each arm a fresh process; beside each measured peak, the prediction
+framework.train prints before the first step (framework/training/memory.py).
 
 On a GPU the peak is torch's allocated peak (the prediction without its process part); on a CPU the process's peak
-resident memory (the whole prediction). Every arm computes in bf16-mixed on a GPU; on a CPU the fp32 arms run 32-true
-(the CPU default) and the bf16-base arm bf16-mixed, which its base needs.
+resident memory (the whole prediction; offloading saves nothing there, the host being the device). Every arm computes
+in bf16-mixed on a GPU; on a CPU the fp32 and int8 arms run 32-true (the CPU default) and the bf16-base arms
+bf16-mixed, which their base needs. The offload arm checkpoints activations, which offloading needs.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import torch
 
 from framework.cli import print_table
 
-ARMS = {  # arm -> (adapter kind, base dtype)
-    "full": ("none", "fp32"),
-    "lora": ("lora", "fp32"),
-    "lora_bf16": ("lora", "bf16"),
+ARMS = {  # arm -> (adapter kind, base dtype, blocks offloaded)
+    "full": ("none", "fp32", False),
+    "lora": ("lora", "fp32", False),
+    "lora_bf16": ("lora", "bf16", False),
+    "lora_int8": ("lora", "int8", False),
+    "lora_bf16_offload": ("lora", "bf16", True),
 }
 
 
@@ -32,7 +36,7 @@ class FinetuneBench:
     """A preset (conf/model/)."""
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     """full (every weight trains, AdamW), lora (rank `rank` on the family's default targets), lora_bf16 (the same on
-    a bf16 base)."""
+    a bf16 base), lora_int8 (on an int8 base), lora_bf16_offload (on a bf16 base whose blocks live on the host)."""
     rank: int = 16
     batch_size: int = 1
     warmup: int = 1
@@ -53,8 +57,8 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
     import json
 
     from framework.bench.harness import bench_optimizer, measure_fit
-    from framework.distributed.fsdp import prepare_blocks
-    from framework.models.adapters import BASE_DTYPES, AdapterConfig
+    from framework.distributed.fsdp import prepare_blocks, shard_units
+    from framework.models.adapters import AdapterConfig, frozen_bytes_per_param
     from framework.models.backbones import load_preset
     from framework.models.objectives import ObjectiveConfig
     from framework.training.memory import GIB, PROCESS_BYTES, predict
@@ -62,27 +66,29 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
 
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
-    kind, base_dtype = ARMS[arm]
+    kind, base_dtype, offload = ARMS[arm]
     precision = "bf16-mixed" if device.type == "cuda" or base_dtype == "bf16" else "32-true"
+    checkpointing = cfg.activation_checkpointing or offload
     model_cfg = load_preset(cfg.model)
     torch.manual_seed(0)
-    adapter = AdapterConfig(kind=kind, rank=cfg.rank, base_dtype=base_dtype)
+    adapter = AdapterConfig(kind=kind, rank=cfg.rank, base_dtype=base_dtype, offload_blocks=offload)
     module = DiffusionModule(model_cfg, ObjectiveConfig(name="flow"), bench_optimizer(), max_steps=10**6, adapter=adapter)
     module.empty_text = torch.zeros(1, model_cfg.text_dim or 1)
-    prepare_blocks(module.model, cfg.activation_checkpointing, False)
+    prepare_blocks(module.model, checkpointing, False)
     params = sum(p.numel() for p in module.model.parameters())
     trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
     h, w = model_cfg.latent_hw
     plan = predict(params, trainable, optimizer="adamw", ema=False, shards=1, batch=cfg.batch_size,
                    tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
                    width=model_cfg.hidden_size if model_cfg.family != "unet" else 0, layers=model_cfg.num_layers,
-                   checkpointing=cfg.activation_checkpointing, precision=precision,
-                   frozen_bytes=float(BASE_DTYPES[base_dtype].itemsize) if kind != "none" else 4.0)
+                   checkpointing=checkpointing, precision=precision,
+                   frozen_bytes=frozen_bytes_per_param(module.model, adapter, shard_units(module.model),
+                                                       device.type == "cuda") if kind != "none" else 4.0)
     row = measure_fit(module, model_cfg, batch_size=cfg.batch_size, warmup=cfg.warmup, steps=cfg.steps, device=device,
                       precision=precision)
     predicted = plan.total - (PROCESS_BYTES if device.type == "cuda" else 0.0)
     row.update({"model": cfg.model, "arm": arm, "params": params, "trainable": trainable,
-                "activation_checkpointing": cfg.activation_checkpointing, "peak_gib": row["peak_mem_bytes"] / GIB,
+                "activation_checkpointing": checkpointing, "peak_gib": row["peak_mem_bytes"] / GIB,
                 "predicted_gib": predicted / GIB, "measured_over_predicted": row["peak_mem_bytes"] / predicted})
     Path(out).write_text(json.dumps(row))
 

@@ -12,6 +12,12 @@ config.
 Default targets: the attention projections (queries, keys, values, output) of every block, self- and
 cross-attention, as the diffusers LoRA examples, SimpleTuner's default for PixArt and the SANA LoRA recipe
 train; Wan adds its feed-forward layers, as musubi-tuner's and DiffSynth's Wan LoRAs do.
+
+A frozen base that fits (`adapter.base_dtype`, `adapter.offload_blocks`): the base held in bf16, or its linear
+layers' weights in int8 or fp8 through torchao's weight-only quantization (a scale per output row; the product is
+computed at the activations' dtype), as QLoRA-style trainers hold it; and the blocks' frozen weights kept in host
+memory, copied to the device for each block's forward and for its recomputation in backward
+(`offload_frozen_blocks`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import nn
 
 KINDS = ("none", "lora", "lokr", "loha")
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+QUANTIZED = ("int8", "fp8")  # the base's linear weights through torchao; its other weights stay fp32
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 FAMILY_TARGETS: dict[str, list[str]] = {
     "pixart": ATTENTION, "dit": ATTENTION, "sana": ATTENTION, "latte": ATTENTION, "unet": ATTENTION,
@@ -47,8 +54,16 @@ class AdapterConfig:
     """Names of the linear layers that get an adapter: a layer whose name is one of these or ends with '.' + one
     (e.g. to_q, attn2.to_k, ffn.net.2); null: the family's default (FAMILY_TARGETS: the attention projections)."""
     base_dtype: str = "fp32"
-    """How the frozen base is held: fp32, or bf16 (half its bytes; needs trainer.precision=bf16-mixed or 16-mixed,
-    whose autocast computes with it; the adapter stays fp32)."""
+    """How the frozen base is held: fp32; bf16 (half its bytes; needs trainer.precision=bf16-mixed or 16-mixed, whose
+    autocast computes with it); int8 or fp8 (its linear layers' weights, a quarter of their bytes, through torchao's
+    weight-only quantization with a scale per output row; norms, convolutions and embeddings stay fp32). The adapter
+    stays fp32. Sampling and export merge the adapter into the fp32 base of init_from."""
+    offload_blocks: bool = False
+    """Keep the blocks' frozen weights in host memory (pinned on a GPU run) and copy each block's to the device for
+    its forward and for its recomputation in backward; needs strategy.activation_checkpointing=true (without it the
+    copies would stay alive until backward). The adapter's weights and the layers outside the blocks stay on the
+    device. Saves device memory at the price of a host-to-device copy of the base twice a step; on a CPU run it only
+    adds the copies."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -59,8 +74,9 @@ class AdapterConfig:
             raise ValueError(f"adapter.alpha={self.alpha} must be > 0 (null: alpha = rank)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"adapter.dropout={self.dropout} must be in [0, 1)")
-        if self.base_dtype not in BASE_DTYPES:
-            raise ValueError(f"adapter.base_dtype={self.base_dtype!r}: expected one of {', '.join(BASE_DTYPES)}")
+        if self.base_dtype not in (*BASE_DTYPES, *QUANTIZED):
+            raise ValueError(f"adapter.base_dtype={self.base_dtype!r}: expected one of "
+                             f"{', '.join((*BASE_DTYPES, *QUANTIZED))}")
         if self.targets is not None and not self.targets:
             raise ValueError("adapter.targets=[] selects no layer; give layer names (e.g. [to_q,to_v]) or null for "
                              "the family's default")
@@ -93,9 +109,10 @@ def to_adapter_config(cfg: AdapterConfig | dict | None) -> AdapterConfig:
 
 
 def add_adapter(denoiser: nn.Module, cfg: AdapterConfig) -> int:
-    """Wrap the matching linear layers of `denoiser.net` in adapter layers (in place) and freeze every other weight;
-    returns the adapter's parameter count. The adapter starts as the identity (LoRA's B, LoKr's and LoHa's second
-    factor are zero), so the adapted model's output equals the base's until the first step."""
+    """Wrap the matching linear layers of `denoiser.net` in adapter layers (in place), freeze every other weight and
+    hold it at `cfg.base_dtype` (quantized only on a real device: a meta-device model is for counting); returns the
+    adapter's parameter count. The adapter starts as the identity (LoRA's B, LoKr's and LoHa's second factor are
+    zero), so the adapted model's output equals the base's until the first step."""
     from peft import inject_adapter_in_model
 
     family = denoiser.cfg.family
@@ -106,12 +123,107 @@ def add_adapter(denoiser: nn.Module, cfg: AdapterConfig) -> int:
         raise ValueError(f"adapter.targets={targets} matches no linear layer of this {family} backbone; its linear "
                          f"layers are named like {linear[:4]} (a target matches a name or its ending after a '.')")
     inject_adapter_in_model(cfg.peft_config(family), denoiser.net)
-    dtype = BASE_DTYPES[cfg.base_dtype]
+    if cfg.base_dtype in QUANTIZED and not any(p.is_meta for p in denoiser.parameters()):
+        quantize_base(denoiser.net, cfg.base_dtype)
+    dtype = BASE_DTYPES.get(cfg.base_dtype, torch.float32)
     for name, p in denoiser.named_parameters():  # peft freezes the base; nothing outside the adapter may train
         p.requires_grad_(is_adapter_key(name))
         if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)  # the frozen base held at adapter.base_dtype
     return sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
+
+
+def quantize_base(net: nn.Module, base_dtype: str) -> None:
+    """The base's linear weights (not the adapter's) in int8 or fp8 through torchao's weight-only quantization, in
+    place; their biases stay fp32. The layers become QuantizedLinear, whose backward keeps the quantized weight."""
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    config = Int8WeightOnlyConfig() if base_dtype == "int8" else Float8WeightOnlyConfig()
+    chosen = lambda module, name: type(module) is nn.Linear and not is_adapter_key(name)  # noqa: E731
+    layers = [m for n, m in net.named_modules() if chosen(m, n)]
+    quantize_(net, config, filter_fn=chosen)
+    for layer in layers:
+        layer.__class__ = QuantizedLinear
+
+
+class _DequantizedInBackward(torch.autograd.Function):
+    """x W^T + b with a frozen torchao-quantized W: autograd keeps W as it is held (a byte a weight) for the backward,
+    which dequantizes it for the product, instead of the dequantized fp32 copy that torchao's own linear leaves it
+    (an fp32 copy of every base weight alive until the backward, more than an fp32 base holds)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)  # a saved tensor: activation checkpointing drops it and recomputes it
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        (weight,) = ctx.saved_tensors
+        return (grad @ weight.dequantize().to(grad.dtype) if ctx.needs_input_grad[0] else None), None, None
+
+
+class QuantizedLinear(nn.Linear):
+    """A frozen base's linear layer whose weight torchao quantized (adapter.base_dtype=int8|fp8): computed as torchao
+    computes it, differentiated through _DequantizedInBackward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DequantizedInBackward.apply(x, self.weight, self.bias)
+
+
+def held_bytes(denoiser: nn.Module, base_dtype: str) -> float:
+    """Bytes of `denoiser`'s frozen weights as `base_dtype` holds them (shapes only: a meta-device model will do):
+    int8 / fp8 linear weights one byte each plus an fp32 scale per output row, everything else fp32 or bf16."""
+    quantized = {f"{name}.weight" for name, m in denoiser.named_modules()
+                 if base_dtype in QUANTIZED and isinstance(m, nn.Linear) and not is_adapter_key(name)}
+    itemsize = BASE_DTYPES.get(base_dtype, torch.float32).itemsize
+    total = 0.0
+    for name, p in denoiser.named_parameters():
+        if not p.requires_grad:
+            total += p.numel() + 4 * p.shape[0] if name in quantized else p.numel() * itemsize
+    return total
+
+
+def frozen_bytes_per_param(denoiser: nn.Module, cfg: AdapterConfig, blocks: list[nn.Module], on_gpu: bool) -> float:
+    """The device's bytes a frozen parameter of an adapted `denoiser` costs on average (memory.predict's frozen_bytes):
+    as `cfg.base_dtype` holds it, and with the blocks offloaded on a GPU run only the block being computed (its copy)
+    on top of the weights outside the blocks."""
+    frozen = sum(p.numel() for p in denoiser.parameters() if not p.requires_grad)
+    held = held_bytes(denoiser, cfg.base_dtype)
+    if cfg.offload_blocks and on_gpu and blocks:
+        in_blocks = [held_bytes(block, cfg.base_dtype) for block in blocks]
+        held = held - sum(in_blocks) + max(in_blocks)
+    return held / max(frozen, 1)
+
+
+def offload_frozen_blocks(blocks: list[nn.Module], device: torch.device) -> list[Any]:
+    """adapter.offload_blocks: move each block's frozen weights to host memory and copy them to `device` around each
+    call of the block (its forward, and its recomputation in backward under activation checkpointing); returns the
+    hooks' handles. The module holds the host weights between calls; during a call it holds the copies, which the
+    autograd graph keeps for as long as it needs them (a checkpointed block's forward keeps none)."""
+    pin = device.type == "cuda"
+    handles = []
+    for block in blocks:
+        host = []
+        for module in block.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and not p.requires_grad:
+                    kept = nn.Parameter(p.detach().to("cpu"), requires_grad=False)
+                    if pin and type(kept.data) is torch.Tensor:  # torchao's quantized weights are copied unpinned
+                        kept.data = kept.data.pin_memory()
+                    module._parameters[name] = kept
+                    host.append((module, name, kept))
+
+        def bring(_block: nn.Module, _args: Any, host: list = host) -> None:
+            for module, name, kept in host:  # a copy, never the host tensor: the device's is freed with the graph
+                moved = kept.to(device, non_blocking=pin)  # (no detach: torchao's weights refuse it in inference mode)
+                module._parameters[name] = moved.clone() if moved is kept else moved
+
+        def send_back(_block: nn.Module, _args: Any, _out: Any, host: list = host) -> None:
+            for module, name, kept in host:
+                module._parameters[name] = kept
+
+        handles += [block.register_forward_pre_hook(bring), block.register_forward_hook(send_back, always_call=True)]
+    return handles
 
 
 ADAPTER_PARTS = ("lora_", "lokr_", "hada_")

@@ -74,9 +74,10 @@ LOWER_IT = ("strategy=fsdp over more devices (shards weights, gradients, optimiz
             "data.global_batch_size keep the global batch)", "trainer.precision=bf16-mixed")
 
 
-def plan_run(cfg: Any, world_size: int, precision: str) -> MemoryPlan:
+def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False) -> MemoryPlan:
     """The prediction for a composed TrainConfig on `world_size` ranks at `precision` (the run's, its default
-    resolved), the model built on the meta device to count its parameters."""
+    resolved), the model built on the meta device to count its parameters; `on_gpu`: whether the ranks train on GPUs
+    (adapter.offload_blocks then moves the blocks' frozen weights off the device)."""
     from framework.distributed.fsdp import build_meta
     from framework.models.backbones import to_model_config
 
@@ -86,11 +87,12 @@ def plan_run(cfg: Any, world_size: int, precision: str) -> MemoryPlan:
     trainable, frozen_bytes = params, 4.0
     adapter = getattr(cfg, "adapter", None)
     if adapter is not None and adapter.on:  # the adapter trains; the base is held at adapter.base_dtype
-        from framework.models.adapters import BASE_DTYPES, add_adapter
+        from framework.distributed.fsdp import shard_units
+        from framework.models.adapters import add_adapter, frozen_bytes_per_param
 
         trainable = add_adapter(model, adapter)
         params = sum(p.numel() for p in model.parameters())
-        frozen_bytes = float(BASE_DTYPES[adapter.base_dtype].itemsize)
+        frozen_bytes = frozen_bytes_per_param(model, adapter, shard_units(model), on_gpu)
     devices = cfg.trainer.devices if isinstance(cfg.trainer.devices, int) and cfg.trainer.devices > 0 else world_size
     shards = 1
     if cfg.strategy.name == "fsdp":

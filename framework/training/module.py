@@ -144,6 +144,11 @@ class DiffusionModule(pl.LightningModule):
         rank_zero_info(f"adapter={cfg.kind}: {trained:,} trainable parameters (rank {cfg.rank}) on a frozen base of "
                        f"{base:,} ({trained / base:.2%})")
         self.strict_loading = False  # the base's keys are not in the checkpoint; on_load_checkpoint checks the adapter's
+        # DDP leaves the frozen base alone: each rank read it from init_from, and an int8 / fp8 one cannot be broadcast.
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self, [f"model.{n}" for n, p in self.model.named_parameters() if not p.requires_grad])
 
         def drop_base(module: torch.nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
             for key in [k for k in state if k.startswith(prefix + "model.") and not is_adapter_key(k)]:
@@ -197,6 +202,13 @@ class DiffusionModule(pl.LightningModule):
         """Whether this step's values reach a logger (framework.training.registry.logging_step, with a logger).
         The extra per-step figures are computed on those steps only: each costs a host synchronisation."""
         return bool(self.trainer.loggers) and logging_step(self.trainer)
+
+    def on_fit_start(self) -> None:
+        if self.adapter_cfg is not None and self.adapter_cfg.offload_blocks:  # once the model is on its device
+            from framework.distributed.fsdp import shard_units
+            from framework.models.adapters import offload_frozen_blocks
+
+            offload_frozen_blocks(shard_units(self.model), self.device)
 
     def on_train_start(self) -> None:
         for logger in self.trainer.loggers:  # the resolved run config as the run's config (W&B) / hparams.yaml
