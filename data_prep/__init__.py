@@ -7,4 +7,4 @@ import logging
 # reads), and torch warns about how torchao registers its enums: one line each in every command's output, about
 # nothing a run does. Set here, the lowest layer, which framework/__init__.py imports: every command gets it.
 logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").setLevel(logging.ERROR)
-logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").addFilter(lambda record: "register_constant()" not in record.getMessage())

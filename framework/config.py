@@ -252,12 +252,16 @@ def check_adapter(cfg: TrainConfig) -> None:
         raise ValueError(f"adapter.base_dtype={cfg.adapter.base_dtype} with strategy=fsdp: torchao's quantized weights "
                          "cannot be sharded by fully_shard; use strategy=ddp (each rank holds the quantized base, about a "
                          "quarter of its fp32 bytes) or adapter.base_dtype=bf16 under fsdp")
-    if cfg.adapter.offload_blocks and (not cfg.strategy.activation_checkpointing or cfg.strategy.name == "fsdp"):
+    s = cfg.strategy
+    if cfg.adapter.offload_blocks and (not s.activation_checkpointing or s.name == "fsdp" or s.compile or
+                                       cfg.model.family == "unet"):
         raise ValueError("adapter.offload_blocks=true copies each block's frozen weights to the device for its forward "
                          "and again for its recomputation in backward: it needs strategy.activation_checkpointing=true "
-                         "(without it every copy stays alive until backward), and strategy=single or ddp (fsdp shards "
-                         f"the base instead); this run has activation_checkpointing="
-                         f"{cfg.strategy.activation_checkpointing}, strategy={cfg.strategy.name}")
+                         "(without it every copy stays alive until backward), strategy=single or ddp (fsdp shards the "
+                         "base instead), no strategy.compile (the copies would be new inputs to each compiled block) "
+                         "and a transformer family (the UNet checkpoints layers inside its blocks, which would be "
+                         f"recomputed without their weights); this run has activation_checkpointing="
+                         f"{s.activation_checkpointing}, strategy={s.name}, compile={s.compile}, family={cfg.model.family}")
     if cfg.adapter.base_dtype == "bf16" and cfg.trainer.precision not in (None, "bf16-mixed", "16-mixed"):
         raise ValueError(f"adapter.base_dtype=bf16 with trainer.precision={cfg.trainer.precision}: the bf16 base computes "
                          "under mixed precision's autocast; use trainer.precision=bf16-mixed (or base_dtype=fp32)")
@@ -305,5 +309,9 @@ def validate(cfg: TrainConfig) -> None:
         check_sampler(cfg.objective.name, cfg.eval.sampler)
     if cfg.adapter.on:
         check_adapter(cfg)
+    elif cfg.adapter.base_dtype != "fp32" or cfg.adapter.offload_blocks:
+        raise ValueError(f"adapter.base_dtype={cfg.adapter.base_dtype}, adapter.offload_blocks="
+                         f"{cfg.adapter.offload_blocks} hold a frozen base, and this run has none (adapter=none trains "
+                         "every weight): choose an adapter (adapter=lora) or leave them at fp32 / false")
     if m.family == "dit" and cfg.objective.caption_dropout > 0 and not m.num_classes:
         raise ValueError("model.num_classes must be set for the class-conditional dit family")

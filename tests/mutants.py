@@ -903,6 +903,11 @@ MUTANTS = [
            (("framework/models/adapters.py", "module._parameters[name] = moved.clone() if moved is kept else moved",
              "module._parameters[name] = moved"),),
            ("tests/test_adapters.py::test_offloaded_blocks_train_the_same_adapter_from_copies_made_for_each_forward_and_recomputation",)),
+    Mutant("offload_copies_to_the_training_device", "offloaded blocks copy their weights to the training's device "
+           "whatever device the call's inputs are on",
+           (("framework/models/adapters.py", "            to = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), device)",
+             "            to = device"),),
+           ("tests/test_adapters.py::test_an_offloaded_block_computes_where_its_inputs_are",)),
     Mutant("offload_predicted_on_the_device", "the prediction of an offloaded GPU run counts every block's frozen weights",
            (("framework/models/adapters.py", "        held = held - sum(in_blocks) + max(in_blocks)", "        held = held"),),
            ("tests/test_adapters.py::test_offloading_needs_activation_checkpointing_and_no_fsdp_and_is_predicted_as_one_block_on_a_gpu",)),

@@ -401,9 +401,14 @@ def test_offloading_needs_activation_checkpointing_and_no_fsdp_and_is_predicted_
     from framework.models.adapters import held_bytes
     from framework.training.memory import plan_run
 
-    for extra in (["strategy.activation_checkpointing=false"], ["strategy=fsdp", "strategy.activation_checkpointing=true"]):
+    for extra in (["strategy.activation_checkpointing=false"], ["strategy=fsdp", "strategy.activation_checkpointing=true"],
+                  ["strategy.activation_checkpointing=true", "strategy.compile=true"],
+                  ["strategy.activation_checkpointing=true", "model=sd2_unet_debug"]):
         with pytest.raises(ValueError, match="it needs strategy.activation_checkpointing=true"):
             to_object(compose_cfg(["adapter=lora", "adapter.offload_blocks=true", "init_from=X", *extra]))
+    for extra in ("adapter.offload_blocks=true", "adapter.base_dtype=int8"):  # adapter=none: no frozen base to hold
+        with pytest.raises(ValueError, match="this run has none"):
+            to_object(compose_cfg([extra]))
     fit = ["model.in_channels=1", "model.sample_size=8", "model.text_dim=384"]
     cfg = to_object(compose_cfg(["adapter=lora", "adapter.rank=4", "adapter.offload_blocks=true", "init_from=X",
                                  "strategy.activation_checkpointing=true", *fit]))
@@ -415,3 +420,18 @@ def test_offloading_needs_activation_checkpointing_and_no_fsdp_and_is_predicted_
     everything = held_bytes(reference, "fp32")
     assert len(blocks) > 1 and weights["cpu"] == 4 * trained + everything
     assert weights["gpu"] == 4 * trained + everything - sum(blocks) + max(blocks)
+
+
+def test_an_offloaded_block_computes_where_its_inputs_are():
+    """The copies go to the device of the call's inputs, not only the training's: Lightning's teardown moves the module
+    to the CPU before the final evaluation. Here the inputs are on the meta device, and so is the output; the module
+    holds its host weights again afterwards."""
+    from framework.models.adapters import offload_frozen_blocks
+
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4)).requires_grad_(False)
+    offload_frozen_blocks([block], torch.device("cpu"))
+    try:
+        out = block(torch.randn(2, 4, device="meta"))
+    except RuntimeError as error:  # weights on one device, inputs on another
+        pytest.fail(f"the block's weights did not follow its inputs: {error}")
+    assert out.is_meta and block[0].weight.device.type == "cpu"

@@ -472,12 +472,27 @@ def _lora_step_peak(preset: str, device: torch.device, *, base_dtype: str, offlo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("base_dtype", ["bf16", "int8"])
-def test_offloaded_blocks_leave_the_gpu_one_blocks_frozen_weights(cuda, base_dtype):
-    """adapter.offload_blocks on a real-size model: the step's GPU peak falls by at least 80% of the blocks' frozen
-    weights less one block's (what stays: the layers outside the blocks, the block being computed)."""
+def test_offloaded_blocks_leave_the_gpu_one_blocks_frozen_weights(cuda, base_dtype="bf16"):
+    """adapter.offload_blocks on a real-size model (a bf16 base; the int8 one runs offloaded through framework.train
+    below): the step's GPU peak falls by at least 80% of the blocks' frozen weights less one block's (what stays: the
+    layers outside the blocks, the block being computed)."""
     kept, blocks = _lora_step_peak("pixart_xl_2_256", cuda, base_dtype=base_dtype, offload=False)
     offloaded, _ = _lora_step_peak("pixart_xl_2_256", cuda, base_dtype=base_dtype, offload=True)
     print(f"pixart_xl_2_256 LoRA, {base_dtype} base: peak {kept / 2**30:.2f} GiB kept, {offloaded / 2**30:.2f} GiB "
           f"offloaded (blocks' frozen weights {blocks / 2**30:.2f} GiB)")
     assert kept - offloaded > 0.8 * blocks * (1 - 1 / 28), (kept, offloaded, blocks)
+
+
+@pytest.mark.gpu
+def test_a_lora_on_an_offloaded_int8_base_trains_samples_and_evaluates_on_the_gpu(cuda, tmp_path, tier_shards):
+    """Through framework.train on the GPU: a base run, then a LoRA on it held in int8 with its blocks offloaded, in
+    bf16-mixed, with the final grid and the final evaluation (which run after Lightning moved the module to the CPU)."""
+    from framework.train import train
+    from tests.helpers import compose_cfg
+
+    base = train(compose_cfg(_gpu_run(tmp_path, tier_shards, "sample.every_n_steps=0", steps=2, run="base")))
+    out = train(compose_cfg(_gpu_run(tmp_path, tier_shards, f"init_from={base['checkpoint']}", "adapter=lora",
+                                     "adapter.rank=4", "adapter.base_dtype=int8", "adapter.offload_blocks=true",
+                                     "strategy.activation_checkpointing=true", "trainer.precision=bf16-mixed",
+                                     "eval.at_end=true", "eval.seeds=1", "eval.phrasings=1", "eval.steps=2", run="lora")))
+    assert out["eval"]["num_images"] > 0 and math.isfinite(out["eval"]["fd"]), out["eval"]

@@ -158,15 +158,18 @@ class _DequantizedInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (weight,) = ctx.saved_tensors
-        return (grad @ weight.dequantize().to(grad.dtype) if ctx.needs_input_grad[0] else None), None, None
+        (weight,) = ctx.saved_tensors  # the base's bias is frozen: no gradient for it
+        return (grad @ weight.dequantize(grad.dtype) if ctx.needs_input_grad[0] else None), None, None
 
 
 class QuantizedLinear(nn.Linear):
     """A frozen base's linear layer whose weight torchao quantized (adapter.base_dtype=int8|fp8): computed as torchao
-    computes it, differentiated through _DequantizedInBackward."""
+    computes it, in autocast's dtype under mixed precision, differentiated through _DequantizedInBackward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):  # in autocast's dtype, as it runs a plain linear layer (torchao: x's)
+            x = x.to(torch.get_autocast_dtype(kind))
         return _DequantizedInBackward.apply(x, self.weight, self.bias)
 
 
@@ -200,7 +203,7 @@ def offload_frozen_blocks(blocks: list[nn.Module], device: torch.device) -> list
     call of the block (its forward, and its recomputation in backward under activation checkpointing); returns the
     hooks' handles. The module holds the host weights between calls; during a call it holds the copies, which the
     autograd graph keeps for as long as it needs them (a checkpointed block's forward keeps none)."""
-    pin = device.type == "cuda"
+    pin = device.type == "cuda"  # pinned host memory: the copies to the GPU run asynchronously (torchao's too)
     handles = []
     for block in blocks:
         host = []
@@ -208,21 +211,25 @@ def offload_frozen_blocks(blocks: list[nn.Module], device: torch.device) -> list
             for name, p in list(module._parameters.items()):
                 if p is not None and not p.requires_grad:
                     kept = nn.Parameter(p.detach().to("cpu"), requires_grad=False)
-                    if pin and type(kept.data) is torch.Tensor:  # torchao's quantized weights are copied unpinned
+                    if pin:
                         kept.data = kept.data.pin_memory()
                     module._parameters[name] = kept
                     host.append((module, name, kept))
 
-        def bring(_block: nn.Module, _args: Any, host: list = host) -> None:
+        def bring(_block: nn.Module, args: Any, kwargs: Any, host: list = host) -> None:
+            # Where the call's inputs are: the training device, or wherever a later command (Lightning's teardown
+            # moves the module to the CPU before the final evaluation) runs the module.
+            to = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), device)
             for module, name, kept in host:  # a copy, never the host tensor: the device's is freed with the graph
-                moved = kept.to(device, non_blocking=pin)  # (no detach: torchao's weights refuse it in inference mode)
+                moved = kept.to(to, non_blocking=pin)  # (no detach: torchao's weights refuse it in inference mode)
                 module._parameters[name] = moved.clone() if moved is kept else moved
 
         def send_back(_block: nn.Module, _args: Any, _out: Any, host: list = host) -> None:
             for module, name, kept in host:
                 module._parameters[name] = kept
 
-        handles += [block.register_forward_pre_hook(bring), block.register_forward_hook(send_back, always_call=True)]
+        handles += [block.register_forward_pre_hook(bring, with_kwargs=True),
+                    block.register_forward_hook(send_back, always_call=True)]
     return handles
 
 
