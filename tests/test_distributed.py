@@ -107,6 +107,9 @@ class Runs:
         run_train(d, self.data, *self._lora(), *fsdp(), "trainer.max_steps=2")
         run_train(d, self.data, *self._lora(), *fsdp(devices=1, batch=16), f"trainer.max_steps={STEPS}")
 
+    def _lora_ddp(self, d: Path) -> None:  # DDP leaves the frozen base out of its broadcast and its reducer
+        run_train(d, self.data, *self._lora(), *DDP, f"trainer.max_steps={STEPS}")
+
     # Sequence parallelism: one group of 2 ranks (the whole batch of 16 on both); 2 data x 2 sequence ranks
     # under fsdp (8 per group), its all-to-all in 2 overlapped head groups.
     def _sp_ddp(self, d: Path) -> None:
@@ -191,6 +194,16 @@ def test_an_adapter_sharded_on_two_ranks_follows_one_process_and_resumes_on_one(
     assert model_keys and all(is_adapter_key(k) for k in model_keys)
     assert set(weights(runs["lora_fsdp"] / "checkpoints" / "last.ckpt")) == set(torch.load(
         runs["lora_ref"] / "init_weights.pt", weights_only=True))
+
+
+def test_an_adapter_on_two_ddp_ranks_follows_one_process(runs):
+    """adapter=lora under ddp, whose broadcast and gradient reducer skip the frozen base: the adapter's gradients are
+    still averaged over the ranks, so the 2-rank run logs the 1-process losses and ends with its adapter updates."""
+    ref, got = losses(runs["lora_ref"]), losses(runs["lora_ddp"])
+    assert sorted(got) == list(range(STEPS))
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
+                               torch.tensor([ref[s] for s in range(STEPS)]), **TOL)
+    same_updates(runs["lora_ddp"], runs["lora_ref"])
 
 
 def test_fsdp_and_sequence_parallelism_share_the_job_mesh(runs):
