@@ -61,7 +61,7 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
     from framework.models.adapters import AdapterConfig, frozen_bytes_per_param
     from framework.models.backbones import load_preset
     from framework.models.objectives import ObjectiveConfig
-    from framework.training.memory import GIB, PROCESS_BYTES, predict
+    from framework.training.memory import GIB, PROCESS_BYTES, predict_model
     from framework.training.module import DiffusionModule
 
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
@@ -77,13 +77,10 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
     prepare_blocks(module.model, checkpointing, False)
     params = sum(p.numel() for p in module.model.parameters())
     trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
-    h, w = model_cfg.latent_hw
-    plan = predict(params, trainable, optimizer="adamw", ema=False, shards=1, batch=cfg.batch_size,
-                   tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
-                   width=model_cfg.hidden_size if model_cfg.family != "unet" else 0, layers=model_cfg.num_layers,
-                   checkpointing=checkpointing, precision=precision,
-                   frozen_bytes=frozen_bytes_per_param(module.model, adapter, shard_units(module.model),
-                                                       device.type == "cuda") if kind != "none" else 4.0)
+    plan = predict_model(model_cfg, params, trainable, optimizer="adamw", ema=False, shards=1, batch=cfg.batch_size,
+                         checkpointing=checkpointing, precision=precision,
+                         frozen_bytes=frozen_bytes_per_param(module.model, adapter, shard_units(module.model),
+                                                             device.type == "cuda") if kind != "none" else 4.0)
     row = measure_fit(module, model_cfg, batch_size=cfg.batch_size, warmup=cfg.warmup, steps=cfg.steps, device=device,
                       precision=precision)
     predicted = plan.total - (PROCESS_BYTES if device.type == "cuda" else 0.0)

@@ -139,11 +139,16 @@ def quantize_base(net: nn.Module, base_dtype: str) -> None:
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     config = Int8WeightOnlyConfig() if base_dtype == "int8" else Float8WeightOnlyConfig()
-    chosen = lambda module, name: type(module) is nn.Linear and not is_adapter_key(name)  # noqa: E731
-    layers = [m for n, m in net.named_modules() if chosen(m, n)]
-    quantize_(net, config, filter_fn=chosen)
+    layers = [m for n, m in net.named_modules() if is_base_linear(m, n)]
+    quantize_(net, config, filter_fn=is_base_linear)
     for layer in layers:
         layer.__class__ = QuantizedLinear
+
+
+def is_base_linear(module: nn.Module, name: str) -> bool:
+    """Whether `module` (named `name`) is one of the base's linear layers, which int8 / fp8 quantize (not the adapter's
+    own, LoRA's lora_A / lora_B)."""
+    return isinstance(module, nn.Linear) and not is_adapter_key(name)
 
 
 class _DequantizedInBackward(torch.autograd.Function):
@@ -177,7 +182,7 @@ def held_bytes(denoiser: nn.Module, base_dtype: str) -> float:
     """Bytes of `denoiser`'s frozen weights as `base_dtype` holds them (shapes only: a meta-device model will do):
     int8 / fp8 linear weights one byte each plus an fp32 scale per output row, everything else fp32 or bf16."""
     quantized = {f"{name}.weight" for name, m in denoiser.named_modules()
-                 if base_dtype in QUANTIZED and isinstance(m, nn.Linear) and not is_adapter_key(name)}
+                 if base_dtype in QUANTIZED and is_base_linear(m, name)}
     itemsize = BASE_DTYPES.get(base_dtype, torch.float32).itemsize
     total = 0.0
     for name, p in denoiser.named_parameters():

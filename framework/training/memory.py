@@ -97,12 +97,18 @@ def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False) ->
     shards = 1
     if cfg.strategy.name == "fsdp":
         shards = devices if cfg.strategy.sharding == "HYBRID_SHARD" else world_size
+    return predict_model(model_cfg, params, trainable, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}),
+                         shards=shards, batch=cfg.data.batch_size, checkpointing=cfg.strategy.activation_checkpointing,
+                         precision=precision, frozen_bytes=frozen_bytes)
+
+
+def predict_model(model_cfg: Any, params: int, trainable: int, **kwargs: Any) -> MemoryPlan:
+    """predict() for a backbone of `model_cfg` (a ModelConfig): its tokens a sample, width and depth read off the
+    config; `kwargs`: predict's others (optimizer, ema, shards, batch, checkpointing, precision, frozen_bytes)."""
     h, w = model_cfg.latent_hw
     transformer = model_cfg.family != "unet"  # the UNet's activations are not estimated here
-    return predict(params, trainable, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}), shards=shards,
-                   batch=cfg.data.batch_size, tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
-                   width=model_cfg.hidden_size if transformer else 0, layers=model_cfg.num_layers,
-                   checkpointing=cfg.strategy.activation_checkpointing, precision=precision, frozen_bytes=frozen_bytes)
+    return predict(params, trainable, tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
+                   width=model_cfg.hidden_size if transformer else 0, layers=model_cfg.num_layers, **kwargs)
 
 
 def check(plan: MemoryPlan, limit: float, what: str) -> None:
