@@ -76,21 +76,23 @@ def quick_ckpt(tmp_path_factory, digits_shards) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", ["decode_ranks=1", "sequence_parallel=2"])
+@pytest.mark.parametrize("split", ["decode_ranks=1", "decode_ranks=1 aco=0.5", "sequence_parallel=2"])
 def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, quick_ckpt, split):
-    """`torchrun ... -m framework.eval decode_ranks=1` (or sequence_parallel=2) on 2 processes: the same
-    metrics as one process (only the speed differs), printed once, by rank 0."""
+    """`torchrun ... -m framework.eval decode_ranks=1` (with the decoding rank computing heads while free: aco=0.5;
+    or sequence_parallel=2) on 2 processes: the same metrics as one process (only the speed differs), printed once,
+    by rank 0."""
     from framework.eval import EvalCommand, evaluate
     from framework.inference.pipeline import Pipeline
 
     ckpt = quick_ckpt
     args = dict(seeds=1, phrasings=1, steps=3, batch_size=8)
     # decode_ranks: through the real torchrun; sequence_parallel: the same ranks forked (tests/zygote.py)
-    proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", split, "device=cpu",
+    proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", *split.split(), "device=cpu",
                     *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path, fork=split.startswith("sequence"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("prompt_accuracy ") for line in lines) == 1
+    assert sum(line.startswith("aco: decoding ranks computed ") for line in lines) == ("aco" in split)
     got = json.loads(lines[-1])
     want = evaluate(Pipeline.from_checkpoint(ckpt), EvalCommand(ckpt=ckpt, **args))
     for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "num_images"):
@@ -99,21 +101,39 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
     assert got["fd"] == (want["fd"] if split.startswith("decode") else pytest.approx(want["fd"], rel=1e-4))
 
 
-@pytest.mark.parametrize("decode_ranks", ["1", "auto"])
-def test_each_role_loads_only_its_own_model(tmp_path, quick_ckpt, decode_ranks):
-    """3 ranks of a checkpoint's lazy pipeline (as framework.sample / eval load it with decode_ranks): the denoising
-    ranks build the denoiser and never load the image codec, the decoding ranks load the codec and never build the
-    denoiser (it stays a meta-device placeholder), and the images are one process's. auto: the first batch's stage
-    times choose K (the pixel codec decodes in no time: one decoder)."""
+@pytest.mark.parametrize("decode_ranks,aco", [("1", 0), ("auto", 0), ("auto", 0.5)])
+def test_each_role_loads_only_its_own_model(tmp_path, quick_ckpt, decode_ranks, aco):
+    """3 ranks of a checkpoint's lazy pipeline (as framework.sample / eval load it with decode_ranks, through the
+    commands' RankSharing): the denoising ranks build the denoiser and never load the image codec, the decoding ranks
+    load the codec and never build the denoiser (it stays a meta-device placeholder), and the images are one
+    process's. auto: the first batch's stage times choose K (the pixel codec decodes in no time: one decoder); with
+    aco=0.5 rank 0 also times the batch with the last rank computing half the heads, which it then does for its first
+    batch at least (rank 0 prints the counts)."""
+    import re
+
     out = tmp_path / "result.json"
     proc = torchrun(3, "-m", "tests.workers.decoupled", "roles", quick_ckpt, decode_ranks, str(out), tmp=tmp_path,
-                    fork=True)
+                    fork=True, env={"ACO": str(aco)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["equal"] and r["again_equal"]
-    assert [(x["built"], x["meta"], x["codec"]) for x in r["ranks"]] == [(True, False, False)] * 2 + [(False, True, True)]
+    ks = [1, 1]  # each generate call's K
     if decode_ranks == "auto":
-        assert "decode_ranks=auto: a batch of 2 takes" in proc.stdout and "1 of 3 ranks decode" in proc.stdout
+        assert "decode_ranks=auto: a batch of 2 takes" in proc.stdout, proc.stdout[-2000:]
+        ks = [int(k) for k in re.findall(r"(\d) of 3 ranks decode", proc.stdout)]
+        # the pixel codec decodes in no time: one decoder, unless Aco's help measured more than 3x faster
+        assert len(ks) == 2 and (ks == [1, 1] or aco), proc.stdout[-2000:]
+    built = [any(rank < 3 - k for k in ks) for rank in range(3)]
+    codec = [any(rank >= 3 - k for k in ks) for rank in range(3)]
+    assert [(x["built"], x["meta"], x["codec"]) for x in r["ranks"]] == list(zip(built, [not b for b in built], codec))
+    assert ("s with a decoding rank's help) and" in proc.stdout) == bool(aco)
+    told = [tuple(map(int, m)) for m in re.findall(r"aco: decoding ranks computed (\d+) heads in (\d+) of the (\d+) ",
+                                                     proc.stdout)]
+    if aco:  # one line a generate call: its first batch (of 3, then of 1) helped at least
+        assert len(told) == 2 and all(heads > 0 and heads % helped == 0 and calls >= helped >= calls // 3
+                                      for heads, helped, calls in told), told
+    else:
+        assert told == []
 
 
 def test_sequence_parallel_denoising_groups_with_decode_ranks(tmp_path, quick_ckpt):
@@ -135,18 +155,22 @@ def test_sequence_parallel_denoising_groups_with_decode_ranks(tmp_path, quick_ck
 
 @pytest.mark.slow
 def test_bench_decode_reports_each_way_and_each_ranks_role(tmp_path):
-    """`framework.bench decode` on 2 ranks: images/s, one prompt's latency and each rank's peak memory with its role
-    (the decoding rank never built the denoiser; in the split way both ranks denoise and decode)."""
+    """`framework.bench decode` on 2 ranks with the small decoder: images/s, one prompt's latency and each rank's peak
+    memory with its role (the decoding rank never built the denoiser, with or without Aco; in the split way both ranks
+    denoise and decode)."""
     out = tmp_path / "bench.json"
     proc = torchrun(2, "-m", "framework.bench", "decode", "images=2", "batch_size=1", "steps=2", "latent_size=8",
-                    "repeats=1", "ways=[decoupled,split]", f"out={out}", tmp=tmp_path, fork=True)
+                    "repeats=1", "ways=[decoupled,decoupled_aco,split]", "vae=small", f"out={out}", tmp=tmp_path,
+                    fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    decoupled, split = json.loads(out.read_text())
-    assert decoupled["way"] == "decoupled" and split["way"] == "split"
-    for r in (decoupled, split):
+    decoupled, aco, split = json.loads(out.read_text())
+    assert (decoupled["way"], aco["way"], split["way"]) == ("decoupled", "decoupled_aco", "split")
+    assert (decoupled["aco"], aco["aco"], aco["vae"]) == (0.0, 0.5, "small")
+    for r in (decoupled, aco, split):
         assert r["images_per_s"] > 0 and r["latency_s"] > 0 and all(m["peak_MiB"] > 0 for m in r["per_rank"])
-    # recorded after each way: the decoupled way came first, so the decoding rank had not built the denoiser yet
-    assert [(m["denoiser"], m["decoder"]) for m in decoupled["per_rank"]] == [(True, False), (False, True)]
+    # recorded after each way: the decoupled ways came first, so the decoding rank had not built the denoiser yet
+    for r in (decoupled, aco):
+        assert [(m["denoiser"], m["decoder"]) for m in r["per_rank"]] == [(True, False), (False, True)]
     assert [(m["denoiser"], m["decoder"]) for m in split["per_rank"]] == [(True, True), (True, True)]
 
 
@@ -175,6 +199,73 @@ def test_a_slow_decoder_does_not_hold_up_denoising(tmp_path, digits_shards, tiny
     decoded = [t for name, t in r["events"][1] if name == "decoded"]
     assert len(denoised) == 3 and len(decoded) == 3
     assert denoised[-1] < decoded[0], "rank 0 waited for the decoder before denoising its last batch"
+
+
+@pytest.mark.parametrize("family,nproc,decode_ranks,slow", [("pixart", 2, 1, 0), ("pixart", 3, 2, 0),
+                                                           ("wan", 2, 1, 0), ("latte", 2, 1, 0),
+                                                           ("pixart", 2, 1, 0.5)])
+def test_idle_decoders_compute_attention_heads_and_the_images_are_unchanged(tmp_path, digits_shards, tiny_vae_dir,
+                                                                            family, nproc, decode_ranks, slow):
+    """decode_ranks=K with aco=0.5 (PipeDiT's attention co-processing): each decoder, free before its first batch,
+    computes half the heads (2 of 4) of every self-attention of that batch's denoising, and the images (wan, latte:
+    clips through the tiled video VAE; latte's spatial and temporal blocks both) are plain generation's, bit for bit.
+    Whatever a decoder serves, its denoiser sent: the counts agree. With each decode 0.5 s slower, later batches find
+    their decoder busy (free late, or never: the "done" it reads first) and the images are the same."""
+    from tests.helpers import make_tiny_video_vae
+
+    out = tmp_path / "result.json"
+    vae = tiny_vae_dir if family == "pixart" else make_tiny_video_vae(tmp_path / "vae")
+    proc = torchrun(nproc, "-m", "tests.workers.decoupled", "aco", family, str(digits_shards), str(vae),
+                    str(decode_ranks), str(out), tmp=tmp_path, fork=True, env={"SLOW_DECODE": str(slow)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["equal"] and r["max_abs"] > 0.01 and r["heads"] == 4, r
+    denoisers, decoders = r["ranks"][:nproc - decode_ranks], r["ranks"][nproc - decode_ranks:]
+    assert all(x["served"] == 0 for x in denoisers) and all(x["calls"] == 0 for x in decoders), r
+    calls, helped = sum(x["calls"] for x in denoisers), sum(x["helped"] for x in denoisers)
+    per_batch = calls // 3  # 3 batches, each the same number of self-attentions (2 steps x 2 blocks; latte: x 2)
+    assert calls == 3 * per_batch and per_batch == (8 if family == "latte" else 4), r
+    assert decode_ranks * per_batch <= helped <= calls, r  # every decoder's first batch at least
+    assert sum(x["heads_sent"] for x in denoisers) == 2 * helped == sum(x["heads_served"] for x in decoders), r
+    assert helped == sum(x["served"] for x in decoders), r
+
+
+def test_auto_decode_ranks_count_what_idle_decoders_give_back_with_aco():
+    """The throughput decode_ranks=auto maximises, by hand. Without Aco (t_helped = t_denoise) it is the slower
+    stage's rate: 3 ranks, denoise 2 s, decode 1.5 s: K=1 gives min(2/2, 1/1.5) = 0.667 batches/s, K=2 min(1/2, 2/1.5)
+    = 0.5. With Aco halving a helped batch (1 s): K=2 leaves the one denoiser helped while the decoders are free,
+    h = min(1, 2 (1 - 1.5 r / 2)), and r = 1 / (2 - h) gives r = sqrt(2/3) = 0.816, above K=1's 0.667 (its decoder
+    is busy all the time at that rate: no help). 2 ranks, denoise 2, decode 0.5, helped 1: r = 1 / (1 + r / 2), so
+    r = sqrt(3) - 1."""
+    from framework.inference.decoupled import throughput
+
+    assert throughput(3, 1, 2.0, 1.5, 2.0) == pytest.approx(2 / 3)
+    assert throughput(3, 2, 2.0, 1.5, 2.0) == pytest.approx(0.5)
+    assert throughput(3, 1, 2.0, 1.5, 1.0) == pytest.approx(2 / 3)
+    assert throughput(3, 2, 2.0, 1.5, 1.0) == pytest.approx((2 / 3) ** 0.5)
+    assert throughput(2, 1, 2.0, 0.5, 1.0) == pytest.approx(3 ** 0.5 - 1)
+    assert throughput(2, 1, 2.0, 0.0, 2.0) == pytest.approx(0.5)  # a decoder that takes no time
+
+
+def test_aco_needs_decode_ranks_a_share_and_a_softmax_stack():
+    from framework.cli import RankSharing, share_ranks
+    from framework.inference.decoupled import co_processing
+
+    for cfg in (RankSharing(aco=0.5), RankSharing(decode_ranks=1, aco=1.5),
+                RankSharing(decode_ranks=1, aco=0.5, sequence_parallel=2)):
+        with pytest.raises(ValueError, match="aco="):
+            share_ranks(None, cfg)
+
+    class Stub:  # a SANA model (linear attention) and a UNet
+        pass
+
+    for family in ("sana", "unet"):
+        model = Stub()
+        model.cfg = Stub()
+        model.cfg.family = family
+        with pytest.raises(ValueError, match="no softmax self-attention stack"):
+            with co_processing(model, object()):
+                pass
 
 
 def test_each_rank_of_a_sampling_job_picks_its_own_gpu(monkeypatch):

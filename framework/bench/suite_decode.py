@@ -6,6 +6,8 @@ MiniLM-encoded prompts into images three ways, every rank taking part in each:
   one_rank    rank 0 alone, plain sampling (the others wait)
   split       every rank denoises and decodes its share of the prompts (Pipeline.generate with ranks=SplitRanks())
   decoupled   the last `decode_ranks` ranks decode while the others denoise (decode_ranks, framework/inference/decoupled.py)
+  decoupled_aco  the same, a decoding rank computing `aco` of each self-attention's heads while it has nothing to
+              decode (PipeDiT's attention co-processing)
   sequence_parallel         every rank in groups of P splitting each image's tokens, the groups sharing the prompts
   sequence_parallel_decode  the denoising ranks in groups of P, the last `decode_ranks` ranks decoding
 Each is timed `repeats` times after a warm-up; the best is kept; then one prompt alone (its latency). The denoiser
@@ -42,23 +44,30 @@ class DecodeBench:
     steps: int = 20
     decode_ranks: Any = 1
     """Ranks that decode in the decoupled way; auto: chosen from the first batch's stage times."""
+    vae: str = "sd"
+    """The decoder: sd (the Stable Diffusion VAE's architecture) or small (the same 8x upsampling with a quarter of its
+    channels and one layer a block: a decoder that is often idle, where Aco has time to help)."""
+    aco: float = 0.5
+    """The decoupled_aco way's share of each self-attention's heads for a free decoding rank."""
     sequence_parallel: int = 2
     """P of the sequence_parallel ways (all ranks in groups of P; the denoising ranks in groups of P)."""
-    ways: list[str] = field(default_factory=lambda: ["one_rank", "split", "decoupled", "sequence_parallel",
-                                                     "sequence_parallel_decode"])
+    ways: list[str] = field(default_factory=lambda: ["one_rank", "split", "decoupled", "decoupled_aco",
+                                                     "sequence_parallel", "sequence_parallel_decode"])
     """Which ways to run. On a CPU each rank's peak memory is its process's peak so far: run one way per command
     for per-role figures (on a GPU the peak is reset for each way)."""
     repeats: int = 2
     out: str = "bench_decode.json"
 
 
-def sd_vae(folder: Path) -> Path:
-    """A random AutoencoderKL with the SD (1.x / 2.x) VAE's architecture, saved as a diffusers folder."""
+def sd_vae(folder: Path, small: bool = False) -> Path:
+    """A random AutoencoderKL with the SD (1.x / 2.x) VAE's architecture (small: a quarter of its channels, one layer
+    a block), saved as a diffusers folder."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
-                  layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4,
+    AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4,
+                  block_out_channels=(32, 64, 128, 128) if small else (128, 256, 512, 512),
+                  layers_per_block=1 if small else 2, down_block_types=("DownEncoderBlock2D",) * 4,
                   up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32, sample_size=512,
                   scaling_factor=0.18215).save_pretrained(folder)
     return folder
@@ -75,7 +84,9 @@ def run(cfg: DecodeBench) -> list[dict[str, Any]]:
         raise SystemExit("framework.bench decode compares ways of sharing generation between ranks: run it under "
                          "torchrun --standalone --nproc_per_node=2 (or more)")
     rank = dist.get_rank()
-    vae = sd_vae(Path(tempfile.mkdtemp(prefix=f"sd_vae_r{rank}_")))
+    if cfg.vae not in ("sd", "small"):
+        raise SystemExit(f"vae={cfg.vae}: sd or small")
+    vae = sd_vae(Path(tempfile.mkdtemp(prefix=f"sd_vae_r{rank}_")), small=cfg.vae == "small")
     mcfg = load_preset(cfg.preset, in_channels=4, text_dim=384, sample_size=cfg.latent_size, learned_sigma=False)
 
     def build() -> Any:
@@ -112,7 +123,10 @@ def run(cfg: DecodeBench) -> list[dict[str, Any]]:
         pipe, plan = pipe_for(name), SamplingPlan(steps=cfg.steps)
         if name == "one_rank":
             return pipe.generate(chosen, plan, batch_size=cfg.batch_size) if rank == 0 else None
-        ranks = SplitRanks() if name in ("split", "sequence_parallel") else DecodeRanks(K)
+        if name in ("split", "sequence_parallel"):
+            ranks = SplitRanks()
+        else:
+            ranks = DecodeRanks(K, cfg.aco if name == "decoupled_aco" else 0.0)
         return pipe.generate(chosen, plan, ranks=ranks, batch_size=cfg.batch_size)
 
     ways = [w for w in cfg.ways if possible.get(w, True)]
@@ -147,17 +161,18 @@ def run(cfg: DecodeBench) -> list[dict[str, Any]]:
     if rank == 0:
         ref = images.get("one_rank")
         rows = [{"way": name, "ranks": 1 if name == "one_rank" else world,
-                 "decode_ranks": K if name in ("decoupled", "sequence_parallel_decode") else 0,
+                 "decode_ranks": K if name in ("decoupled", "decoupled_aco", "sequence_parallel_decode") else 0,
+                 "aco": cfg.aco if name == "decoupled_aco" else 0.0,
                  "sequence_parallel": P if name.startswith("sequence") else 1, "images_per_s": cfg.images / best[name],
                  "seconds": best[name], "latency_s": latency[name],
                  "same_images_as_one_rank": None if ref is None else bool(torch.equal(images[name], ref)),
                  "max_diff_vs_one_rank": None if ref is None else float((images[name] - ref).abs().max()),
                  "per_rank": memory[name], "images": cfg.images, "image_size": list(images[name].shape[-2:]),
-                 "preset": cfg.preset, "steps": cfg.steps, "batch_size": cfg.batch_size,
+                 "preset": cfg.preset, "steps": cfg.steps, "batch_size": cfg.batch_size, "vae": cfg.vae,
                  "device": str(pipes[name].device)} for name in ways]
         for r in rows:
             r["peak_MiB_per_rank"] = [m["peak_MiB"] for m in r["per_rank"]]
-        print_table(rows, ["way", "ranks", "decode_ranks", "sequence_parallel", "seconds", "images_per_s", "latency_s",
+        print_table(rows, ["way", "ranks", "decode_ranks", "aco", "sequence_parallel", "seconds", "images_per_s", "latency_s",
                            "peak_MiB_per_rank",
                            "same_images_as_one_rank"])
     return rows

@@ -544,12 +544,29 @@ class UlyssesAttnProcessor:
         if attention_mask is not None:  # these families' self-attention takes none; refuse rather than ignore one
             raise ValueError("sequence parallelism does not take a self-attention mask (the image tokens' attention is "
                              "unmasked in pixart and dit); set strategy.sequence_parallel=1")
-        B, n, _ = hidden_states.shape
-        q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
-        if attn.norm_q is not None:
-            q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = softmax_qkv(attn, hidden_states)
         gap = self.kv.fill if self.kv is not None else None
         return attn.to_out[1](ulysses_attention(q, k, v, self.sp, attn.to_out[0], gap))
+
+
+def softmax_qkv(attn: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A plain softmax self-attention's (AttnProcessor2_0's) query, key and value of `hidden_states` (B, n, C), each
+    (B, n, H, D), its q / k norms applied."""
+    B, n, _ = hidden_states.shape
+    q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
+    if attn.norm_q is not None:
+        q, k = attn.norm_q(q), attn.norm_k(k)
+    return q, k, v
+
+
+def check_plain_softmax(attn: Any, name: str, what: str) -> None:
+    """Refuse a self-attention that is not plain softmax attention through AttnProcessor2_0 (`what`: the feature)."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    if type(attn.processor) is not AttnProcessor2_0 or attn.residual_connection or attn.group_norm is not None \
+            or attn.spatial_norm is not None or attn.rescale_output_factor != 1.0:
+        raise ValueError(f"{what}: {name} is not plain softmax self-attention ({type(attn.processor).__name__}); "
+                         f"{what} cannot take it")
 
 
 class UlyssesWanAttnProcessor:
@@ -562,17 +579,24 @@ class UlyssesWanAttnProcessor:
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb: tuple | None = None) -> torch.Tensor:
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
         if attention_mask is not None or encoder_hidden_states is not None:
             raise ValueError("sequence parallelism splits Wan's unmasked self-attention only; set "
                              "strategy.sequence_parallel=1")
-        q, k, v = _get_qkv_projections(attn, hidden_states, None)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # (B, n, H, D)
-        if rotary_emb is not None:
-            q, k = (rotate_pairs(t, *rotary_emb) for t in (q, k))
+        q, k, v = wan_qkv(attn, hidden_states, rotary_emb)
         return attn.to_out[1](ulysses_attention(q, k, v, self.sp, attn.to_out[0]))
+
+
+def wan_qkv(attn: Any, hidden_states: torch.Tensor, rotary_emb: tuple | None) -> tuple[torch.Tensor, ...]:
+    """Wan's self-attention query, key and value (B, n, H, D) of `hidden_states`, RMS-normed and rotated as
+    WanAttnProcessor does."""
+    from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+    q, k, v = _get_qkv_projections(attn, hidden_states, None)
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))  # (B, n, H, D)
+    if rotary_emb is not None:
+        q, k = (rotate_pairs(t, *rotary_emb) for t in (q, k))
+    return q, k, v
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -614,7 +638,7 @@ class UlyssesLinearAttnProcessor:
 def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
     """Split `denoiser`'s sequence over `sp` in place (hooks and processors: parameters and state-dict keys
     unchanged, so checkpoints and FSDP2 sharding are as without it). Installed once; re-installing is refused."""
-    from diffusers.models.attention_processor import AttnProcessor2_0, SanaLinearAttnProcessor2_0
+    from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
     from framework.models.blocks import block_views
@@ -663,10 +687,7 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
                                  f"only SANA's linear self-attention is split for model.family={cfg.family}")
             attn.set_processor(UlyssesLinearAttnProcessor(sp))
         else:
-            if type(attn.processor) is not AttnProcessor2_0 or attn.residual_connection or attn.group_norm is not None \
-                    or attn.spatial_norm is not None or attn.rescale_output_factor != 1.0:
-                raise ValueError(f"sequence_parallel: {view.name}.attn1 is not plain softmax self-attention "
-                                 f"({type(attn.processor).__name__}); it cannot be split")
+            check_plain_softmax(attn, f"{view.name}.attn1", "sequence_parallel")
             kv = CaptionKV(view.module) if CaptionKV.applies(view.module) else None
             attn.set_processor(UlyssesAttnProcessor(sp, kv))
         if seq.rows_arg is not None:

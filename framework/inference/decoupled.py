@@ -7,17 +7,29 @@ b+1. Decoded images are sent to rank 0, which returns all of them in order; the 
 None. Every image is computed exactly as plain sampling computes it (same noise, same batches, same
 decode batches), so the images are identical.
 
+Attention co-processing (PipeDiT's Aco, `aco=F`): a decoding rank with nothing to decode computes attention heads
+for the denoiser whose latents it waits for. Decoder d, once it has decoded its batches before b (at once for its
+first), sends "free for b" to b's denoiser and serves it until "done with b" comes, then receives b's latents. The
+denoiser asks at each self-attention, without waiting, whether "free for b" is in; from then on it sends the query,
+key and value of the last round(F H) of the H heads to the decoder, attends over its own heads meanwhile, and takes
+the decoder's heads back. Heads are independent of each other, so the images are those without Aco. Only the
+first batch of each decoder is waited for (its decoder is free from the start); later, a decoder still decoding
+is not waited for, and the denoiser computes every head itself. (`Aco`, `co_processing`, `_serve`.)
+
 torch.distributed gives the point-to-point sends; what it lacks is the schedule above, written here.
 Launch: `torchrun --nproc_per_node=N -m framework.sample ... decode_ranks=K` (or framework.eval).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from framework.distributed.env import init_from_env
 
@@ -49,20 +61,34 @@ def split_denoisers(pipe: Any, decode_ranks: int, size: int, head_groups: int = 
 
 
 def choose_decode_ranks(pipe: Any, batch: Any, denoise: Callable[[Any], torch.Tensor],
-                        latent_shape: tuple[int, ...]) -> int:
+                        latent_shape: tuple[int, ...], aco: "Aco | None" = None) -> int:
     """decode_ranks=auto: K from measured stage times. Rank 0 (always a denoiser) denoises `batch` and sends the
     latents to the last rank (always a decoder), which decodes them, each timed once warm (models loaded first);
-    the other ranks wait. With W ranks, denoising keeps up with decoding when (W - K) / t_denoise = K / t_decode:
-    K = W t_decode / (t_denoise + t_decode), rounded, between 1 and W - 1. Every rank returns the same K."""
+    with `aco`, rank 0 then denoises it with the last rank computing its share of the heads, and once more alone, both
+    timed (the first run is then a warm-up only: a first call's one-time costs would favour Aco). The other ranks
+    wait. K is the count `throughput` predicts the most images a second for (the fewest of equals), between 1
+    and W - 1. Every rank returns the same K."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    times = torch.zeros(2, dtype=torch.float64)
+    times = torch.zeros(3, dtype=torch.float64)
     if rank == 0:
         pipe.ensure_model()
         t0 = time.perf_counter()
         z = denoise(batch)
-        times[0] = time.perf_counter() - t0
+        times[0] = times[2] = time.perf_counter() - t0
+        if aco is not None:  # the first run was also the warm-up: both timed warm, in turn
+            with co_processing(pipe.model, aco):
+                aco.begin(0, world - 1, wait=True)
+                t0 = time.perf_counter()
+                z = denoise(batch)
+                times[2] = time.perf_counter() - t0
+                aco.end()
+            t0 = time.perf_counter()
+            z = denoise(batch)
+            times[0] = time.perf_counter() - t0
         dist.send(_wire(z), dst=world - 1)
     elif rank == world - 1:
+        if aco is not None:
+            _serve(aco, 0, 0, pipe.device)
         z = _wire(torch.empty(len(batch), *latent_shape))
         dist.recv(z, src=0)
         _ = pipe.codec  # loaded before the clock starts
@@ -71,12 +97,38 @@ def choose_decode_ranks(pipe: Any, batch: Any, denoise: Callable[[Any], torch.Te
         times[1] = time.perf_counter() - t0
     times = _wire(times)
     dist.all_reduce(times)
-    t_denoise, t_decode = times.tolist()
-    k = min(max(round(world * t_decode / (t_denoise + t_decode)), 1), world - 1)
+    t_denoise, t_decode, t_helped = times.tolist()
+    rates = [throughput(world, k, t_denoise, t_decode, t_helped) for k in range(1, world)]
+    k = 1 + rates.index(max(rates))
     if rank == 0:
-        print(f"decode_ranks=auto: a batch of {len(batch)} takes {t_denoise:.2f} s to denoise and {t_decode:.2f} s "
-              f"to decode: {k} of {world} ranks decode", flush=True)
+        helped = f" ({t_helped:.2f} s with a decoding rank's help)" if aco is not None else ""
+        print(f"decode_ranks=auto: a batch of {len(batch)} takes {t_denoise:.2f} s to denoise{helped} and "
+              f"{t_decode:.2f} s to decode: {k} of {world} ranks decode", flush=True)
     return k
+
+
+def throughput(world: int, decoders: int, t_denoise: float, t_decode: float, t_helped: float) -> float:
+    """Batches a second that `decoders` of `world` ranks are predicted to draw, from one batch's times: to denoise
+    (t_denoise), to decode (t_decode), and to denoise with a decoding rank computing a share of the heads (t_helped;
+    = t_denoise without Aco).
+
+    At a rate r each decoder is busy u = r t_decode / K of the time and free the rest; a free decoder helps one
+    denoiser, so a share h = min(1, (1 - u) K / D) of the D = W - K denoisers' time is helped, and a batch takes
+    t = t_denoise - h (t_denoise - t_helped). r is where D / t (denoising) or K / t_decode (decoding), the lower,
+    equals r; the lower one falls as r rises, so r is found by bisection."""
+    d, k = world - decoders, decoders
+    decode_rate = k / max(t_decode, 1e-12)
+
+    def rate(r: float) -> float:
+        busy = min(1.0, r * t_decode / k)
+        helped = min(1.0, (1 - busy) * k / d)
+        return min(d / (t_denoise - helped * (t_denoise - t_helped)), decode_rate)
+
+    lo, hi = 0.0, rate(0.0)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) > mid else (lo, mid)
+    return lo
 
 
 def roles(world: int, decode_ranks: int) -> tuple[list[int], list[int]]:
@@ -88,22 +140,24 @@ def roles(world: int, decode_ranks: int) -> tuple[list[int], list[int]]:
     return list(range(world - decode_ranks)), list(range(world - decode_ranks, world))
 
 
-_IMAGE_GROUPS: dict[int, Any] = {}
+_SIDE_GROUPS: dict[tuple[int, str], Any] = {}
 
 
-def _image_group() -> Any:
-    """The process group decoded images return to rank 0 on, apart from the one latents travel on.
+def _side_group(name: str) -> Any:
+    """A process group of every rank for one kind of traffic, apart from the one latents travel on: "images"
+    (decoded images return to rank 0) and "aco" (attention co-processing).
 
     NCCL pairs a pair of ranks' sends and receives in the order they were issued, on one stream per pair and
     process group. On one group, a decoder's send of batch b's images (pending until rank 0 receives them, after
     its own denoising) would sit before its receive of its next latents, while rank 0's send of those latents sits
     before its receive of the images: each waits on the other, a deadlock as soon as a decoder falls behind.
-    Two groups give each direction its own order. Created once per job (a collective: every rank calls it).
+    Two groups give each direction its own order; Aco's messages, which a decoder answers only when free, get a
+    third. Created once per job (a collective: every rank calls it, in the same order).
     """
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _IMAGE_GROUPS:
-        _IMAGE_GROUPS[key] = dist.new_group(backend=dist.get_backend())
-    return _IMAGE_GROUPS[key]
+    key = (id(dist.distributed_c10d._get_default_group()), name)
+    if key not in _SIDE_GROUPS:
+        _SIDE_GROUPS[key] = dist.new_group(backend=dist.get_backend())
+    return _SIDE_GROUPS[key]
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -114,10 +168,13 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 def generate_decoupled(pipe: Any, batches: Sequence[Any], decode_ranks: int,
                        denoise: Callable[[Any], torch.Tensor], latent_shape: tuple[int, ...],
-                       on_batch: Callable[[int], None] | None = None, group_size: int = 1) -> torch.Tensor | None:
+                       on_batch: Callable[[int], None] | None = None, group_size: int = 1,
+                       aco: "Aco | None" = None) -> torch.Tensor | None:
     """Run `denoise(batch) -> latents` on the denoising ranks and `pipe.decode` on the decoding ranks (`pipe`: a
     framework.inference.pipeline.Pipeline; framework/inference/sharing.py's DecodeRanks calls this). group_size:
     the denoising ranks' sequence-parallel groups (split_denoisers); each group's first rank sends its latents.
+    aco: given on every rank (the same share) for attention co-processing; the denoising ranks' model has its
+    processors (co_processing).
 
     Every rank calls this with the same `batches` (each a sized batch, framework/inference/sampling.py's Draws).
     Rank 0 gets the images of all batches in order; the other ranks get None.
@@ -128,12 +185,18 @@ def generate_decoupled(pipe: Any, batches: Sequence[Any], decode_ranks: int,
     groups = len(denoisers) // P
     denoiser_of = lambda b: (b % groups) * P  # the group's first rank sends its latents
     decoder_of = lambda b: decoders[b % len(decoders)]
-    images_group = _image_group()
+    images_group = _side_group("images")
+    if aco is not None and P > 1:
+        raise ValueError("aco with sequence-parallel denoising groups is not supported: set aco=0 or sequence_parallel=1")
     sends = []
     if rank in denoisers:
         for b, batch in enumerate(batches):
             if b % groups == rank // P:
+                if aco is not None:  # a decoder's first batch: it is free from the start
+                    aco.begin(b, decoder_of(b), wait=b < len(decoders))
                 z = denoise(batch)  # (n, *latent_shape)
+                if aco is not None:
+                    aco.end()
                 if rank == denoiser_of(b):
                     sends.append((dist.isend(_wire(z), dst=decoder_of(b), tag=b), z))  # decoded while we go on
                 if on_batch:
@@ -141,6 +204,8 @@ def generate_decoupled(pipe: Any, batches: Sequence[Any], decode_ranks: int,
     else:
         for b, batch in enumerate(batches):
             if decoder_of(b) == rank:
+                if aco is not None:  # nothing to decode until b's latents come: help b's denoiser meanwhile
+                    _serve(aco, denoiser_of(b), b, pipe.device)
                 z = _wire(torch.empty(len(batch), *latent_shape))
                 dist.recv(z, src=denoiser_of(b), tag=b)
                 images = _wire(pipe.decode(z.to(pipe.device)))  # (n, c, h, w)
@@ -159,4 +224,195 @@ def generate_decoupled(pipe: Any, batches: Sequence[Any], decode_ranks: int,
         out = torch.cat(out)
     for work, _tensor in sends:  # the tensor stays referenced until its send is done
         work.wait()
+    if aco is not None:
+        aco.close()
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention co-processing (Aco)
+# --------------------------------------------------------------------------------------------------
+
+_DONE, _ATTEND = 0, 1  # the kinds of a denoiser's message to its helper
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class _Arrival:
+    """A posted receive that can be asked, without waiting, whether its message is in. NCCL's work says so itself;
+    gloo's says complete only once waited for, so a thread waits for it (the wait releases the GIL)."""
+
+    def __init__(self, work: Any, buffer: torch.Tensor) -> None:
+        self.work, self.buffer, self.thread = work, buffer, None
+        if dist.get_backend() != "nccl":
+            self.thread = threading.Thread(target=work.wait, daemon=True)
+            self.thread.start()
+
+    def arrived(self) -> bool:
+        return not self.thread.is_alive() if self.thread is not None else self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+        else:
+            self.work.wait()
+
+
+class Aco:
+    """A rank's part in attention co-processing (`aco=share`): on a denoising rank, the link to the decoder of the
+    batch it denoises, which co_processing's attention processors use (`attend`); on a decoding rank, what `_serve`
+    counts. Create it on every rank (its process group is a collective)."""
+
+    def __init__(self, share: float) -> None:
+        if not 0 < share < 1:
+            raise ValueError(f"aco={share}: the share of each self-attention's heads an idle decoding rank computes, "
+                             "between 0 and 1 (0: off)")
+        self.share, self.group = share, _side_group("aco")
+        self.helper: int | None = None  # the decoding rank of the batch being denoised
+        self.batch = -1
+        self.free: _Arrival | None = None  # its "free for this batch", once posted
+        self.ready = False
+        self.pending: list[Any] = []  # messages not yet known to be through: waited for in close()
+        self.calls = self.helped = self.heads_sent = self.served = self.heads_served = 0  # counts (logs, tests)
+
+    def heads(self, H: int) -> int:
+        """How many of H heads go to a free helper: round(share H), leaving at least one here."""
+        return min(H - 1, round(self.share * H))
+
+    def begin(self, b: int, helper: int, wait: bool) -> None:
+        """Batch b starts, decoded by `helper`: listen for its "free for b" (wait: until it comes)."""
+        self.helper, self.batch, self.ready = helper, b, False
+        buffer = _wire(torch.zeros(1, dtype=torch.long))
+        self.free = _Arrival(dist.irecv(buffer, src=helper, tag=b, group=self.group), buffer)
+        if wait:
+            self.free.wait()
+            self.ready = True
+
+    def end(self) -> None:
+        """Batch b is denoised: "done with b" to its helper (it reads it once free, so not waited for here)."""
+        done = _wire(torch.tensor([_DONE] + [0] * 7))
+        self.pending.append((dist.isend(done, dst=self.helper, tag=self.batch, group=self.group), done))
+        if not self.ready:
+            self.pending.append((self.free, None))
+        self.helper, self.free = None, None
+
+    def close(self) -> None:
+        for work, _tensor in self.pending:
+            work.wait()
+        self.pending = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of q, k, v (B, n, H, D) -> (B, n, H, D): the last heads(H) heads on the helper when it
+        is free, the others here meanwhile; all here otherwise."""
+        self.calls += 1
+        H = q.shape[2]
+        h = self.heads(H)
+        if h and not self.ready and self.free is not None and self.free.arrived():
+            self.free.wait()
+            self.ready = True
+        local = lambda heads: F.scaled_dot_product_attention(*(t[:, :, heads].transpose(1, 2) for t in (q, k, v)))
+        if not (h and self.ready):
+            return local(slice(None)).transpose(1, 2)
+        own = H - h
+        theirs = _wire(torch.stack([t[:, :, own:].transpose(1, 2) for t in (q, k, v)]))  # (3, B, h, n, D)
+        header = _wire(torch.tensor([_ATTEND, _DTYPES.index(theirs.dtype), *theirs.shape, v.shape[-1]]))
+        dist.send(header, dst=self.helper, tag=self.batch, group=self.group)
+        sent = dist.isend(theirs, dst=self.helper, tag=self.batch, group=self.group)
+        back = _wire(torch.empty(*theirs.shape[1:4], v.shape[-1], dtype=theirs.dtype))
+        received = dist.irecv(back, src=self.helper, tag=self.batch, group=self.group)
+        mine = local(slice(0, own))  # (B, own, n, D), while the helper computes its heads
+        received.wait()
+        sent.wait()
+        self.helped, self.heads_sent = self.helped + 1, self.heads_sent + h
+        return torch.cat([mine, back.to(mine.device)], dim=1).transpose(1, 2)
+
+
+def _serve(aco: Aco, denoiser: int, b: int, device: Any) -> None:
+    """On a decoding rank with nothing to decode before batch b: "free for b" to b's denoiser, then compute the
+    attention heads it sends until it is done with b."""
+    free = _wire(torch.ones(1, dtype=torch.long))
+    told = dist.isend(free, dst=denoiser, tag=b, group=aco.group)
+    header = _wire(torch.empty(8, dtype=torch.long))
+    while True:
+        dist.recv(header, src=denoiser, tag=b, group=aco.group)
+        kind, dtype, *shape = header.tolist()
+        if kind == _DONE:
+            break
+        qkv = _wire(torch.empty(*shape[:5], dtype=_DTYPES[dtype]))
+        dist.recv(qkv, src=denoiser, tag=b, group=aco.group)
+        out = F.scaled_dot_product_attention(*qkv.to(device))
+        dist.send(_wire(out), dst=denoiser, tag=b, group=aco.group)
+        aco.served, aco.heads_served = aco.served + 1, aco.heads_served + shape[2]
+    told.wait()
+
+
+class AcoAttnProcessor:
+    """Plain softmax self-attention (in place of AttnProcessor2_0: pixart, dit, latte) with its heads shared with a
+    free decoding rank (Aco.attend)."""
+
+    def __init__(self, aco: Aco) -> None:
+        self.aco = aco
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        from framework.distributed.sequence import softmax_qkv
+
+        if attention_mask is not None or encoder_hidden_states is not None:
+            raise ValueError("aco shares unmasked self-attention only; set aco=0")
+        q, k, v = softmax_qkv(attn, hidden_states)
+        out = self.aco.attend(q, k, v).flatten(2).to(q.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class AcoWanAttnProcessor:
+    """Wan's self-attention (in place of WanAttnProcessor on attn1) with its heads shared likewise."""
+
+    def __init__(self, aco: Aco) -> None:
+        self.aco = aco
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, rotary_emb: tuple | None = None) -> torch.Tensor:
+        from framework.distributed.sequence import wan_qkv
+
+        if attention_mask is not None or encoder_hidden_states is not None:
+            raise ValueError("aco shares Wan's unmasked self-attention only; set aco=0")
+        q, k, v = wan_qkv(attn, hidden_states, rotary_emb)
+        out = self.aco.attend(q, k, v).flatten(2).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+@contextlib.contextmanager
+def co_processing(denoiser: Any, aco: Aco | None) -> Iterator[None]:
+    """With `aco`, every block's self-attention shares its heads (AcoAttnProcessor / AcoWanAttnProcessor in place of
+    the processors diffusers put there, put back on exit); nothing without. Softmax self-attention only: SANA's linear
+    attention costs less than sending its inputs, and the UNet is not a stack of blocks."""
+    if aco is None:
+        yield
+        return
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    from framework.distributed.sequence import check_plain_softmax
+    from framework.models.blocks import block_views
+    from framework.models.plans import plan_of
+
+    family = denoiser.cfg.family
+    seq = plan_of(family).sequence
+    if seq is None or seq.attention == "linear":
+        raise ValueError(f"aco: model.family={family} has no softmax self-attention stack to share (only pixart, dit, "
+                         "latte and wan); set aco=0")
+    swapped = []
+    for view in block_views(denoiser):
+        attn = view.module.attn1
+        if isinstance(attn.processor, WanAttnProcessor):
+            if attn.add_k_proj is not None:
+                raise ValueError(f"aco: {view.name}.attn1 also attends to an image (Wan's image-to-video attention)")
+            processor = AcoWanAttnProcessor(aco)
+        else:
+            check_plain_softmax(attn, f"{view.name}.attn1", "aco")
+            processor = AcoAttnProcessor(aco)
+        swapped.append((attn, attn.processor))
+        attn.set_processor(processor)
+    try:
+        yield
+    finally:
+        for attn, processor in swapped:
+            attn.set_processor(processor)

@@ -55,15 +55,18 @@ class SplitRanks:
 @dataclass(frozen=True)
 class DecodeRanks:
     """The last `k` ranks decode while the others denoise; "auto": k from the first batch's measured denoising and
-    decoding times. Rank 0 gets all images, the same ones plain sampling draws; the other ranks get None."""
+    decoding times. `aco`: a decoding rank with nothing to decode computes this share of each self-attention's heads
+    for the denoiser whose latents it waits for (PipeDiT's Aco; 0: off). Rank 0 gets all images, the same ones plain
+    sampling draws; the other ranks get None."""
 
     k: int | str
+    aco: float = 0.0
 
     def run(self, sampler: Sampler, draws: Draws) -> torch.Tensor | None:
         import torch.distributed as dist
         from tqdm import tqdm
 
-        from framework.inference.decoupled import choose_decode_ranks, generate_decoupled
+        from framework.inference.decoupled import Aco, choose_decode_ranks, co_processing, generate_decoupled
 
         pipe, k = sampler.pipe, self.k
         sp = group_of(pipe.model)
@@ -78,16 +81,29 @@ class DecodeRanks:
                    leave=False)
         active: dict[str, Any] = {"runner": None}  # the cache runner, once installed
         denoise = lambda batch: sampler.latents(batch, active["runner"])  # noqa: E731
+        if self.aco and pipe.group_size > 1:
+            raise ValueError("aco with sequence-parallel denoising groups is not supported: set aco=0 or "
+                             "sequence_parallel=1")
+        aco = Aco(self.aco) if self.aco else None  # (on every rank: its process group is a collective)
         if k == "auto":
             if pipe.group_size > 1:
                 raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks")
-            k = choose_decode_ranks(pipe, batches[0], denoise, sampler.shape)
+            k = choose_decode_ranks(pipe, batches[0], denoise, sampler.shape, aco)
         denoising = dist.get_rank() < dist.get_world_size() - k
         if denoising:  # a decoding rank never builds the denoiser
             pipe.ensure_model()
-        with sampler.caching(on=denoising) as active["runner"]:
-            images = generate_decoupled(pipe, batches, k, denoise, sampler.shape, bar.update, pipe.group_size)
+        with co_processing(pipe.model if denoising else None, aco if denoising else None), \
+                sampler.caching(on=denoising) as active["runner"]:
+            images = generate_decoupled(pipe, batches, k, denoise, sampler.shape, bar.update, pipe.group_size, aco)
         bar.close()
+        if aco is not None:  # every rank's counts, told once
+            counts = torch.tensor([aco.calls, aco.helped, aco.heads_sent], dtype=torch.long)
+            counts = counts.cuda() if dist.get_backend() == "nccl" else counts
+            dist.all_reduce(counts)
+            if sampler.progress and dist.get_rank() == 0:
+                calls, helped, heads = counts.tolist()
+                print(f"aco: decoding ranks computed {heads} heads in {helped} of the {calls} self-attentions",
+                      flush=True)
         return images
 
 

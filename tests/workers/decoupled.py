@@ -31,13 +31,21 @@ PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0", "a scribbled
 PLAN = SamplingPlan(steps=3, seed=4)
 
 
-def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
-    init_from_env()
+def pixart_pipe(data: str, vae: str) -> Pipeline:
+    """A random 4-channel PixArt over DATA's prompts, decoded by the VAE folder `vae`."""
     info = read_dataset_info(data)
     summary = {**info.summary(), "image_codec": vae, "scaling_factor": 0.5, "shift_factor": 0.1}
     torch.manual_seed(0)
     model = build_denoiser(load_preset("pixart_debug", in_channels=4, num_layers=2, text_dim=384))
-    pipe = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
+    return Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
+
+
+def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
+    init_from_env()
+    info = read_dataset_info(data)
+    summary = {**info.summary(), "image_codec": vae, "scaling_factor": 0.5, "shift_factor": 0.1}
+    pipe = pixart_pipe(data, vae)
+    model = pipe.model
     result = {}
     if decode_ranks == 0:  # SplitRanks(decode_on_rank0=True) (training grids): a fresh pipeline, its VAE not yet loaded
         fresh = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
@@ -108,9 +116,11 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
 
     pipe = Pipeline.from_checkpoint(ckpt, lazy=True)
     k = decode_ranks if decode_ranks == "auto" else int(decode_ranks)
-    share_ranks(pipe, RankSharing(decode_ranks=k, sequence_parallel=int(os.environ.get("SEQUENCE_PARALLEL", "1"))))
-    images = pipe.generate(PROMPTS, PLAN, batch_size=2, ranks=DecodeRanks(k))
-    again = pipe.generate(PROMPTS[:2], PLAN, batch_size=2, ranks=DecodeRanks(k))  # a second call (eval makes many)
+    cfg = RankSharing(decode_ranks=k, sequence_parallel=int(os.environ.get("SEQUENCE_PARALLEL", "1")),
+                      aco=float(os.environ.get("ACO", "0")))
+    share_ranks(pipe, cfg)
+    images = pipe.generate(PROMPTS, PLAN, batch_size=2, ranks=cfg.sharing(), progress=True)
+    again = pipe.generate(PROMPTS[:2], PLAN, batch_size=2, ranks=cfg.sharing(), progress=True)  # eval makes many
     sp = group_of(pipe.model)
     state = {"built": pipe._build is None, "codec": pipe._codec is not None,
              "meta": next(pipe.model.parameters()).is_meta, "split": None if sp is None else [sp.rank, sp.size],
@@ -125,19 +135,24 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     leave()
 
 
-def video_main(data: str, vae: str, decode_ranks: int, out: str, tile: int) -> None:
-    """`... tests.workers.decoupled video DATA VAE K OUT TILE`: a random Wan whose latents (3 latent frames of 4x4) a
-    tiny Wan video VAE decodes into 9 frames of 16x16 (in TILE-pixel tiles; 0: whole frames), the prompts' text from
-    DATA's encoder: decode_ranks=K's clips against plain generation's. Rank 0 writes OUT."""
-    init_from_env()
+def wan_pipe(data: str, vae: str, tile: int, preset: str = "wan_debug") -> Pipeline:
+    """A random Wan (or another video preset) whose latents (3 latent frames of 4x4) a tiny Wan video VAE decodes into
+    9 frames of 16x16 (in TILE-pixel tiles; 0: whole frames), the prompts' text from DATA's encoder."""
     info = read_dataset_info(data)
     summary = {**info.summary(), "image_codec": vae, "image_mode": "RGB", "downsample": 4, "temporal_compression": 4,
                "scaling_factor": [1 / 1.5, 1 / 0.5, 1 / 2.0, 1.0], "shift_factor": [0.1, -0.2, 0.3, 0.0],
                "vae_tile": tile or None}
     torch.manual_seed(0)
-    model = build_denoiser(load_preset("wan_debug", in_channels=4, sample_size=4, num_frames=3, text_dim=384,
+    model = build_denoiser(load_preset(preset, in_channels=4, sample_size=4, num_frames=3, text_dim=384,
                                        num_layers=2))
-    pipe = Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
+    return Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
+
+
+def video_main(data: str, vae: str, decode_ranks: int, out: str, tile: int) -> None:
+    """`... tests.workers.decoupled video DATA VAE K OUT TILE`: wan_pipe's decode_ranks=K clips against plain
+    generation's. Rank 0 writes OUT."""
+    init_from_env()
+    pipe = wan_pipe(data, vae, tile)
     plain = pipe.generate(PROMPTS, PLAN, batch_size=2)
     split = pipe.generate(PROMPTS, PLAN, batch_size=2, ranks=DecodeRanks(decode_ranks))
     returned = [None] * dist.get_world_size()
@@ -151,8 +166,47 @@ def video_main(data: str, vae: str, decode_ranks: int, out: str, tile: int) -> N
     leave()
 
 
+def aco_main(family: str, data: str, vae: str, decode_ranks: int, out: str) -> None:
+    """`... tests.workers.decoupled aco pixart|wan|latte DATA VAE K OUT`: decode_ranks=K with aco=0.5 (half the heads to a
+    free decoder) against plain generation, and each rank's counts: self-attentions run and helped, heads sent and
+    served. SLOW_DECODE=S: each decode S s slower, so that later batches' decoders are free late or not at all."""
+    from framework.inference import decoupled
+
+    init_from_env()
+    pipe = pixart_pipe(data, vae) if family == "pixart" else wan_pipe(data, vae, 8, f"{family}_debug")
+    made = []
+    init = decoupled.Aco.__init__
+
+    def probe(self, share):  # (this worker process only) every Aco made, to read its counts
+        init(self, share)
+        made.append(self)
+
+    decoupled.Aco.__init__ = probe
+    slow = float(os.environ.get("SLOW_DECODE", "0"))
+    if slow:
+        decode = pipe.decode
+        pipe.decode = lambda z: (time.sleep(slow), decode(z))[1]
+    plan = dataclasses.replace(PLAN, steps=2)
+    prompts = PROMPTS + PROMPTS[:1]  # 3 batches of 2
+    plain = pipe.generate(prompts, plan, batch_size=2) if dist.get_rank() == 0 else None
+    dist.barrier()
+    shared = pipe.generate(prompts, plan, batch_size=2, ranks=DecodeRanks(decode_ranks, aco=0.5))
+    (aco,) = made
+    counts = {name: getattr(aco, name) for name in ("calls", "helped", "heads_sent", "served", "heads_served")}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, counts)
+    if dist.get_rank() == 0:
+        heads = pipe.model.cfg.num_heads
+        with open(out, "w") as f:
+            json.dump({"equal": bool(torch.equal(shared, plain)), "max_abs": float(plain.abs().max()),
+                       "shape": list(shared.shape), "ranks": everyone, "heads": heads}, f)
+    leave()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "roles":
+    if sys.argv[1] == "aco":
+        aco_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
+    elif sys.argv[1] == "roles":
         roles_main(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "video":
         video_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
