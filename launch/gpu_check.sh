@@ -89,5 +89,7 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
         "$PY" -m framework.bench overlap latent_size=null ranks="$ranks" "$@" trace_dir="$RESULTS/overlap_$name" \
             out="$RESULTS/bench_overlap_$name.json" 2>&1 | tee "$RESULTS/bench_overlap_$name.log" || status=1
     done
+    # decoupled video generation: each role's peak at Wan 1.3B's 81 frames of 480x832 (all 30 blocks on a GPU)
+    "$PY" -m framework.bench roles out="$RESULTS/bench_roles.json" 2>&1 | tee "$RESULTS/bench_roles.log" || status=1
 fi
 exit $status

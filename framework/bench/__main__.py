@@ -15,7 +15,9 @@ Suites (one file each, framework/bench/suite_<name>.py):
              schedule, uniform:K at the same cost and fewer steps at the same latency (the quality-vs-speed curve is a
              study: python -m framework.studies cache_curve)
   decode     (under torchrun) generation with a denoiser and an SD-architecture VAE: one rank, every rank
-             doing both (SplitRanks), and denoising / decoding ranks (decode_ranks)
+             doing both (SplitRanks), and denoising / decoding ranks (decode_ranks), with and without Aco
+  roles      each role's peak memory in decoupled video generation at a real clip size (Wan 1.3B, 81 frames at
+             480x832): a denoising rank's step and a decoding rank's tiled clip, each in a fresh process
   checkpoint seconds (the training loop blocked / until complete) and bytes per sharded save on CPU ranks,
              synchronous vs strategy.async_save (framework.distributed.strategy.ShardedSaver)
   overhead   the framework's own cost per step: framework.train against a hand-written loop (same shards, model,
@@ -40,7 +42,7 @@ from typing import Any, Callable
 
 from framework.bench import (suite_cache, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_finetune,
                              suite_gpu, suite_init_memory, suite_memory, suite_norm, suite_optimizer, suite_overhead,
-                             suite_overlap, suite_precompute, suite_sequence, suite_train)
+                             suite_overlap, suite_precompute, suite_roles, suite_sequence, suite_train)
 from framework.cli import named_command
 
 # name -> (the suite's config dataclass, run(cfg) -> JSON rows)
@@ -54,6 +56,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "norm": (suite_norm.NormBench, suite_norm.run),
     "cache": (suite_cache.CacheBench, suite_cache.run),
     "decode": (suite_decode.DecodeBench, suite_decode.run),
+    "roles": (suite_roles.RolesBench, suite_roles.run),
     "overhead": (suite_overhead.OverheadBench, suite_overhead.run),
     "sequence": (suite_sequence.SequenceBench, suite_sequence.run),
     "overlap": (suite_overlap.OverlapBench, suite_overlap.run),

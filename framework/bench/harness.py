@@ -11,7 +11,8 @@ import resource
 import statistics
 import tempfile
 import time
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -187,3 +188,25 @@ def measure_fit(module: DiffusionModule, model_cfg: ModelConfig, *, batch_size: 
         "peak_mem_bytes": peak_memory_bytes(device),
         "device": device_name(device),
     }
+
+
+def in_fresh_processes(target: Callable[[Any, str, str], None], cfg: Any, names: list[str],
+                       prefix: str) -> list[dict[str, Any]]:
+    """`target(cfg, name, out)` for each name in a process of its own (spawned: a process's peak memory is its own),
+    each writing its JSON row to `out`; the rows, in order. `target` is a module-level function."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    rows = []
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            out = f"{tmp}/{name}.json"
+            mp.start_processes(_fresh_main, args=(target, cfg, name, out), nprocs=1, start_method="spawn")
+            rows.append(json.loads(Path(out).read_text()))
+    return rows
+
+
+def _fresh_main(index: int, target: Callable[[Any, str, str], None], cfg: Any, name: str, out: str) -> None:
+    target(cfg, name, out)

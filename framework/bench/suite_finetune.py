@@ -91,21 +91,9 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
 
 
 def run(cfg: FinetuneBench) -> list[dict[str, Any]]:
-    import json
-    import tempfile
+    from framework.bench.harness import in_fresh_processes
 
-    import torch.multiprocessing as mp
-
-    rows = []
-    for arm in cfg.arms:  # each arm a fresh process: the peak is per process
-        with tempfile.TemporaryDirectory(prefix="lf-finetune-") as tmp:
-            out = f"{tmp}/{arm}.json"
-            mp.start_processes(_arm_main, args=(cfg, arm, out), nprocs=1, start_method="spawn")
-            rows.append(json.loads(Path(out).read_text()))
+    rows = in_fresh_processes(_arm, cfg, cfg.arms, "lf-finetune-")  # each arm a fresh process: the peak is per process
     print_table(rows, ["model", "arm", "precision", "trainable", "samples_per_s", "step_ms_median", "peak_gib",
                        "predicted_gib", "measured_over_predicted", "device"])
     return rows
-
-
-def _arm_main(index: int, cfg: FinetuneBench, arm: str, out: str) -> None:
-    _arm(cfg, arm, out)

@@ -555,7 +555,9 @@ def softmax_qkv(attn: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, t
     B, n, _ = hidden_states.shape
     q, k, v = (proj(hidden_states).view(B, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
     if attn.norm_q is not None:
-        q, k = attn.norm_q(q), attn.norm_k(k)
+        q = attn.norm_q(q)
+    if attn.norm_k is not None:
+        k = attn.norm_k(k)
     return q, k, v
 
 

@@ -61,13 +61,13 @@ def split_denoisers(pipe: Any, decode_ranks: int, size: int, head_groups: int = 
 
 
 def choose_decode_ranks(pipe: Any, batch: Any, denoise: Callable[[Any], torch.Tensor],
-                        latent_shape: tuple[int, ...], aco: "Aco | None" = None) -> int:
+                        latent_shape: tuple[int, ...], aco: "Aco | None" = None) -> tuple[int, bool]:
     """decode_ranks=auto: K from measured stage times. Rank 0 (always a denoiser) denoises `batch` and sends the
     latents to the last rank (always a decoder), which decodes them, each timed once warm (models loaded first);
     with `aco`, rank 0 then denoises it with the last rank computing its share of the heads, and once more alone, both
     timed (the first run is then a warm-up only: a first call's one-time costs would favour Aco). The other ranks
-    wait. K is the count `throughput` predicts the most images a second for (the fewest of equals), between 1
-    and W - 1. Every rank returns the same K."""
+    wait. K is the count `throughput` predicts the most batches a second for (the fewest of equals), between 1 and
+    W - 1. Every rank returns the same (K, whether to use Aco): not when a helped batch took as long as one alone."""
     rank, world = dist.get_rank(), dist.get_world_size()
     times = torch.zeros(3, dtype=torch.float64)
     if rank == 0:
@@ -98,31 +98,36 @@ def choose_decode_ranks(pipe: Any, batch: Any, denoise: Callable[[Any], torch.Te
     times = _wire(times)
     dist.all_reduce(times)
     t_denoise, t_decode, t_helped = times.tolist()
-    rates = [throughput(world, k, t_denoise, t_decode, t_helped) for k in range(1, world)]
+    use_aco = aco is not None and t_helped < t_denoise
+    rates = [throughput(world, k, t_denoise, t_decode, t_helped if use_aco else t_denoise) for k in range(1, world)]
     k = 1 + rates.index(max(rates))
+    if aco is not None:  # the counts told after generation are its own
+        aco.calls = aco.helped = aco.heads_sent = aco.served = aco.heads_served = 0
     if rank == 0:
         helped = f" ({t_helped:.2f} s with a decoding rank's help)" if aco is not None else ""
+        off = "; aco off: the help did not pay" if aco is not None and not use_aco else ""
         print(f"decode_ranks=auto: a batch of {len(batch)} takes {t_denoise:.2f} s to denoise{helped} and "
-              f"{t_decode:.2f} s to decode: {k} of {world} ranks decode", flush=True)
-    return k
+              f"{t_decode:.2f} s to decode: {k} of {world} ranks decode{off}", flush=True)
+    return k, use_aco
 
 
 def throughput(world: int, decoders: int, t_denoise: float, t_decode: float, t_helped: float) -> float:
     """Batches a second that `decoders` of `world` ranks are predicted to draw, from one batch's times: to denoise
-    (t_denoise), to decode (t_decode), and to denoise with a decoding rank computing a share of the heads (t_helped;
-    = t_denoise without Aco).
+    (t_denoise), to decode (t_decode), and to denoise with a decoding rank computing a share of the heads throughout
+    (t_helped, at most t_denoise; = t_denoise without Aco).
 
     At a rate r each decoder is busy u = r t_decode / K of the time and free the rest; a free decoder helps one
-    denoiser, so a share h = min(1, (1 - u) K / D) of the D = W - K denoisers' time is helped, and a batch takes
-    t = t_denoise - h (t_denoise - t_helped). r is where D / t (denoising) or K / t_decode (decoding), the lower,
-    equals r; the lower one falls as r rises, so r is found by bisection."""
+    denoiser, so a share h = min(1, (1 - u) K / D) of the D = W - K denoisers' time is helped, and the denoisers draw
+    D ((1 - h) / t_denoise + h / t_helped) batches a second. r is where that or K / t_decode (decoding), the lower,
+    equals r; the lower one falls as r rises (less help), so r is found by bisection."""
     d, k = world - decoders, decoders
     decode_rate = k / max(t_decode, 1e-12)
+    t_helped = min(t_helped, t_denoise)
 
     def rate(r: float) -> float:
         busy = min(1.0, r * t_decode / k)
         helped = min(1.0, (1 - busy) * k / d)
-        return min(d / (t_denoise - helped * (t_denoise - t_helped)), decode_rate)
+        return min(d * ((1 - helped) / t_denoise + helped / t_helped), decode_rate)
 
     lo, hi = 0.0, rate(0.0)
     for _ in range(100):
@@ -239,22 +244,37 @@ _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 class _Arrival:
     """A posted receive that can be asked, without waiting, whether its message is in. NCCL's work says so itself;
-    gloo's says complete only once waited for, so a thread waits for it (the wait releases the GIL)."""
+    gloo's says complete only once waited for, so a thread waits for it (the wait releases the GIL), keeping what it
+    raised (a timeout) for this thread to raise."""
 
     def __init__(self, work: Any, buffer: torch.Tensor) -> None:
-        self.work, self.buffer, self.thread = work, buffer, None
+        self.work, self.buffer, self.thread, self.error = work, buffer, None, None
         if dist.get_backend() != "nccl":
-            self.thread = threading.Thread(target=work.wait, daemon=True)
+            self.thread = threading.Thread(target=self._wait, daemon=True)
             self.thread.start()
 
+    def _wait(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as e:  # noqa: BLE001 (raised again where the message is used)
+            self.error = e
+
     def arrived(self) -> bool:
-        return not self.thread.is_alive() if self.thread is not None else self.work.is_completed()
+        if self.thread is None:
+            return self.work.is_completed()
+        if self.thread.is_alive():
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
 
     def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-        else:
+        if self.thread is None:
             self.work.wait()
+            return
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class Aco:
@@ -262,17 +282,35 @@ class Aco:
     batch it denoises, which co_processing's attention processors use (`attend`); on a decoding rank, what `_serve`
     counts. Create it on every rank (its process group is a collective)."""
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, decode_ranks: int | str) -> None:
         if not 0 < share < 1:
             raise ValueError(f"aco={share}: the share of each self-attention's heads an idle decoding rank computes, "
                              "between 0 and 1 (0: off)")
         self.share, self.group = share, _side_group("aco")
+        self._connect(decode_ranks)
         self.helper: int | None = None  # the decoding rank of the batch being denoised
         self.batch = -1
         self.free: _Arrival | None = None  # its "free for this batch", once posted
         self.ready = False
         self.pending: list[Any] = []  # messages not yet known to be through: waited for in close()
         self.calls = self.helped = self.heads_sent = self.served = self.heads_served = 0  # counts (logs, tests)
+
+    def _connect(self, decode_ranks: int | str) -> None:
+        """A first message between every denoising and decoding rank that may pair up, in one order on every rank,
+        so that NCCL sets up each pair's connection now rather than on a batch's first "free" (where a denoiser would
+        sit until its decoder is done with an earlier batch). auto: every pair of ranks."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if decode_ranks == "auto":
+            pairs = [(a, b) for a in range(world) for b in range(a + 1, world)]
+        else:
+            denoisers, decoders = roles(world, decode_ranks)
+            pairs = [(a, b) for a in denoisers for b in decoders]
+        token = _wire(torch.zeros(1, dtype=torch.long))
+        for a, b in pairs:
+            if rank == a:
+                dist.send(token, dst=b, group=self.group)
+            elif rank == b:
+                dist.recv(token, src=a, group=self.group)
 
     def heads(self, H: int) -> int:
         """How many of H heads go to a free helper: round(share H), leaving at least one here."""
@@ -380,14 +418,11 @@ class AcoWanAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-@contextlib.contextmanager
-def co_processing(denoiser: Any, aco: Aco | None) -> Iterator[None]:
-    """With `aco`, every block's self-attention shares its heads (AcoAttnProcessor / AcoWanAttnProcessor in place of
-    the processors diffusers put there, put back on exit); nothing without. Softmax self-attention only: SANA's linear
-    attention costs less than sending its inputs, and the UNet is not a stack of blocks."""
-    if aco is None:
-        yield
-        return
+def aco_processors(denoiser: Any, aco: Any) -> list[tuple[Any, Any]]:
+    """(self-attention module, the Aco processor for it) for every block of `denoiser`, or an error naming what Aco
+    cannot share. Softmax self-attention only: SANA's linear attention costs less than sending its inputs, and the
+    UNet is not a stack of blocks. Reads structure only, so a decoding rank runs it on its meta-device placeholder:
+    every rank refuses before any Aco message (a refusal on the denoisers alone would leave the decoders waiting)."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
     from framework.distributed.sequence import check_plain_softmax
@@ -399,16 +434,32 @@ def co_processing(denoiser: Any, aco: Aco | None) -> Iterator[None]:
     if seq is None or seq.attention == "linear":
         raise ValueError(f"aco: model.family={family} has no softmax self-attention stack to share (only pixart, dit, "
                          "latte and wan); set aco=0")
-    swapped = []
+    out = []
     for view in block_views(denoiser):
         attn = view.module.attn1
         if isinstance(attn.processor, WanAttnProcessor):
             if attn.add_k_proj is not None:
                 raise ValueError(f"aco: {view.name}.attn1 also attends to an image (Wan's image-to-video attention)")
-            processor = AcoWanAttnProcessor(aco)
+            if getattr(attn.processor, "_attention_backend", None) is not None or \
+                    getattr(attn.processor, "_parallel_config", None) is not None:
+                raise ValueError(f"aco: {view.name}.attn1 has an attention backend or a context-parallel plan of "
+                                 "diffusers' set; Aco computes with torch's attention: set aco=0")
+            out.append((attn, AcoWanAttnProcessor(aco)))
         else:
             check_plain_softmax(attn, f"{view.name}.attn1", "aco")
-            processor = AcoAttnProcessor(aco)
+            out.append((attn, AcoAttnProcessor(aco)))
+    return out
+
+
+@contextlib.contextmanager
+def co_processing(denoiser: Any, aco: Aco | None) -> Iterator[None]:
+    """With `aco`, every block's self-attention shares its heads (AcoAttnProcessor / AcoWanAttnProcessor in place of
+    the processors diffusers put there, put back on exit); nothing without."""
+    if aco is None:
+        yield
+        return
+    swapped = []
+    for attn, processor in aco_processors(denoiser, aco):
         swapped.append((attn, attn.processor))
         attn.set_processor(processor)
     try:

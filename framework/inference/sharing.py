@@ -66,7 +66,8 @@ class DecodeRanks:
         import torch.distributed as dist
         from tqdm import tqdm
 
-        from framework.inference.decoupled import Aco, choose_decode_ranks, co_processing, generate_decoupled
+        from framework.inference.decoupled import (Aco, aco_processors, choose_decode_ranks, co_processing,
+                                                   generate_decoupled)
 
         pipe, k = sampler.pipe, self.k
         sp = group_of(pipe.model)
@@ -84,11 +85,14 @@ class DecodeRanks:
         if self.aco and pipe.group_size > 1:
             raise ValueError("aco with sequence-parallel denoising groups is not supported: set aco=0 or "
                              "sequence_parallel=1")
-        aco = Aco(self.aco) if self.aco else None  # (on every rank: its process group is a collective)
+        if self.aco:  # refused on every rank alike (a decoding rank reads its placeholder's structure)
+            aco_processors(pipe.model, None)
+        aco = Aco(self.aco, k) if self.aco else None  # (on every rank: its process group is a collective)
         if k == "auto":
             if pipe.group_size > 1:
                 raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks")
-            k = choose_decode_ranks(pipe, batches[0], denoise, sampler.shape, aco)
+            k, use_aco = choose_decode_ranks(pipe, batches[0], denoise, sampler.shape, aco)
+            aco = aco if use_aco else None
         denoising = dist.get_rank() < dist.get_world_size() - k
         if denoising:  # a decoding rank never builds the denoiser
             pipe.ensure_model()

@@ -31,12 +31,12 @@ PROMPTS = ["a handwritten 3", "the digit seven", "a handwritten 0", "a scribbled
 PLAN = SamplingPlan(steps=3, seed=4)
 
 
-def pixart_pipe(data: str, vae: str) -> Pipeline:
-    """A random 4-channel PixArt over DATA's prompts, decoded by the VAE folder `vae`."""
+def pixart_pipe(data: str, vae: str, preset: str = "pixart_debug") -> Pipeline:
+    """A random 4-channel PixArt (or another image preset) over DATA's prompts, decoded by the VAE folder `vae`."""
     info = read_dataset_info(data)
     summary = {**info.summary(), "image_codec": vae, "scaling_factor": 0.5, "shift_factor": 0.1}
     torch.manual_seed(0)
-    model = build_denoiser(load_preset("pixart_debug", in_channels=4, num_layers=2, text_dim=384))
+    model = build_denoiser(load_preset(preset, in_channels=4, num_layers=2, text_dim=384))
     return Pipeline(model.eval(), Objective(ObjectiveConfig()), info.empty_text_embeds, summary)
 
 
@@ -167,28 +167,46 @@ def video_main(data: str, vae: str, decode_ranks: int, out: str, tile: int) -> N
 
 
 def aco_main(family: str, data: str, vae: str, decode_ranks: int, out: str) -> None:
-    """`... tests.workers.decoupled aco pixart|wan|latte DATA VAE K OUT`: decode_ranks=K with aco=0.5 (half the heads to a
-    free decoder) against plain generation, and each rank's counts: self-attentions run and helped, heads sent and
-    served. SLOW_DECODE=S: each decode S s slower, so that later batches' decoders are free late or not at all."""
+    """`... tests.workers.decoupled aco pixart|sana|wan|latte DATA VAE K OUT`: decode_ranks=K with aco=0.5 (half the
+    heads to a free decoder) against plain generation, and each rank's counts: self-attentions run and helped, heads
+    sent and served. HOLD_DECODE=1: each decode waits until every denoising rank has sent its last "done" (a file
+    each), so that every batch after a decoder's first finds it busy."""
+    from pathlib import Path
+
     from framework.inference import decoupled
 
     init_from_env()
-    pipe = pixart_pipe(data, vae) if family == "pixart" else wan_pipe(data, vae, 8, f"{family}_debug")
+    image = family in ("pixart", "sana")
+    pipe = pixart_pipe(data, vae, f"{family}_debug") if image else wan_pipe(data, vae, 8, f"{family}_debug")
     made = []
-    init = decoupled.Aco.__init__
-
-    def probe(self, share):  # (this worker process only) every Aco made, to read its counts
-        init(self, share)
-        made.append(self)
-
-    decoupled.Aco.__init__ = probe
-    slow = float(os.environ.get("SLOW_DECODE", "0"))
-    if slow:
-        decode = pipe.decode
-        pipe.decode = lambda z: (time.sleep(slow), decode(z))[1]
+    init, end = decoupled.Aco.__init__, decoupled.Aco.end
     plan = dataclasses.replace(PLAN, steps=2)
     prompts = PROMPTS + PROMPTS[:1]  # 3 batches of 2
-    plain = pipe.generate(prompts, plan, batch_size=2) if dist.get_rank() == 0 else None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    denoisers = world - decode_ranks
+    mine = len(range(rank, 3, denoisers)) if rank < denoisers else 0  # this denoiser's batches
+
+    def probe(self, *args):  # (this worker process only) every Aco made, to read its counts
+        init(self, *args)
+        made.append(self)
+
+    def ended(self):  # a denoiser's last "done" sent: say so
+        end(self)
+        self.ends = getattr(self, "ends", 0) + 1
+        if self.ends == mine:
+            Path(f"{out}.done{rank}").touch()
+
+    plain = pipe.generate(prompts, plan, batch_size=2) if rank == 0 else None  # before the probes: plainly
+    decoupled.Aco.__init__, decoupled.Aco.end = probe, ended
+    if os.environ.get("HOLD_DECODE") == "1":
+        decode = pipe.decode
+
+        def held(z):
+            while not all(Path(f"{out}.done{r}").exists() for r in range(denoisers)):
+                time.sleep(0.01)
+            return decode(z)
+
+        pipe.decode = held
     dist.barrier()
     shared = pipe.generate(prompts, plan, batch_size=2, ranks=DecodeRanks(decode_ranks, aco=0.5))
     (aco,) = made
