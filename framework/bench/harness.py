@@ -39,6 +39,13 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+def bench_device(name: str) -> torch.device:
+    """A bench's `device=`: auto (cuda when present, else cpu), cuda or cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -195,7 +202,6 @@ def in_fresh_processes(target: Callable[[Any, str, str], None], cfg: Any, names:
     """`target(cfg, name, out)` for each name in a process of its own (spawned: a process's peak memory is its own),
     each writing its JSON row to `out`; the rows, in order. `target` is a module-level function."""
     import json
-    import tempfile
 
     import torch.multiprocessing as mp
 

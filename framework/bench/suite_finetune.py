@@ -56,7 +56,7 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
     """One arm in its own (spawned) process: build, predict, time a fit, write the row."""
     import json
 
-    from framework.bench.harness import bench_optimizer, measure_fit
+    from framework.bench.harness import bench_device, bench_optimizer, measure_fit
     from framework.distributed.fsdp import prepare_blocks, shard_units
     from framework.models.adapters import AdapterConfig, frozen_bytes_per_param
     from framework.models.backbones import load_preset
@@ -64,8 +64,7 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
     from framework.training.memory import GIB, PROCESS_BYTES, predict_model
     from framework.training.module import DiffusionModule
 
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = bench_device(cfg.device)
     kind, base_dtype, offload = ARMS[arm]
     precision = "bf16-mixed" if device.type == "cuda" or base_dtype == "bf16" else "32-true"
     checkpointing = cfg.activation_checkpointing or offload

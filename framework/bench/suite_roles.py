@@ -122,12 +122,12 @@ def _role(cfg: RolesBench, role: str, out: str) -> None:
     """One role in its own (spawned) process: run it, write its row with the process's peak."""
     import json
 
-    from framework.bench.harness import peak_memory_bytes
+    from data_prep.encoders import resolve_dtype
+    from framework.bench.harness import bench_device, peak_memory_bytes
     from framework.training.memory import GIB
 
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
+    device = bench_device(cfg.device)
+    dtype = resolve_dtype(device, cfg.dtype)
     row = (_denoise if role == "denoise" else _decode)(cfg, device, dtype)
     peak = peak_memory_bytes(device)
     row.update({"role": role, "preset": cfg.preset, "frames": cfg.num_frames, "size": f"{cfg.height}x{cfg.width}",

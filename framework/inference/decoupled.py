@@ -102,7 +102,7 @@ def choose_decode_ranks(pipe: Any, batch: Any, denoise: Callable[[Any], torch.Te
     rates = [throughput(world, k, t_denoise, t_decode, t_helped if use_aco else t_denoise) for k in range(1, world)]
     k = 1 + rates.index(max(rates))
     if aco is not None:  # the counts told after generation are its own
-        aco.calls = aco.helped = aco.heads_sent = aco.served = aco.heads_served = 0
+        aco.reset_counts()
     if rank == 0:
         helped = f" ({t_helped:.2f} s with a decoding rank's help)" if aco is not None else ""
         off = "; aco off: the help did not pay" if aco is not None and not use_aco else ""
@@ -191,8 +191,6 @@ def generate_decoupled(pipe: Any, batches: Sequence[Any], decode_ranks: int,
     denoiser_of = lambda b: (b % groups) * P  # the group's first rank sends its latents
     decoder_of = lambda b: decoders[b % len(decoders)]
     images_group = _side_group("images")
-    if aco is not None and P > 1:
-        raise ValueError("aco with sequence-parallel denoising groups is not supported: set aco=0 or sequence_parallel=1")
     sends = []
     if rank in denoisers:
         for b, batch in enumerate(batches):
@@ -293,7 +291,11 @@ class Aco:
         self.free: _Arrival | None = None  # its "free for this batch", once posted
         self.ready = False
         self.pending: list[Any] = []  # messages not yet known to be through: waited for in close()
-        self.calls = self.helped = self.heads_sent = self.served = self.heads_served = 0  # counts (logs, tests)
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Zero the counts (logs, tests): self-attentions run and helped, heads sent; heads and calls served."""
+        self.calls = self.helped = self.heads_sent = self.served = self.heads_served = 0
 
     def _connect(self, decode_ranks: int | str) -> None:
         """A first message between every denoising and decoding rank that may pair up, in one order on every rank,

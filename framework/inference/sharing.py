@@ -66,7 +66,7 @@ class DecodeRanks:
         import torch.distributed as dist
         from tqdm import tqdm
 
-        from framework.inference.decoupled import (Aco, aco_processors, choose_decode_ranks, co_processing,
+        from framework.inference.decoupled import (Aco, _wire, aco_processors, choose_decode_ranks, co_processing,
                                                    generate_decoupled)
 
         pipe, k = sampler.pipe, self.k
@@ -101,8 +101,7 @@ class DecodeRanks:
             images = generate_decoupled(pipe, batches, k, denoise, sampler.shape, bar.update, pipe.group_size, aco)
         bar.close()
         if aco is not None:  # every rank's counts, told once
-            counts = torch.tensor([aco.calls, aco.helped, aco.heads_sent], dtype=torch.long)
-            counts = counts.cuda() if dist.get_backend() == "nccl" else counts
+            counts = _wire(torch.tensor([aco.calls, aco.helped, aco.heads_sent], dtype=torch.long))
             dist.all_reduce(counts)
             if sampler.progress and dist.get_rank() == 0:
                 calls, helped, heads = counts.tolist()
