@@ -167,8 +167,8 @@ MUTANTS = [
              "                rows = arrived.flip(0).permute(1, 2, 0, 3, 4).reshape(B * w, F, D)"),),
            ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     Mutant("latte_switch_slices_swapped", "Latte's sliced switch puts the slices of positions back in reverse order",
-           (("framework/distributed/sequence.py", "            whole = torch.stack(outs, dim=2)  # (P: source positions, B, S, w, f, D)",
-             "            whole = torch.stack(outs[::-1], dim=2)  # (P: source positions, B, S, w, f, D)"),),
+           (("framework/distributed/sequence.py", "        whole = torch.stack(outs, dim=2)  # (P: source positions, B, S, w, f, D)",
+             "        whole = torch.stack(outs[::-1], dim=2)  # (P: source positions, B, S, w, f, D)"),),
            ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     Mutant("preemption_not_requeued", "a job Slurm preempts saves and ends without being requeued",
            (("framework/training/checkpointing.py", 'if self.saved == REQUEUE or (trainer.is_global_zero and self.preempted()):',
@@ -312,18 +312,18 @@ MUTANTS = [
     Mutant("inter_layer_waits_each_slice", "a Latte spatial block waits for each slice's switch to positions before "
            "running the next slice's tail",
            (("framework/distributed/sequence.py",
-             "                arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's",
-             "                arrivals.append(_wait(_all_to_all(sends[-1].detach(), sp.group)))  # travels while slice s + 1's"),),
+             "            arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's",
+             "            arrivals.append(_wait(_all_to_all(sends[-1].detach(), sp.group)))  # travels while slice s + 1's"),),
            ("tests/test_bench.py::test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video_model",)),
     Mutant("inter_layer_switch_waited_in_the_spatial_block", "a Latte spatial block waits for its switches to positions "
            "(the temporal block cannot start on the first slice before the last has arrived)",
-           (("framework/distributed/sequence.py", "            if not (net.gradient_checkpointing and torch.is_grad_enabled()):",
-             "            if False:"),),
+           (("framework/distributed/sequence.py", "        if not (self.net.gradient_checkpointing and torch.is_grad_enabled()):",
+             "        if False:"),),
            ("tests/test_bench.py::test_bench_overlap_records_the_ring_across_nodes_and_the_switches_of_a_video_model",)),
     Mutant("inter_layer_position_table_dropped", "the spatial block that switches its output leaves out Latte's "
            "temporal position table",
-           (("framework/distributed/sequence.py", "                if table is not None:\n"
-             "                    h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]\n", ""),),
+           (("framework/distributed/sequence.py", "            if table is not None:\n"
+             "                h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]\n", ""),),
            ("tests/test_sequence.py::test_split_forward_backward_and_sampling_equal_the_whole_model",)),
     Mutant("latte_output_gathered_from_the_first_frames", "every rank of a Latte group contributes the first frames' "
            "projected rows to the output gather, not its own",

@@ -1,5 +1,5 @@
 """Sequence parallelism (`strategy.sequence_parallel=P`): Ulysses for the pixart, sana, dit and wan families, layout
-switching for latte (an ST-DiT; `_install_switch`).
+switching for latte (an ST-DiT; `_FrameSwitch`).
 
 The W ranks form a (W/P data-parallel) x (P sequence-parallel) mesh; a sequence-parallel group is P
 consecutive ranks, which see the same samples, timesteps and caption dropout (Streaming's `replication`
@@ -666,7 +666,7 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
 
     seq = plan_of(cfg.family).sequence  # check() refused a family without one
     if seq.attention == "switch":
-        _install_switch(denoiser, sp)
+        _FrameSwitch(net, sp).install()
         denoiser.sequence_parallel = sp
         return
     if seq.split_input:  # the band of the first input (Wan's first block: the tokens are flattened in the forward)
@@ -697,68 +697,99 @@ def install(denoiser: Denoiser, sp: SequenceParallel) -> None:
     denoiser.sequence_parallel = sp
 
 
-def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
+class _FrameSwitch:
     """Latte (framework/models/plans.py `switch`): each rank keeps its F/P frames after the patch embedding; a spatial
     block attends within frames, so it runs on them as they are, given those frames' caption, mask and timestep rows;
     before each temporal block one all-to-all gives each rank its N/P positions of every frame (and their timestep
     rows), and after it one switches back; the output norm and projection run on this rank's frames (the modulation
     between them on every frame's rows, the others' zeros) and the projection's output is gathered, so unpatchify is as
     on one rank. The temporal position table added before the first temporal block
-    (still in the frames layout) is cut to this rank's frames for the forward."""
-    net, P, r = denoiser.net, sp.size, sp.rank
-    dims: dict[str, Any] = {}
+    (still in the frames layout) is cut to this rank's frames for the forward.
 
-    def frames_of(t: torch.Tensor) -> torch.Tensor:  # (B * F, ...) -> this rank's frames (B * F/P, ...)
-        B, F = dims["B"], dims["F"]
-        f = F // P
+    `dims` holds one forward's sizes (B, F, N), the position tables and the switches handed from spatial block i to
+    temporal block i."""
+
+    def __init__(self, net: nn.Module, sp: SequenceParallel) -> None:
+        self.net, self.sp, self.P, self.r = net, sp, sp.size, sp.rank
+        self.dims: dict[str, Any] = {}
+
+    def install(self) -> None:
+        net = self.net
+        net.register_forward_pre_hook(self.start, with_kwargs=True)
+        net.register_forward_hook(self.end, with_kwargs=True)
+        net.pos_embed.register_forward_hook(lambda module, args, out: self.frames_of(out).clone())
+        for i, block in enumerate(net.transformer_blocks):
+            block.register_forward_pre_hook(self.spatial_inputs)
+            block.forward = functools.partial(self.spatial, block, block.forward, i)
+        for i, block in enumerate(net.temporal_transformer_blocks):
+            block.forward = functools.partial(self.temporal, block.forward, i)
+        net.norm_out.register_forward_hook(self.spread_frames)
+        net.proj_out.register_forward_hook(self.gather_output)
+
+    def frames_of(self, t: torch.Tensor) -> torch.Tensor:  # (B * F, ...) -> this rank's frames (B * F/P, ...)
+        B, F, r = self.dims["B"], self.dims["F"], self.r
+        f = F // self.P
         return t.reshape(B, F, *t.shape[1:])[:, r * f:(r + 1) * f].reshape(B * f, *t.shape[1:])
 
-    def positions_of(t: torch.Tensor) -> torch.Tensor:  # (B * N, ...) -> this rank's positions (B * N/P, ...)
-        B, N = dims["B"], dims["N"]
-        m = N // P
+    def positions_of(self, t: torch.Tensor) -> torch.Tensor:  # (B * N, ...) -> this rank's positions (B * N/P, ...)
+        B, N, r = self.dims["B"], self.dims["N"], self.r
+        m = N // self.P
         return t.reshape(B, N, *t.shape[1:])[:, r * m:(r + 1) * m].reshape(B * m, *t.shape[1:])
 
-    def start(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        P, r = self.P, self.r
         x = args[0] if args else kwargs["hidden_states"]  # (B, C, F, H, W)
         B, _, F, H, W = x.shape
         p = module.config.patch_size
         if F % P or ((H // p) * (W // p)) % P:
             raise ValueError(f"sequence_parallel={P} does not divide this clip's {F} latent frames and "
                              f"{(H // p) * (W // p)} tokens a frame")
-        dims.update(B=B, F=F, N=(H // p) * (W // p), table=module.temp_pos_embed)
+        self.dims.update(B=B, F=F, N=(H // p) * (W // p), table=module.temp_pos_embed)
         # the first spatial block adds this rank's frames' rows of the temporal position table to its output (before
         # any switch); the loop's own addition (after it) adds zeros
         mine = module.temp_pos_embed[:, r * (F // P):(r + 1) * (F // P)]
-        dims["first_table"] = mine if F > 1 else None
+        self.dims["first_table"] = mine if F > 1 else None
         module.temp_pos_embed = torch.zeros_like(mine)
 
-    def end(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        module.temp_pos_embed = dims.pop("table")
+    def end(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        module.temp_pos_embed = self.dims.pop("table")
 
-    def spatial_inputs(module: nn.Module, args: tuple) -> tuple:
+    def spatial_inputs(self, module: nn.Module, args: tuple) -> tuple:
         # Latte calls (hidden, None, caption (B F, L, D), mask (B F, 1, L) or None, timestep (B F, 6D), None, None)
         caption, mask, timestep = args[2:5]
-        return (args[0], args[1], frames_of(caption), None if mask is None else frames_of(mask), frames_of(timestep),
-                *args[5:])
+        return (args[0], args[1], self.frames_of(caption), None if mask is None else self.frames_of(mask),
+                self.frames_of(timestep), *args[5:])
 
-    def spread_frames(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    def spread_frames(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         """The output norm's (B F/P, N, D) -> (B F, N, D): this rank's frames in place, zeros for the others (nothing
         exchanged). Latte's modulation after the norm takes every frame's rows; only this rank's reach `gather_output`."""
-        B, F = dims["B"], dims["F"]
-        f, rest = F // P, out.shape[1:]
+        B, F, r = self.dims["B"], self.dims["F"], self.r
+        f, rest = F // self.P, out.shape[1:]
         own = out.reshape(B, f, *rest)
         before, after = own.new_zeros(B, r * f, *rest), own.new_zeros(B, F - (r + 1) * f, *rest)
         return torch.cat([before, own, after], dim=1).reshape(B * F, *rest)
 
-    def gather_output(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    def gather_output(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         """The output projection's (B F, N, C), of which this rank's frames are its own, -> every rank's frames: the one
         gather, at C = p^2 x the output channels (32 for Latte-1, against 1,152 hidden channels before the norm)."""
-        B, F = dims["B"], dims["F"]
-        f = F // P
+        B, F, r, sp = self.dims["B"], self.dims["F"], self.r, self.sp
+        f = F // self.P
         return _GatherTokens.apply(out.reshape(B, F, -1)[:, r * f:(r + 1) * f], sp).reshape(out.shape)
 
-    def spatial(block: nn.Module, i: int) -> Any:
-        """A spatial block on this rank's frames, its output switched to this rank's positions as it is made
+    @staticmethod
+    def _own_branches(block: nn.Module, rest: tuple) -> bool:
+        """Whether spatial `block` is diffusers' plain adaLN-single block with its own attention and MLP modules, so
+        that its tail can be run by slices here (not cached sampling's or the cache router's stand-ins)."""
+        from diffusers.models.attention import FeedForward
+        from diffusers.models.attention_processor import Attention
+
+        return block.norm_type == "ada_norm_single" and block.pos_embed is None and block._chunk_size is None \
+            and not block.only_cross_attention and not any(rest) and isinstance(block.attn1, Attention) \
+            and isinstance(block.attn2, Attention) and isinstance(block.ff, FeedForward)
+
+    def spatial(self, block: nn.Module, inner: Any, i: int, hidden: torch.Tensor, attention_mask: Any = None,
+                caption: Any = None, caption_mask: Any = None, timestep: Any = None, *rest: Any) -> torch.Tensor:
+        """Spatial block i on this rank's frames, its output switched to this rank's positions as it is made
         (ScaleFusion's inter-layer schedule): the block's self-attention over each frame's tokens, then its per-token
         tail (cross-attention, norm, MLP, their gates) in S = sp.head_groups slices of the positions, each slice's
         switch issued as soon as it is computed, travelling while the next slice's tail runs. The switches are handed
@@ -768,109 +799,83 @@ def _install_switch(denoiser: Denoiser, sp: SequenceParallel) -> None:
         rearrangement hands the temporal block every frame of its positions. A block whose branches are not its own
         modules (cached sampling's stand-ins, the cache router's) runs whole and is switched by the temporal block. The
         first block adds the temporal position table's rows of its frames."""
-        from diffusers.models.attention import FeedForward
-        from diffusers.models.attention_processor import Attention
+        dims, P, sp = self.dims, self.P, self.sp
+        table = dims["first_table"] if i == 0 else None
+        dims[f"switched{i}"] = False  # True: returned switched and waited (below, checkpointed)
+        B, N, F = dims["B"], dims["N"], dims["F"]
+        f, D = F // P, hidden.shape[-1]
+        if not (sp.inter_layer and self._own_branches(block, rest)):
+            out = inner(hidden, attention_mask, caption, caption_mask, timestep, *rest)
+            return out if table is None else (out.reshape(B, f, N, D) + table.to(out.dtype)[:, :, None]).reshape(
+                B * f, N, D)
+        # as BasicTransformerBlock.forward (norm_type ada_norm_single), the tail by position slices
+        mods = block.scale_shift_table[None] + timestep.reshape(B * f, 6, -1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=1)
+        x = block.norm1(hidden) * (1 + scale_msa) + shift_msa
+        hidden = gate_msa * block.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask) + hidden
+        S = sp.head_groups
+        w = N // P // S
+        rows = hidden.reshape(B * f, P, S, w, D)  # positions by destination rank, slice, index
+        grad = torch.is_grad_enabled() and hidden.requires_grad
+        sends, arrivals = [], []
+        for s in range(S):
+            h = rows[:, :, s].reshape(B * f, P * w, D)
+            h = block.attn2(h, encoder_hidden_states=caption, attention_mask=caption_mask) + h
+            h = gate_mlp * block.ff(block.norm2(h) * (1 + scale_mlp) + shift_mlp) + h
+            if table is not None:
+                h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]
+            sends.append(h.reshape(B, f, P, w, D).permute(2, 0, 3, 1, 4).contiguous())  # (P: destination, B, w, f, D)
+            arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's tail runs
+        if not (self.net.gradient_checkpointing and torch.is_grad_enabled()):
+            # handed to temporal block i unwaited (its slice s waits for slice s only); Latte's rearrangement of
+            # this block's output, which would wait for every slice, gets a stand-in of no cost
+            dims[f"handoff{i}"] = (sends, arrivals, grad)
+            return hidden.new_zeros(()).expand(B * f, N, D)
+        # checkpointed (the recomputation must return what the forward returned): waited here, returned in the
+        # frames layout's shape, (S, P: source frames, B, w, f, D) -> (B, f, S, P, w, D), so that Latte's
+        # rearrangement gives (B, S, P, w, f, D)
+        dims[f"switched{i}"] = True
+        arrived = [_Tied.apply(send, a, _all_to_all, sp.group) if grad else a for send, a in zip(sends, arrivals)]
+        return torch.stack(arrived).permute(2, 4, 0, 1, 3, 5).reshape(B * f, N, D)
 
-        inner, S = block.forward, sp.head_groups
-
-        def forward(hidden: torch.Tensor, attention_mask: Any = None, caption: Any = None, caption_mask: Any = None,
-                    timestep: Any = None, *rest: Any) -> torch.Tensor:
-            table = dims["first_table"] if i == 0 else None
-            plain = sp.inter_layer and block.norm_type == "ada_norm_single" and block.pos_embed is None \
-                and block._chunk_size is None and not block.only_cross_attention and not any(rest) \
-                and isinstance(block.attn1, Attention) and isinstance(block.attn2, Attention) \
-                and isinstance(block.ff, FeedForward)
-            dims[f"switched{i}"] = False  # True: returned switched and waited (below, checkpointed)
-            B, N, F = dims["B"], dims["N"], dims["F"]
-            f, D = F // P, hidden.shape[-1]
-            if not plain:
-                out = inner(hidden, attention_mask, caption, caption_mask, timestep, *rest)
-                return out if table is None else (out.reshape(B, f, N, D) + table.to(out.dtype)[:, :, None]).reshape(
-                    B * f, N, D)
-            # as BasicTransformerBlock.forward (norm_type ada_norm_single), the tail by position slices
-            mods = block.scale_shift_table[None] + timestep.reshape(B * f, 6, -1)
-            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=1)
-            x = block.norm1(hidden) * (1 + scale_msa) + shift_msa
-            hidden = gate_msa * block.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask) + hidden
-            w = N // P // S
-            rows = hidden.reshape(B * f, P, S, w, D)  # positions by destination rank, slice, index
-            grad = torch.is_grad_enabled() and hidden.requires_grad
-            sends, arrivals = [], []
-            for s in range(S):
-                h = rows[:, :, s].reshape(B * f, P * w, D)
-                h = block.attn2(h, encoder_hidden_states=caption, attention_mask=caption_mask) + h
-                h = gate_mlp * block.ff(block.norm2(h) * (1 + scale_mlp) + shift_mlp) + h
-                if table is not None:
-                    h = h.reshape(B, f, P * w, D) + table.to(h.dtype)[:, :, None]
-                sends.append(h.reshape(B, f, P, w, D).permute(2, 0, 3, 1, 4).contiguous())  # (P: destination, B, w, f, D)
-                arrivals.append(_all_to_all(sends[-1].detach(), sp.group))  # travels while slice s + 1's tail runs
-            if not (net.gradient_checkpointing and torch.is_grad_enabled()):
-                # handed to temporal block i unwaited (its slice s waits for slice s only); Latte's rearrangement of
-                # this block's output, which would wait for every slice, gets a stand-in of no cost
-                dims[f"handoff{i}"] = (sends, arrivals, grad)
-                return hidden.new_zeros(()).expand(B * f, N, D)
-            # checkpointed (the recomputation must return what the forward returned): waited here, returned in the
-            # frames layout's shape, (S, P: source frames, B, w, f, D) -> (B, f, S, P, w, D), so that Latte's
-            # rearrangement gives (B, S, P, w, f, D)
-            dims[f"switched{i}"] = True
-            arrived = [_Tied.apply(send, a, _all_to_all, sp.group) if grad else a for send, a in zip(sends, arrivals)]
-            return torch.stack(arrived).permute(2, 4, 0, 1, 3, 5).reshape(B * f, N, D)
-
-        return forward
-
-    def sliced(block: nn.Module, i: int) -> Any:
-        """The temporal block between its two layout switches (DSP's; ScaleFusion schedules them): (B N, F/P, D), every
+    def temporal(self, inner: Any, i: int, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        """Temporal block i between its two layout switches (DSP's; ScaleFusion schedules them): (B N, F/P, D), every
         position of this rank's frames, -> (B N/P, F, D), this rank's positions of every frame, by one all-to-all; the
         block; and back. In sp.head_groups = S slices of this rank's positions (ScaleFusion's intra-layer schedule;
         positions are independent in a temporal block; S = 1: the whole switch): every slice's switch to positions is
         issued first; slice s waits for its own, runs, and its switch back travels while slice s+1 runs. Backward: each
         exchange's adjoint is issued as its gradient is ready and waited where it is used (_Tied)."""
-        inner, S = block.forward, sp.head_groups
-
-        def forward(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-            B, N, F = dims["B"], dims["N"], dims["F"]
-            f, D = F // P, hidden.shape[-1]
-            w = N // P // S  # positions a slice
-            t = positions_of(args[3]).reshape(B, S, w, -1)  # this rank's positions' timestep rows, by slice
-            grad = torch.is_grad_enabled() and hidden.requires_grad
-            switched = dims[f"switched{i}"]  # spatial block i returned its output switched, waited
-            handoff = dims.pop(f"handoff{i}", None)
-            if handoff is not None:  # spatial block i's switches, still travelling
-                sends, arrivals, grad = handoff
-            elif switched:  # by the spatial block, waited (checkpointed): (B, S, P: source frames, w, f, D)
-                switched_rows = hidden.reshape(B, S, P, w, f, D)
+        dims, P, sp, S = self.dims, self.P, self.sp, self.sp.head_groups
+        B, N, F = dims["B"], dims["N"], dims["F"]
+        f, D = F // P, hidden.shape[-1]
+        w = N // P // S  # positions a slice
+        t = self.positions_of(args[3]).reshape(B, S, w, -1)  # this rank's positions' timestep rows, by slice
+        grad = torch.is_grad_enabled() and hidden.requires_grad
+        switched = dims[f"switched{i}"]  # spatial block i returned its output switched, waited
+        handoff = dims.pop(f"handoff{i}", None)
+        if handoff is not None:  # spatial block i's switches, still travelling
+            sends, arrivals, grad = handoff
+        elif switched:  # by the spatial block, waited (checkpointed): (B, S, P: source frames, w, f, D)
+            switched_rows = hidden.reshape(B, S, P, w, f, D)
+        else:
+            x = hidden.reshape(B, P, S, w, f, D)  # positions by destination rank, slice, index
+            sends = [x[:, :, s].transpose(0, 1).contiguous() for s in range(S)]  # (P: destination, B, w, f, D)
+            arrivals = [_all_to_all(send.detach(), sp.group) for send in sends]  # every slice's exchange issued
+        back_sends, backs = [], []
+        for s in range(S):
+            if switched:
+                rows = switched_rows[:, s].permute(0, 2, 1, 3, 4).reshape(B * w, F, D)
             else:
-                x = hidden.reshape(B, P, S, w, f, D)  # positions by destination rank, slice, index
-                sends = [x[:, :, s].transpose(0, 1).contiguous() for s in range(S)]  # (P: destination, B, w, f, D)
-                arrivals = [_all_to_all(send.detach(), sp.group) for send in sends]  # every slice's exchange issued
-            back_sends, backs = [], []
-            for s in range(S):
-                if switched:
-                    rows = switched_rows[:, s].permute(0, 2, 1, 3, 4).reshape(B * w, F, D)
-                else:
-                    arrived = _Tied.apply(sends[s], arrivals[s], _all_to_all, sp.group) if grad else arrivals[s]
-                    # (P: source frames, B, w, f, D) -> (B w, F, D); waits for slice s: every frame of its positions
-                    rows = arrived.permute(1, 2, 0, 3, 4).reshape(B * w, F, D)
-                y = inner(rows, *args[:3], t[:, s].reshape(B * w, -1), *args[4:])
-                back_sends.append(y.reshape(B, w, P, f, D).permute(2, 0, 1, 3, 4).contiguous())  # (P: frames, ...)
-                backs.append(_all_to_all(back_sends[-1].detach(), sp.group))  # travels while slice s + 1 runs
-            outs = [_Tied.apply(send, back, _all_to_all, sp.group) if grad else back
-                    for send, back in zip(back_sends, backs)]
-            whole = torch.stack(outs, dim=2)  # (P: source positions, B, S, w, f, D)
-            return whole.permute(1, 0, 2, 3, 4, 5).reshape(B * N, f, D)
-
-        return forward
-
-    net.register_forward_pre_hook(start, with_kwargs=True)
-    net.register_forward_hook(end, with_kwargs=True)
-    net.pos_embed.register_forward_hook(lambda module, args, out: frames_of(out).clone())
-    for i, block in enumerate(net.transformer_blocks):
-        block.register_forward_pre_hook(spatial_inputs)
-        block.forward = spatial(block, i)
-    for i, block in enumerate(net.temporal_transformer_blocks):
-        block.forward = sliced(block, i)
-    net.norm_out.register_forward_hook(spread_frames)
-    net.proj_out.register_forward_hook(gather_output)
+                arrived = _Tied.apply(sends[s], arrivals[s], _all_to_all, sp.group) if grad else arrivals[s]
+                # (P: source frames, B, w, f, D) -> (B w, F, D); waits for slice s: every frame of its positions
+                rows = arrived.permute(1, 2, 0, 3, 4).reshape(B * w, F, D)
+            y = inner(rows, *args[:3], t[:, s].reshape(B * w, -1), *args[4:])
+            back_sends.append(y.reshape(B, w, P, f, D).permute(2, 0, 1, 3, 4).contiguous())  # (P: frames, ...)
+            backs.append(_all_to_all(back_sends[-1].detach(), sp.group))  # travels while slice s + 1 runs
+        outs = [_Tied.apply(send, back, _all_to_all, sp.group) if grad else back
+                for send, back in zip(back_sends, backs)]
+        whole = torch.stack(outs, dim=2)  # (P: source positions, B, S, w, f, D)
+        return whole.permute(1, 0, 2, 3, 4, 5).reshape(B * N, f, D)
 
 
 def _split_rows(block: nn.Module, sp: SequenceParallel, rows_arg: int) -> None:
