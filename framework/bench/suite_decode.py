@@ -75,104 +75,125 @@ def sd_vae(folder: Path, small: bool = False) -> Path:
 
 def run(cfg: DecodeBench) -> list[dict[str, Any]]:
     from framework.distributed.env import init_from_env
-    from framework.models.backbones import build_denoiser, load_preset
-    from framework.models.objectives import Objective, ObjectiveConfig
-    from framework.inference.pipeline import Pipeline
 
     world = init_from_env()
     if world < 2:
         raise SystemExit("framework.bench decode compares ways of sharing generation between ranks: run it under "
                          "torchrun --standalone --nproc_per_node=2 (or more)")
-    rank = dist.get_rank()
     if cfg.vae not in ("sd", "small"):
         raise SystemExit(f"vae={cfg.vae}: sd or small")
-    vae = sd_vae(Path(tempfile.mkdtemp(prefix=f"sd_vae_r{rank}_")), small=cfg.vae == "small")
-    mcfg = load_preset(cfg.preset, in_channels=4, text_dim=384, sample_size=cfg.latent_size, learned_sigma=False)
+    rank = dist.get_rank()
+    with tempfile.TemporaryDirectory(prefix=f"lf-decode-vae-r{rank}-") as folder:  # each rank's own copy
+        ways = _Ways(cfg, sd_vae(Path(folder), small=cfg.vae == "small"), world)
+        runnable = [w for w in cfg.ways if ways.possible.get(w, True)]
+        for w in set(cfg.ways) - set(runnable):
+            if rank == 0:
+                print(f"[bench decode] {w}: skipped ({world} ranks, decode_ranks={ways.K}, sequence_parallel={ways.P} "
+                      "do not divide)")
+        measured = {name: ways.measure(name) for name in runnable}
+    return _table(cfg, ways, measured) if rank == 0 else []
 
-    def build() -> Any:
+
+class _Ways:
+    """The ways of generating `cfg.images` prompts, each with its own pipeline over one random denoiser and `vae`."""
+
+    def __init__(self, cfg: DecodeBench, vae: Path, world: int) -> None:
+        from framework.models.backbones import load_preset
+
+        self.cfg, self.world, self.rank = cfg, world, dist.get_rank()
+        self.mcfg = load_preset(cfg.preset, in_channels=4, text_dim=384, sample_size=cfg.latent_size,
+                                learned_sigma=False)
+        self.info = {"image_codec": str(vae), "text_encoder": "minilm", "scaling_factor": 0.18215, "shift_factor": 0.0,
+                     "image_mode": "RGB"}
+        self.prompts = [f"a handwritten {i % 10}" for i in range(cfg.images)]
+        self.P, self.K = P, K = cfg.sequence_parallel, cfg.decode_ranks
+        self.possible = {"sequence_parallel": world % P == 0,
+                         "sequence_parallel_decode": K != "auto" and (world - K) % P == 0}
+        self.pipes: dict[str, Any] = {}
+
+    def build(self) -> Any:
+        from framework.models.backbones import build_denoiser
+
         torch.manual_seed(0)
-        return build_denoiser(mcfg).eval()
+        return build_denoiser(self.mcfg).eval()
 
-    info = {"image_codec": str(vae), "text_encoder": "minilm", "scaling_factor": 0.18215, "shift_factor": 0.0,
-            "image_mode": "RGB"}
-    prompts = [f"a handwritten {i % 10}" for i in range(cfg.images)]
-    P, K = cfg.sequence_parallel, cfg.decode_ranks
-    possible = {"sequence_parallel": world % P == 0, "sequence_parallel_decode": K != "auto" and (world - K) % P == 0}
-    pipes: dict[str, Any] = {}
-
-    def pipe_for(name: str) -> Any:
+    def pipe_for(self, name: str) -> Any:
         """Each way its own pipeline, its denoiser built on first use as framework.sample loads a checkpoint (a
         decoding rank never builds it), split as the way needs."""
-        if name not in pipes:
-            pipe = Pipeline.deferred(build, mcfg, Objective(ObjectiveConfig()), torch.zeros(1, 384), info)
+        from framework.inference.pipeline import Pipeline
+        from framework.models.objectives import Objective, ObjectiveConfig
+
+        if name not in self.pipes:
+            pipe = Pipeline.deferred(self.build, self.mcfg, Objective(ObjectiveConfig()), torch.zeros(1, 384), self.info)
             if name == "sequence_parallel":
                 from framework.distributed.sequence import split_for_sampling
 
-                split_for_sampling(pipe.ensure_model(), P)
+                split_for_sampling(pipe.ensure_model(), self.P)
             elif name == "sequence_parallel_decode":
                 from framework.inference.decoupled import split_denoisers
 
-                split_denoisers(pipe, K, P)
-            pipes[name] = pipe
-        return pipes[name]
+                split_denoisers(pipe, self.K, self.P)
+            self.pipes[name] = pipe
+        return self.pipes[name]
 
-    def generate(name: str, chosen: list[str]) -> torch.Tensor | None:
+    def generate(self, name: str, chosen: list[str]) -> torch.Tensor | None:
         from framework.inference.sampling import SamplingPlan
         from framework.inference.sharing import DecodeRanks, SplitRanks
 
-        pipe, plan = pipe_for(name), SamplingPlan(steps=cfg.steps)
+        cfg = self.cfg
+        pipe, plan = self.pipe_for(name), SamplingPlan(steps=cfg.steps)
         if name == "one_rank":
-            return pipe.generate(chosen, plan, batch_size=cfg.batch_size) if rank == 0 else None
+            return pipe.generate(chosen, plan, batch_size=cfg.batch_size) if self.rank == 0 else None
         if name in ("split", "sequence_parallel"):
             ranks = SplitRanks()
         else:
-            ranks = DecodeRanks(K, cfg.aco if name == "decoupled_aco" else 0.0)
+            ranks = DecodeRanks(self.K, cfg.aco if name == "decoupled_aco" else 0.0)
         return pipe.generate(chosen, plan, ranks=ranks, batch_size=cfg.batch_size)
 
-    ways = [w for w in cfg.ways if possible.get(w, True)]
-    for w in set(cfg.ways) - set(ways):
-        if rank == 0:
-            print(f"[bench decode] {w}: skipped ({world} ranks, decode_ranks={K}, sequence_parallel={P} do not divide)")
-    cuda = torch.cuda.is_available()
-    best: dict[str, float] = {}
-    latency: dict[str, float] = {}
-    memory: dict[str, list] = {}
-    images: dict[str, torch.Tensor | None] = {}
-    for name in ways:
+    def measure(self, name: str) -> dict[str, Any]:
+        """Way `name`: the best of `repeats` timed runs after a warm-up, one prompt's latency, every rank's peak memory
+        and role, and the images (rank 0's)."""
+        cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        for r in range(cfg.repeats + 1):  # round 0 warms up
+        best, images = math.inf, None
+        for r in range(self.cfg.repeats + 1):  # round 0 warms up
             dist.barrier()
             t0 = time.perf_counter()
-            images[name] = generate(name, prompts)
+            images = self.generate(name, self.prompts)
             dist.barrier()
             if r:
-                best[name] = min(best.get(name, math.inf), time.perf_counter() - t0)
+                best = min(best, time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
-        generate(name, prompts[:1])  # one prompt alone: its latency
+        self.generate(name, self.prompts[:1])  # one prompt alone: its latency
         dist.barrier()
-        latency[name] = time.perf_counter() - t0
+        latency = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        memory[name] = [None] * world
-        dist.all_gather_object(memory[name], {"peak_MiB": round(peak / 2**20), "denoiser": pipes[name]._build is None,
-                                              "decoder": pipes[name]._codec is not None})
+        memory: list[Any] = [None] * self.world
+        pipe = self.pipes[name]
+        dist.all_gather_object(memory, {"peak_MiB": round(peak / 2**20), "denoiser": pipe._build is None,
+                                        "decoder": pipe._codec is not None})
+        return {"seconds": best, "latency_s": latency, "per_rank": memory, "images": images,
+                "device": str(pipe.device)}
+
+
+def _table(cfg: DecodeBench, ways: _Ways, measured: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    ref = measured["one_rank"]["images"] if "one_rank" in measured else None
+    K, P = ways.K, ways.P
     rows = []
-    if rank == 0:
-        ref = images.get("one_rank")
-        rows = [{"way": name, "ranks": 1 if name == "one_rank" else world,
-                 "decode_ranks": K if name in ("decoupled", "decoupled_aco", "sequence_parallel_decode") else 0,
-                 "aco": cfg.aco if name == "decoupled_aco" else 0.0,
-                 "sequence_parallel": P if name.startswith("sequence") else 1, "images_per_s": cfg.images / best[name],
-                 "seconds": best[name], "latency_s": latency[name],
-                 "same_images_as_one_rank": None if ref is None else bool(torch.equal(images[name], ref)),
-                 "max_diff_vs_one_rank": None if ref is None else float((images[name] - ref).abs().max()),
-                 "per_rank": memory[name], "images": cfg.images, "image_size": list(images[name].shape[-2:]),
-                 "preset": cfg.preset, "steps": cfg.steps, "batch_size": cfg.batch_size, "vae": cfg.vae,
-                 "device": str(pipes[name].device)} for name in ways]
-        for r in rows:
-            r["peak_MiB_per_rank"] = [m["peak_MiB"] for m in r["per_rank"]]
-        print_table(rows, ["way", "ranks", "decode_ranks", "aco", "sequence_parallel", "seconds", "images_per_s", "latency_s",
-                           "peak_MiB_per_rank",
-                           "same_images_as_one_rank"])
+    for name, m in measured.items():
+        images = m["images"]
+        rows.append({"way": name, "ranks": 1 if name == "one_rank" else ways.world,
+                     "decode_ranks": K if name in ("decoupled", "decoupled_aco", "sequence_parallel_decode") else 0,
+                     "aco": cfg.aco if name == "decoupled_aco" else 0.0,
+                     "sequence_parallel": P if name.startswith("sequence") else 1,
+                     "images_per_s": cfg.images / m["seconds"], "seconds": m["seconds"], "latency_s": m["latency_s"],
+                     "same_images_as_one_rank": None if ref is None else bool(torch.equal(images, ref)),
+                     "max_diff_vs_one_rank": None if ref is None else float((images - ref).abs().max()),
+                     "per_rank": m["per_rank"], "peak_MiB_per_rank": [r["peak_MiB"] for r in m["per_rank"]],
+                     "images": cfg.images, "image_size": list(images.shape[-2:]), "preset": cfg.preset,
+                     "steps": cfg.steps, "batch_size": cfg.batch_size, "vae": cfg.vae, "device": m["device"]})
+    print_table(rows, ["way", "ranks", "decode_ranks", "aco", "sequence_parallel", "seconds", "images_per_s", "latency_s",
+                       "peak_MiB_per_rank", "same_images_as_one_rank"])
     return rows

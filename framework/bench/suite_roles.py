@@ -100,13 +100,15 @@ def _decode(cfg: RolesBench, device: torch.device, dtype: torch.dtype) -> dict[s
     from data_prep.encoders import load_image_codec
 
     vae = cfg.vae
-    if vae is None:
+    if vae is None:  # a random one, saved and loaded as a local folder is; the folder is gone once it is loaded
         from diffusers import AutoencoderKLWan
 
-        torch.manual_seed(0)
-        vae = tempfile.mkdtemp(prefix="lf-roles-vae-")
-        AutoencoderKLWan().save_pretrained(vae)
-    codec = load_image_codec(vae, str(device), dtype, tile=cfg.vae_tile)
+        with tempfile.TemporaryDirectory(prefix="lf-roles-vae-") as vae:
+            torch.manual_seed(0)
+            AutoencoderKLWan().save_pretrained(vae)
+            codec = load_image_codec(vae, str(device), dtype, tile=cfg.vae_tile)
+    else:
+        codec = load_image_codec(vae, str(device), dtype, tile=cfg.vae_tile)
     if (codec.downsample, codec.temporal_compression) != (cfg.downsample, 4):
         raise ValueError(f"vae={vae} downsamples {codec.downsample}x in space and {codec.temporal_compression}x in time; "
                          f"set downsample={codec.downsample} (a temporal factor of 4 is assumed)")
