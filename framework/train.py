@@ -219,10 +219,10 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
-    """Run training (and the final evaluation when eval.at_end); returns what was written.
-
-    `extra_callbacks`: Lightning callbacks added to the run's own (a notebook's, or a benchmark's timer)."""
+def checked_config(dcfg: DictConfig) -> TrainConfig:
+    """The typed config of `dcfg`, its model fitted to the dataset (which may build it: data.prepare), after every
+    check that needs no trainer: plugins' fields, the accelerator, the dataset's encoders and buckets, the adapter's
+    precision. Nothing is written before these pass."""
     config_lib.check_plugins(dcfg.get("plugins"))  # before fitting the model may build the dataset
     info = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
@@ -231,6 +231,14 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
         check_encoders(cfg, info.summary())
         if info.buckets:
             check_buckets(cfg, info.buckets)
+    if cfg.adapter.base_dtype == "bf16" and default_precision(cfg) not in ("bf16-mixed", "16-mixed"):
+        raise ValueError(f"adapter.base_dtype=bf16: this run's precision is {default_precision(cfg)} (the default on a "
+                         "CPU); the bf16 base computes under mixed precision's autocast: set trainer.precision=bf16-mixed")
+    return cfg
+
+
+def open_run_dir(cfg: TrainConfig, dcfg: DictConfig) -> Path:
+    """run.dir (a sweep job's own folder under -m), created, with the resolved config.yaml in it."""
     run_dir = Path(cfg.run.dir).resolve()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         # A sweep (-m) gives each job its own folder, run.dir/<job number> (hydra.sweep in
@@ -239,6 +247,29 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     run_dir.mkdir(parents=True, exist_ok=True)
     if writes_run_dir():  # one writer: every rank of an srun or torchrun job runs this
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
+    return run_dir
+
+
+def written_files(run_dir: Path, grid: SampleGrid) -> dict[str, Any]:
+    """What a finished fit wrote: the run folder, its config, the last checkpoint (FinalCheckpoint, added by
+    build_trainer, writes the final state), the sample grids (or why they failed) and metrics.csv."""
+    written: dict[str, Any] = {"run_dir": str(run_dir), "config": str(run_dir / "config.yaml"),
+                               "checkpoint": str(run_dir / "checkpoints" / "last.ckpt")}
+    if grid.paths:
+        written["samples"] = [str(p) for p in grid.paths]
+    if grid.failed:
+        written["grid failed"] = grid.failed
+    if (run_dir / "metrics.csv").exists():
+        written["metrics"] = str(run_dir / "metrics.csv")
+    return written
+
+
+def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict[str, Any]:
+    """Run training (and the final evaluation when eval.at_end); returns what was written.
+
+    `extra_callbacks`: Lightning callbacks added to the run's own (a notebook's, or a benchmark's timer)."""
+    cfg = checked_config(dcfg)
+    run_dir = open_run_dir(cfg, dcfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     # TF32 tensor cores for the matmuls that stay in fp32 under bf16-mixed (norms' neighbours, fp32 runs).
     if torch.cuda.is_available():
@@ -248,9 +279,6 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     if not uses_gpu(cfg.trainer.accelerator) and isinstance(devices, int):
         share_cpu_threads(devices)
 
-    if cfg.adapter.base_dtype == "bf16" and default_precision(cfg) not in ("bf16-mixed", "16-mixed"):
-        raise ValueError(f"adapter.base_dtype=bf16: this run's precision is {default_precision(cfg)} (the default on a "
-                         "CPU); the bf16 base computes under mixed precision's autocast: set trainer.precision=bf16-mixed")
     callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
     trainer = build_trainer(cfg, run_dir, callbacks)
     if cfg.data.global_batch_size is not None:
@@ -273,17 +301,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     )
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)
-    # Checkpoints land every N steps; FinalCheckpoint (added by build_trainer) writes the final state too.
-    last = run_dir / "checkpoints" / "last.ckpt"
-
-    written: dict[str, Any] = {"run_dir": str(run_dir), "config": str(run_dir / "config.yaml"), "checkpoint": str(last)}
-    grid = next(cb for cb in callbacks if isinstance(cb, SampleGrid))
-    if grid.paths:
-        written["samples"] = [str(p) for p in grid.paths]
-    if grid.failed:
-        written["grid failed"] = grid.failed
-    if (run_dir / "metrics.csv").exists():
-        written["metrics"] = str(run_dir / "metrics.csv")
+    written = written_files(run_dir, next(cb for cb in callbacks if isinstance(cb, SampleGrid)))
     if cfg.eval.at_end:
         # Every rank takes part: a sharded model needs all of them in each forward (and they share the work).
         metrics = final_eval(cfg, module, run_dir, trainer)

@@ -265,11 +265,18 @@ def test_a_bf16_base_is_held_in_bf16_and_the_memory_prediction_counts_it_so():
     assert weights["bf16"] == 2 * base + 4 * trained
 
 
-def test_bf16_base_needs_mixed_precision():
+def test_bf16_base_needs_mixed_precision(tmp_path, digits_shards):
+    """Refused when the config names another precision, and by framework.train when the precision is the CPU's
+    default (fp32), before anything is written in run.dir."""
     from framework.config import to_object
+    from framework.train import train
 
     with pytest.raises(ValueError, match="use trainer.precision=bf16-mixed"):
         to_object(compose_cfg(["adapter=lora", "adapter.base_dtype=bf16", "init_from=X", "trainer.precision=32-true"]))
+    with pytest.raises(ValueError, match="the bf16 base computes under mixed precision's autocast"):
+        train(compose_cfg(["adapter=lora", "adapter.base_dtype=bf16", "init_from=X", f"data.path={digits_shards}",
+                           f"run.dir={tmp_path / 'run'}"]))
+    assert not (tmp_path / "run").exists()
 
 
 def _tiny() -> torch.nn.Module:
