@@ -97,6 +97,9 @@ def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards, monkeypa
     loop = sorted(r["samples_per_s"] for r in runs if r["side"] == "loop")
     assert ratio["framework_over_loop"] == pytest.approx(sum(fw) / sum(loop))  # medians of two runs each
     assert f"framework / loop = {ratio['framework_over_loop']:.3f}" in capsys.readouterr().out
+    by_round = [runs[0]["samples_per_s"] / runs[1]["samples_per_s"], runs[3]["samples_per_s"] / runs[2]["samples_per_s"]]
+    assert ratio["round_ratios"] == pytest.approx(by_round)  # each round's framework run over its loop run
+    assert ratio["median_round_ratio"] == pytest.approx(sum(by_round) / 2)
 
 
 def test_bench_gpu_writes_its_table_into_the_readme_block(tmp_path):

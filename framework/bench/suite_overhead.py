@@ -14,7 +14,8 @@ after a warm-up: from the moment step `warmup`'s batch is in hand to the end of 
              logging, no progress bar. What the framework does beyond it (the schedule, caption dropout,
              per-sample noise, the finiteness checks, logging) is its overhead.
 
-Printed: samples/s of each run, the medians and framework / loop (the goal is >= 0.98).
+Printed: samples/s of each run, the medians and framework / loop (the goal is >= 0.98), and each round's own
+framework / loop (its two runs back to back) with their median: on a machine whose speed drifts, the steadier figure.
 """
 
 from __future__ import annotations
@@ -87,9 +88,15 @@ def run(cfg: OverheadBench) -> list[dict[str, Any]]:
     print_table(rows, ["round", "side", "samples_per_s", "step_ms", "threads", "device"])
     med = {s: statistics.median(r["samples_per_s"] for r in rows if r["side"] == s) for s in SIDES}
     ratio = med["framework"] / med["loop"]
+    # each round's two runs are back to back: their ratio is the least touched by a machine whose speed drifts
+    by_round = [next(x["samples_per_s"] for x in rows if x["round"] == r and x["side"] == "framework")
+                / next(x["samples_per_s"] for x in rows if x["round"] == r and x["side"] == "loop")
+                for r in range(cfg.rounds)]
     print(f"median samples/s: framework {med['framework']:.1f}, loop {med['loop']:.1f}; "
-          f"framework / loop = {ratio:.3f}")
-    return [*rows, {"side": "ratio", "framework_over_loop": ratio, **{f"median_{s}": v for s, v in med.items()}}]
+          f"framework / loop = {ratio:.3f}; per round {', '.join(f'{x:.3f}' for x in by_round)} "
+          f"(median {statistics.median(by_round):.3f})")
+    return [*rows, {"side": "ratio", "framework_over_loop": ratio, **{f"median_{s}": v for s, v in med.items()},
+                    "round_ratios": by_round, "median_round_ratio": statistics.median(by_round)}]
 
 
 # --------------------------------------------------------------------------------------------
