@@ -89,9 +89,8 @@ def run(cfg: OverheadBench) -> list[dict[str, Any]]:
     med = {s: statistics.median(r["samples_per_s"] for r in rows if r["side"] == s) for s in SIDES}
     ratio = med["framework"] / med["loop"]
     # each round's two runs are back to back: their ratio is the least touched by a machine whose speed drifts
-    by_round = [next(x["samples_per_s"] for x in rows if x["round"] == r and x["side"] == "framework")
-                / next(x["samples_per_s"] for x in rows if x["round"] == r and x["side"] == "loop")
-                for r in range(cfg.rounds)]
+    speed = {(x["round"], x["side"]): x["samples_per_s"] for x in rows}
+    by_round = [speed[r, "framework"] / speed[r, "loop"] for r in range(cfg.rounds)]
     print(f"median samples/s: framework {med['framework']:.1f}, loop {med['loop']:.1f}; "
           f"framework / loop = {ratio:.3f}; per round {', '.join(f'{x:.3f}' for x in by_round)} "
           f"(median {statistics.median(by_round):.3f})")

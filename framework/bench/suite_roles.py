@@ -95,19 +95,18 @@ def _denoise(cfg: RolesBench, device: torch.device, dtype: torch.dtype) -> dict[
 
 
 def _decode(cfg: RolesBench, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import contextlib
     import tempfile
 
     from data_prep.encoders import load_image_codec
 
-    vae = cfg.vae
-    if vae is None:  # a random one, saved and loaded as a local folder is; the folder is gone once it is loaded
-        from diffusers import AutoencoderKLWan
+    # vae=null: a random one, saved and loaded as a local folder is; the folder is gone once it is loaded
+    with contextlib.nullcontext(cfg.vae) if cfg.vae is not None else tempfile.TemporaryDirectory(prefix="lf-roles-vae-") as vae:
+        if cfg.vae is None:
+            from diffusers import AutoencoderKLWan
 
-        with tempfile.TemporaryDirectory(prefix="lf-roles-vae-") as vae:
             torch.manual_seed(0)
             AutoencoderKLWan().save_pretrained(vae)
-            codec = load_image_codec(vae, str(device), dtype, tile=cfg.vae_tile)
-    else:
         codec = load_image_codec(vae, str(device), dtype, tile=cfg.vae_tile)
     if (codec.downsample, codec.temporal_compression) != (cfg.downsample, 4):
         raise ValueError(f"vae={vae} downsamples {codec.downsample}x in space and {codec.temporal_compression}x in time; "
