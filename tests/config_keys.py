@@ -698,8 +698,9 @@ KEYS: dict[str, dict] = {
         "tests/test_came.py::test_short_training_run_with_came8bit",
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_train.py::test_a_nonfinite_step_found_late_leaves_no_checkpoint_of_its_weights",
+        "tests/test_train.py::test_logging_step_is_lightnings_rule_at_every_hook",
         "tests/test_train.py::test_throughput_counts_every_batch_and_reads_the_clock_on_logging_steps_only",
-    ], "mutant": None},
+    ], "mutant": "log_every_ignored_by_the_framework"},
     "trainer.val_check_interval": {"tests": [
         "tests/test_train.py::test_bad_config_fails_at_start_with_the_key",
     ], "mutant": None},

@@ -100,6 +100,10 @@ def test_bench_overhead_times_both_sides_alike(tmp_path, digits_shards, monkeypa
     by_round = [runs[0]["samples_per_s"] / runs[1]["samples_per_s"], runs[3]["samples_per_s"] / runs[2]["samples_per_s"]]
     assert ratio["round_ratios"] == pytest.approx(by_round)  # each round's framework run over its loop run
     assert ratio["median_round_ratio"] == pytest.approx(sum(by_round) / 2)
+    # their mean's 95% t-interval, by hand for two values: t(0.975, 1 degree of freedom) = 12.7062, sd = |a - b| / sqrt(2)
+    mean, half = sum(by_round) / 2, 12.7062 * abs(by_round[0] - by_round[1]) / 2
+    assert ratio["mean_round_ratio"] == pytest.approx(mean)
+    assert ratio["round_ratio_interval"] == pytest.approx([mean - half, mean + half], rel=1e-4)
 
 
 def test_bench_gpu_writes_its_table_into_the_readme_block(tmp_path):

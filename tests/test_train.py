@@ -441,6 +441,41 @@ def test_throughput_counts_every_batch_and_reads_the_clock_on_logging_steps_only
     assert all(float(r["train/device/samples_per_sec"]) > 0 for r in rows[1:])
 
 
+class LoggingSteps(pl.Callback):
+    """At each hook of a training step: (hook, framework's logging_step, Lightning's own private flag)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool, bool]] = []
+
+    def _record(self, trainer: pl.Trainer, hook: str, **kw) -> None:
+        from framework.training.registry import logging_step
+
+        self.seen.append((hook, logging_step(trainer, **kw), trainer._logger_connector.should_update_logs))
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self._start = trainer.global_step
+        self._record(trainer, "start")
+
+    def on_before_optimizer_step(self, trainer, *args) -> None:
+        self._record(trainer, "before_step")
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self._record(trainer, "end", stepped=trainer.global_step != self._start)
+
+
+def test_logging_step_is_lightnings_rule_at_every_hook(tmp_path, digits_shards, monkeypatch):
+    """framework.training.registry.logging_step, read from public trainer state, says what Lightning's private
+    flag says before, during and after each optimizer step, with 2 micro-batches per step and a log every 3 steps
+    (steps 3 and 6 of 7 logged: 2 micro-batches at their start and end, 1 optimizer step each)."""
+    seen = LoggingSteps()
+    with_callback(monkeypatch, seen)
+    train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=3", "trainer.accumulate_grad_batches=2",
+                            steps=7)))
+    assert [ours for _, ours, _ in seen.seen] == [lightning for _, _, lightning in seen.seen], seen.seen
+    assert sum(ours for _, ours, _ in seen.seen) == 2 * (2 + 2 + 1)
+    assert len(seen.seen) == 7 * (2 + 2 + 1)
+
+
 # --------------------------------------------------------------------------------------------
 # Speed switches keep the numerics
 # --------------------------------------------------------------------------------------------

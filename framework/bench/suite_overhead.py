@@ -15,7 +15,8 @@ after a warm-up: from the moment step `warmup`'s batch is in hand to the end of 
              per-sample noise, the finiteness checks, logging) is its overhead.
 
 Printed: samples/s of each run, the medians and framework / loop (the goal is >= 0.98), and each round's own
-framework / loop (its two runs back to back) with their median: on a machine whose speed drifts, the steadier figure.
+framework / loop (its two runs back to back) with their median, and their mean with its 95% t-interval: on a machine
+whose speed drifts, the steadier figures.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from framework.cli import print_table
+from framework.evaluation.realdata import t_interval
 from typing import Any
 
 
@@ -91,11 +93,13 @@ def run(cfg: OverheadBench) -> list[dict[str, Any]]:
     # each round's two runs are back to back: their ratio is the least touched by a machine whose speed drifts
     speed = {(x["round"], x["side"]): x["samples_per_s"] for x in rows}
     by_round = [speed[r, "framework"] / speed[r, "loop"] for r in range(cfg.rounds)]
+    mean, low, high = t_interval(by_round)
     print(f"median samples/s: framework {med['framework']:.1f}, loop {med['loop']:.1f}; "
           f"framework / loop = {ratio:.3f}; per round {', '.join(f'{x:.3f}' for x in by_round)} "
-          f"(median {statistics.median(by_round):.3f})")
+          f"(median {statistics.median(by_round):.3f}; mean {mean:.3f}, 95% interval {low:.3f} to {high:.3f})")
     return [*rows, {"side": "ratio", "framework_over_loop": ratio, **{f"median_{s}": v for s, v in med.items()},
-                    "round_ratios": by_round, "median_round_ratio": statistics.median(by_round)}]
+                    "round_ratios": by_round, "median_round_ratio": statistics.median(by_round),
+                    "mean_round_ratio": mean, "round_ratio_interval": [low, high]}]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ the folder and video_folder sources' layout) or `eval.prompts=FILE` (one per lin
 
 from __future__ import annotations
 
+import math
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -188,6 +189,19 @@ def fid_from_features(real: torch.Tensor, fake: torch.Tensor) -> float:
 def percentile_interval(values: list[float], level: float = 0.95) -> list[float]:
     lo, hi = np.quantile(np.asarray(values), [(1 - level) / 2, (1 + level) / 2])
     return [float(lo), float(hi)]
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t-interval of the mean of independent `values` (low = high = mean for one)."""
+    from scipy import stats
+
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, mean, mean
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def fid_with_interval(real: torch.Tensor, fake: torch.Tensor, resamples: int, seed: int = 0) -> tuple[float, list[float]]:

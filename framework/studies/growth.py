@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from framework.cli import run_complete, train_child
+from framework.evaluation.realdata import t_interval
 
 
 @dataclass
@@ -148,19 +148,6 @@ def evaluations(run: Path) -> dict[int, dict[str, float]]:
     return out
 
 
-def interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the 95% t-interval of the mean (low = high = mean for one value)."""
-    from scipy import stats
-
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, mean, mean
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
-
-
 def curves(cmd: GrowthStudy) -> dict[str, dict[int, dict[float, dict[str, float]]]]:
     """arm -> seed -> training FLOPs so far (the small run's included for control and grown arms) -> eval values."""
     out: dict[str, dict[int, dict[float, dict[str, float]]]] = {}
@@ -180,7 +167,7 @@ def compare(cmd: GrowthStudy, metric: str) -> dict[str, Any]:
     scratch_total = max(data["scratch"][cmd.seeds[0]])
     # each arm's last evaluation, seed by seed
     last = {arm: {s: runs[s][max(runs[s])][metric] for s in cmd.seeds} for arm, runs in data.items()}
-    final = {arm: interval(list(values.values())) for arm, values in last.items()}
+    final = {arm: t_interval(list(values.values())) for arm, values in last.items()}
     target = final["scratch"][0]
     lower_is_better = metric == "fd"
     reach: dict[str, Any] = {}
@@ -195,7 +182,7 @@ def compare(cmd: GrowthStudy, metric: str) -> dict[str, Any]:
         reach[arm] = fractions
     # Paired by seed: an arm's final value minus scratch's (or the control's) of the same seed. The seeds' shared
     # noise (data order, the small model) cancels, which the arms' own intervals above keep.
-    paired = {ref: {arm: interval([last[arm][s] - last[ref][s] for s in cmd.seeds]) for arm in last if arm != ref}
+    paired = {ref: {arm: t_interval([last[arm][s] - last[ref][s] for s in cmd.seeds]) for arm in last if arm != ref}
               for ref in ("scratch", "control")}
     named = lambda intervals: {arm: dict(zip(("mean", "low", "high"), i)) for arm, i in intervals.items()}
     return {"metric": metric, "seeds": cmd.seeds, "scratch_total_flops": scratch_total, "final": named(final),
@@ -218,7 +205,7 @@ def plot(cmd: GrowthStudy, results: dict[str, dict[str, Any]], path: Path) -> Pa
         for arm, by_seed in res["curves"].items():
             series = [dict((x, v) for x, v in pts) for pts in by_seed.values()]
             xs = sorted({x for one in series for x in one})
-            stats = [interval([one[x] for one in series if x in one]) for x in xs]
+            stats = [t_interval([one[x] for one in series if x in one]) for x in xs]
             scale = [x / res["scratch_total_flops"] for x in xs]
             ax.plot(scale, [m for m, _, _ in stats], color=colors.get(arm), label=arm, marker="o", markersize=3)
             ax.fill_between(scale, [lo for _, lo, _ in stats], [hi for _, _, hi in stats], color=colors.get(arm),

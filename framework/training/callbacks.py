@@ -201,7 +201,7 @@ class LoggedStepThroughput(ThroughputMonitor):
                            *args: Any) -> None:
         stepped, self._step = trainer.global_step != self._step, trainer.global_step
         flops = pl_module.batch_flops(batch) if hasattr(pl_module, "batch_flops") else 0
-        if not stepped or not logging_step(trainer):  # mid-accumulation, or a step whose rates are not logged
+        if not stepped or not logging_step(trainer, stepped=True):  # mid-accumulation, or a step whose rates are not logged
             batches, samples, pending = self._pending
             self._pending = (batches + 1, samples + self.batch_size_fn(batch), pending + flops)
             return

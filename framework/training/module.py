@@ -87,6 +87,7 @@ class DiffusionModule(pl.LightningModule):
         self.empty_text: torch.Tensor | None = None
         self.dataset_info: dict[str, Any] = {}
         self._batch_end: float | None = None  # when the last step ended: the next one's data wait starts there
+        self._step_at_start = 0  # trainer.global_step when the current batch began
         self._configured = False  # configure_model ran (Lightning may call it again)
         # Counted on the first real batch; Lightning's ThroughputMonitor turns it into TFLOP/s and MFU.
         self.flops_per_batch: int | None = None
@@ -198,10 +199,10 @@ class DiffusionModule(pl.LightningModule):
 
     # ---- what a logged step records --------------------------------------------------------
 
-    def _logging_step(self) -> bool:
+    def _logging_step(self, stepped: bool = False) -> bool:
         """Whether this step's values reach a logger (framework.training.registry.logging_step, with a logger).
         The extra per-step figures are computed on those steps only: each costs a host synchronisation."""
-        return bool(self.trainer.loggers) and logging_step(self.trainer)
+        return bool(self.trainer.loggers) and logging_step(self.trainer, stepped)
 
     def on_fit_start(self) -> None:
         if self.adapter_cfg is not None and self.adapter_cfg.offload_blocks:  # once the model is on its device
@@ -240,6 +241,7 @@ class DiffusionModule(pl.LightningModule):
                 self.log(f"train/loss_t{i}", total / n, on_step=True, on_epoch=False)
 
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._step_at_start = self.global_step  # on_train_batch_end: a batch that moved it took an optimizer step
         if self._logging_step():
             self._log_step_figures()
         flops = self.batch_flops(batch)  # counted here on every rank, once per shape
@@ -421,7 +423,7 @@ class DiffusionModule(pl.LightningModule):
     def on_train_batch_end(self, *args: Any) -> None:
         import time
 
-        if self._logging_step():
+        if self._logging_step(stepped=self.global_step != self._step_at_start):
             self.finite.check()
         self._batch_end = time.perf_counter()
 

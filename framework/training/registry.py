@@ -34,10 +34,16 @@ class Plugin:
 PLUGINS: dict[str, Plugin] = {}
 
 
-def logging_step(trainer: pl.Trainer) -> bool:
-    """Whether this training step's values are logged (Lightning's rule: every trainer.log_every_n_steps, and the
-    last step). The one place that reads it: Lightning keeps it private."""
-    return trainer._logger_connector.should_update_logs
+def logging_step(trainer: pl.Trainer, stepped: bool = False) -> bool:
+    """Whether this training step's values are logged, by Lightning's rule from public trainer state: the optimizer
+    step numbered n from 1 is logged when n is a multiple of trainer.log_every_n_steps, and any step once the trainer
+    is stopping. Every micro-batch of an accumulated step shares its number, trainer.global_step + 1 until the step
+    is taken; after it (on_train_batch_end of a batch that stepped) pass stepped=True, the number then being
+    trainer.global_step (tests/test_train.py checks this against Lightning's own private flag at every hook)."""
+    every = trainer.log_every_n_steps
+    if not every:
+        return False
+    return (trainer.global_step + (0 if stepped else 1)) % every == 0 or trainer.should_stop
 
 
 def register_plugin(name: str, config: type, build: Callable[[Any, Any], pl.Callback]) -> None:
