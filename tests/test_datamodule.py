@@ -107,6 +107,14 @@ def test_drop_captions():
     assert torch.equal(t[~drop, :3], text[~drop]) and (t[~drop, 3:] == 0).all()
     assert torch.equal(m[~drop, :3], mask[~drop]) and not m[~drop, 3:].any()
     assert torch.equal(text, text0) and torch.equal(mask, mask0)  # the inputs are untouched
+    # inplace=True (the training step's own float32 copy): the dropped rows written into that very tensor, as above
+    short = torch.randn(2, 5)  # no longer than the captions: no padding
+    expected, expected_mask = drop_captions(text, mask, short, drop)
+    own = text.clone()
+    t, m = drop_captions(own, mask, short, drop, inplace=True)
+    assert t is own and torch.equal(t, expected) and torch.equal(m, expected_mask)
+    assert torch.equal(t[drop, :2], short.expand(8, 2, 5)) and (t[drop, 2:] == 0).all() and torch.equal(t[~drop], text[~drop])
+    assert torch.equal(mask, mask0)  # the mask is never written in place
 
 
 def test_check_compatible(digits_shards):

@@ -22,27 +22,29 @@ def pad_and_stack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def drop_captions(
-    text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor
+    text: torch.Tensor, mask: torch.Tensor, empty: torch.Tensor, drop: torch.Tensor, inplace: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace the captions of rows where `drop` is True by the empty-caption embedding (L0, D).
 
-    text (B, L, D), mask (B, L), drop (B,) bool -> new tensors (B, max(L, L0), D), (B, max(L, L0)); the
-    inputs are not modified. The flags come from DiffusionModule._draw (classifier-free guidance), on the host,
-    so that finding whether any row drops reads no device memory.
+    text (B, L, D), mask (B, L), drop (B,) bool -> (B, max(L, L0), D), (B, max(L, L0)). The inputs are not
+    modified, except `text` with inplace=True (a copy the caller owns, such as the training step's float32 one): then
+    only the dropped rows are written, not a whole new batch of embeddings. The flags come from DiffusionModule._draw
+    (classifier-free guidance), on the host, so that finding whether any row drops reads no device memory.
     """
     if not bool(drop.any()):
         return text, mask
-    drop = drop.to(text.device, non_blocking=True)
     n_tok = max(text.shape[1], empty.shape[0])
-    if n_tok > text.shape[1]:  # the empty caption is longer than every caption in this batch
+    if n_tok > text.shape[1]:  # the empty caption is longer than every caption in this batch: new, padded tensors
         text = F.pad(text, (0, 0, 0, n_tok - text.shape[1]))
         mask = F.pad(mask, (0, n_tok - mask.shape[1]))
-    e = torch.zeros_like(text[0])
-    e[: empty.shape[0]] = empty
-    em = torch.zeros_like(mask[0])
-    em[: empty.shape[0]] = True
-    d = drop.view(-1, 1)
-    return torch.where(d.unsqueeze(-1), e, text), torch.where(d, em, mask)
+    else:
+        text, mask = (text if inplace else text.clone()), mask.clone()
+    rows = drop.nonzero().flatten().to(text.device, non_blocking=True)  # (K,) the dropped rows
+    text[rows] = 0.0
+    text[rows, : empty.shape[0]] = empty
+    mask[rows] = False
+    mask[rows, : empty.shape[0]] = True
+    return text, mask
 
 
 def guidance_batch(model: Any, text: torch.Tensor | None, mask: torch.Tensor | None, labels: torch.Tensor | None,

@@ -318,9 +318,9 @@ class DiffusionModule(pl.LightningModule):
         # One call per sample: its noise, then the normals behind its noise level and its caption-drop flag.
         z = torch.empty(B, n + 2, pin_memory=x0.is_cuda)  # pinned: the copy below does not wait for the GPU
         g = torch.Generator()
-        for i in range(B):
+        for i, row in enumerate(z.unbind(0)):  # the rows as views in one call, not one indexing op per sample
             g.manual_seed(hash((self.seed, micro, r + i * W)) & 0x7FFF_FFFF_FFFF)
-            torch.randn(n + 2, generator=g, out=z[i])
+            torch.randn(n + 2, generator=g, out=row)
         # (B,) on the host: whether any row drops needs no device read
         drop = torch.special.ndtr(z[:, n + 1]) < self.objective.cfg.caption_dropout
         z = z.to(x0.device, non_blocking=True)
@@ -361,8 +361,9 @@ class DiffusionModule(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         x0 = batch["latents"]  # (B, C, h, w), already scaled by the data module
         noise, u, drop = self._draw(x0)
-        text, mask = batch["text_embeds"].float(), batch["text_mask"]  # (B, L, D) fp16 from the loader, (B, L)
-        text, mask = drop_captions(text, mask, self.empty_text.to(text), drop)
+        # (B, L, D) fp16 from the loader, as a float32 copy of the step's own, (B, L)
+        text, mask = batch["text_embeds"].to(torch.float32, copy=True), batch["text_mask"]
+        text, mask = drop_captions(text, mask, self.empty_text.to(text), drop, inplace=True)
         labels = batch.get("label")
         if labels is not None and self.model_cfg.num_classes is not None:
             drop = drop.to(labels.device, non_blocking=True)
