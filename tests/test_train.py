@@ -466,11 +466,14 @@ class LoggingSteps(pl.Callback):
 def test_logging_step_is_lightnings_rule_at_every_hook(tmp_path, digits_shards, monkeypatch):
     """framework.training.registry.logging_step, read from public trainer state, says what Lightning's private
     flag says before, during and after each optimizer step, with 2 micro-batches per step and a log every 3 steps
-    (steps 3 and 6 of 7 logged: 2 micro-batches at their start and end, 1 optimizer step each)."""
+    (steps 3 and 6 of 7 logged: 2 micro-batches at their start and end, 1 optimizer step each), a skipped non-finite
+    step among them (step 3, a logged one: micro-batch 4 holds a NaN)."""
     seen = LoggingSteps()
     with_callback(monkeypatch, seen)
-    train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=3", "trainer.accumulate_grad_batches=2",
-                            steps=7)))
+    with_callback(monkeypatch, _PoisonBatch(at=4))
+    out = train(compose_cfg(cheap(tmp_path, digits_shards, "trainer.log_every_n_steps=3",
+                                  "trainer.accumulate_grad_batches=2", "trainer.skip_nonfinite=true", steps=7)))
+    assert torch.load(out["checkpoint"], weights_only=True)["global_step"] == 7
     assert [ours for _, ours, _ in seen.seen] == [lightning for _, _, lightning in seen.seen], seen.seen
     assert sum(ours for _, ours, _ in seen.seen) == 2 * (2 + 2 + 1)
     assert len(seen.seen) == 7 * (2 + 2 + 1)
