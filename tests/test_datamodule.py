@@ -366,18 +366,30 @@ def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_p
     with framework.data.shards.prefix_lock(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(framework.data.shards, "prefix_lock", contextlib.nullcontext)
         mp.setattr(tempfile, "tempdir", str(tmp_path / "locks"))
-        q = max(next(i for i in range(10**6) if not taken(i, n)) for n in SHM_TO_CLEAN)
-        dead = [leftover(f"{q:06d}_locals", 64), leftover(f"{q + 1:06d}_barrier", 4096)]  # a real barrier: bytes
-        # With the dead barrier removed, the search takes q + 1 unless another live dataset holds a segment there.
-        want = max(next(i for i in range(10**6) if not taken(i, n) or f"{i:06d}_{n}" == dead[1]) for n in SHM_TO_CLEAN)
-        try:
-            dm = module(digits_shards, tmp_path, batch_size=16)
-        except FileExistsError as err:  # Streaming's own barrier could not be created where the dead one is
-            pytest.fail(f"the new dataset ran into the dead job's segment: {err}")
+        def choice() -> int:  # the prefix Streaming's search would take now
+            return max(next(i for i in range(10**6) if not taken(i, n)) for n in SHM_TO_CLEAN)
+
+        dead, dm = [], None
+        try:  # the dead segments go at the end whatever happens (the dead barrier, if the dataset never removed it)
+            q = choice()
+            dead.append(leftover(f"{q:06d}_locals", 64))
+            # The prefix the search now takes, past the dead registration: q + 1 on a quiet node, further on where
+            # another process's live datasets hold the next prefixes (a second pytest beside this one). The dead
+            # barrier goes there.
+            q2 = choice()
+            dead.append(leftover(f"{q2:06d}_barrier", 4096))  # a real barrier: bytes
+            # With the dead barrier removed, the search takes q2 unless another live dataset holds a segment there.
+            want = max(next(i for i in range(10**6) if not taken(i, n) or f"{i:06d}_{n}" == dead[1])
+                       for n in SHM_TO_CLEAN)
+            try:
+                dm = module(digits_shards, tmp_path, batch_size=16)
+            except FileExistsError as err:  # Streaming's own barrier could not be created where the dead one is
+                pytest.fail(f"the new dataset ran into the dead job's segment: {err}")
         finally:
-            (shm_dir / dead[0]).unlink(missing_ok=True)
+            for name in dead[: 1 if dm is not None else 2]:
+                (shm_dir / name).unlink(missing_ok=True)
     assert dm.dataset._shm_prefix_int == want
-    if want == q + 1:
+    if want == q2:
         assert (shm_dir / dead[1]).stat().st_size < 4096, "the dataset made its own barrier"
     else:
         assert not (shm_dir / dead[1]).exists(), "the dead barrier was removed"
