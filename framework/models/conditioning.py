@@ -54,7 +54,8 @@ def guidance_batch(model: Any, text: torch.Tensor | None, mask: torch.Tensor | N
     B = (text if text is not None else labels).shape[0]
     if text is not None:
         drop = torch.cat([torch.zeros(B, dtype=torch.bool), torch.ones(B, dtype=torch.bool)])  # on the host
-        text, mask = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), empty.to(text), drop)
+        # repeat makes a copy of its own: the unconditional half is written into it
+        text, mask = drop_captions(text.repeat(2, 1, 1), mask.repeat(2, 1), empty.to(text), drop, inplace=True)
     if labels is not None:
         labels = torch.cat([labels, model.null_labels(B).to(labels)])
     return text, mask, labels
