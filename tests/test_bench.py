@@ -318,6 +318,21 @@ def test_bench_precompute_writes_a_row_per_rank_and_worker_count(tmp_path, tiny_
 
 
 @pytest.mark.slow
+def test_a_spawned_arm_reports_its_own_peak_memory_not_its_parents():
+    """A bench arm's peak memory on a CPU is its own: its parent holds 1 GiB more than the arm ever does, and the arm
+    reports less than its parent by more than half of that (ru_maxrss would report the parent's: a spawned process is
+    forked before its exec, and exec keeps the forked copy's peak)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.peak_rss", "1024"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["parent"] > got["held"] > 0
+    assert 100 * 2**20 < got["child"] < got["parent"] - got["held"] / 2, got
+
+
+@pytest.mark.slow
 def test_bench_finetune_measures_each_arm_beside_its_predicted_peak(tmp_path):
     """The LoRA on a bf16 base with its blocks offloaded (and its activations checkpointed, which offloading needs)
     trains the adapter alone; its row has the measured peak beside the prediction framework.train prints (within 30% on

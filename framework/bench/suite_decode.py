@@ -18,7 +18,6 @@ Rank 0 prints the table.
 from __future__ import annotations
 
 import math
-import resource
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from framework.bench.harness import peak_rss_bytes
 from framework.cli import print_table
 import torch.distributed as dist
 
@@ -169,7 +169,7 @@ class _Ways:
         self.generate(name, self.prompts[:1])  # one prompt alone: its latency
         dist.barrier()
         latency = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
         memory: list[Any] = [None] * self.world
         pipe = self.pipes[name]
         dist.all_gather_object(memory, {"peak_MiB": round(peak / 2**20), "denoiser": pipe._build is None,

@@ -32,16 +32,10 @@ class InitMemoryBench:
 
 
 def _peak_rss_gb() -> float:
-    """Peak resident memory of this process: VmHWM on Linux (reset at exec, so a spawned rank does not
-    inherit its parent's), ru_maxrss elsewhere."""
-    import resource
+    """Peak resident memory of this process (harness.peak_rss_bytes: a spawned rank's own, not its parent's)."""
+    from framework.bench.harness import peak_rss_bytes
 
-    status = Path("/proc/self/status")
-    if status.exists():
-        kib = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
-    else:
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib * 1024 / 1e9
+    return peak_rss_bytes() / 1e9
 
 
 def _init_memory_rank(rank: int, cfg: InitMemoryBench, path: str, store: str, out: str) -> None:

@@ -107,10 +107,8 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
 
 def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     """`... tests.workers.decoupled roles CKPT K|auto OUT`: the sample command's way (a lazy pipeline of a checkpoint):
-    per rank, whether it built the denoiser and loaded the image codec, and its peak resident memory; rank 0 also
+    per rank, whether it built the denoiser and loaded the image codec; rank 0 also
     checks the images against one process's."""
-    import resource
-
     from framework.cli import RankSharing, share_ranks
     from framework.distributed.sequence import group_of
 
@@ -123,8 +121,7 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     again = pipe.generate(PROMPTS[:2], PLAN, batch_size=2, ranks=cfg.sharing(), progress=True)  # eval makes many
     sp = group_of(pipe.model)
     state = {"built": pipe._build is None, "codec": pipe._codec is not None,
-             "meta": next(pipe.model.parameters()).is_meta, "split": None if sp is None else [sp.rank, sp.size],
-             "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+             "meta": next(pipe.model.parameters()).is_meta, "split": None if sp is None else [sp.rank, sp.size]}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, state)
     if dist.get_rank() == 0:
