@@ -61,6 +61,25 @@ def test_scorer_and_judge_train_on_disjoint_halves_and_the_scorer_is_cached():
     assert get_judge("digits").heldout_accuracy >= 0.95
 
 
+def test_the_scorer_trains_to_the_same_weights_whatever_the_thread_count():
+    """The cached scorer is whichever process trained it first; its weights must not depend on that process's thread
+    count, or one set of images has two fds (the evaluation's processes and a test's reference disagreed in fd's 8th
+    digit). Fewer steps than the scorer's 400, from a caller on 2 threads and on 1; the caller's count is restored."""
+    from framework.evaluation.metrics import train_digit_net
+
+    xs, ys = training_half("scorer")
+    threads = torch.get_num_threads()
+    weights = []
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            weights.append([p.clone() for p in train_digit_net(xs, ys, steps=8).parameters()])
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
 def test_held_out_phrasings_never_appear_in_training_captions():
     from data_prep.config import SourceConfig
     from data_prep.sources import get_source
