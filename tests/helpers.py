@@ -4,6 +4,7 @@ seconds, multi-process training runs and their checks, and W&B's offline run fil
 from __future__ import annotations
 
 import csv
+import functools
 import gc
 import io
 import json
@@ -39,22 +40,30 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "spec
 
 class CompiledBlocks(pl.Callback):
     """Which of the model's blocks ran inside a torch.compile trace: a forward hook on each block's first linear
-    layer records torch.compiler.is_compiling() (public API: Dynamo's counters are internals another torch version
-    keeps elsewhere). After the run, `compiled` holds one bool per block."""
+    layer adds torch.compiler.is_compiling() (public API: Dynamo's counters are internals another torch version
+    keeps elsewhere) to a counter of its block. After the run, `compiled` holds one bool per block.
+
+    The counters are tensors, which Dynamo guards on by shape and dtype only: a hook that added to a Python set made
+    each block's graph guard on the set's contents, so every block compiled again once the set had changed, twice the
+    compilations the framework itself makes."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from framework.distributed.fsdp import shard_units
 
         self.model = pl_module.model
         units = shard_units(pl_module.model)
-        self.seen: list[set[bool]] = [set() for _ in units]
-        for seen, unit in zip(self.seen, units):
+        self.counts = [torch.zeros(()) for _ in units]  # compiled calls of each block
+        for count, unit in zip(self.counts, units):
             layer = next(m for m in unit.modules() if isinstance(m, torch.nn.Linear))
-            layer.register_forward_hook(lambda *_, seen=seen: seen.add(torch.compiler.is_compiling()))
+            layer.register_forward_hook(functools.partial(_count_compiled, count))
 
     @property
     def compiled(self) -> list[bool]:
-        return [True in seen for seen in self.seen]
+        return [bool(count > 0) for count in self.counts]
+
+
+def _count_compiled(count: torch.Tensor, *_: Any) -> None:  # a forward hook's return value would replace the output
+    count.add_(float(torch.compiler.is_compiling()))
 
 
 def make_tiny_vae(root: Path, scaling_factor: float = 0.5, shift_factor: float = 0.1, seed: int = 0) -> Path:
