@@ -584,7 +584,7 @@ MUTANTS = [
            (("framework/training/registry.py", "    every = trainer.log_every_n_steps\n", "    every = 1\n"),),
            ("tests/test_train.py::test_logging_step_is_lightnings_rule_at_every_hook",)),
     Mutant("bench_peak_from_ru_maxrss", "a bench arm's CPU peak is read from ru_maxrss, which keeps its parent's peak",
-           (("framework/bench/harness.py", "    if status.exists():\n        return 1024 * next(",
+           (("framework/bench/fresh.py", "    if status.exists():\n        return 1024 * next(",
              "    if False:\n        return 1024 * next("),),
            ("tests/test_bench.py::test_a_spawned_arm_reports_its_own_peak_memory_not_its_parents",)),
     Mutant("digit_scorer_trained_on_every_thread", "the digit scorer trains on the caller's threads: its weights depend on the core count",

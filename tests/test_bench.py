@@ -317,7 +317,6 @@ def test_bench_precompute_writes_a_row_per_rank_and_worker_count(tmp_path, tiny_
     assert "encoder_busy" in capsys.readouterr().out  # the printed table
 
 
-@pytest.mark.slow
 def test_a_spawned_arm_reports_its_own_peak_memory_not_its_parents():
     """A bench arm's peak memory on a CPU is its own: its parent holds 1 GiB more than the arm ever does, and the arm
     reports less than its parent by more than half of that (ru_maxrss would report the parent's: a spawned process is
@@ -329,7 +328,7 @@ def test_a_spawned_arm_reports_its_own_peak_memory_not_its_parents():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["parent"] > got["held"] > 0
-    assert 100 * 2**20 < got["child"] < got["parent"] - got["held"] / 2, got
+    assert 0 < got["child"] < got["parent"] - got["held"] / 2, got
 
 
 @pytest.mark.slow

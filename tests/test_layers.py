@@ -16,7 +16,7 @@ layers, lowest first; a module imports its own layer and the layers below, never
     commands                framework.train, sample, eval, export, framework.bench, framework.studies, launch/
 
 So inference never imports training: sampling, evaluation and export run without the training stack.
-The benchmark harness (framework.bench.harness) imports the framework only, no plugin. Benchmarks (timings,
+The benchmark harness (framework.bench.harness and fresh) imports the framework only, no plugin. Benchmarks (timings,
 framework.bench) and studies (training runs compared with intervals, framework.studies) are both commands and
 never import each other.
 Imports by string (importlib, Hydra `_target_`) are not seen; the project keeps those to data sources.
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data_prep", "framework", "plugins", "launch")
 COMMANDS = {"framework.train", "framework.sample", "framework.eval", "framework.export"}
-HARNESS = "framework.bench.harness"
+HARNESS = ("framework.bench.harness", "framework.bench.fresh")  # what the benchmarks share
 # Lowest first; a module may import its own layer and those below it.
 LAYERS = ["data_prep", "framework.models", "framework.data", "framework.distributed", "framework.inference",
           "framework.evaluation", "framework.training", "framework", "plugins", "command"]
@@ -138,9 +138,9 @@ def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     bad = []
     for src, targets in sorted(graph.items()):
         for dst in sorted(targets):
-            # The harness measures the framework alone: no plugin, no command.
-            ceiling = LAYERS.index("framework") if src == HARNESS else LAYERS.index(layer(src))
-            if LAYERS.index(layer(dst)) > ceiling:
+            # The harness measures the framework alone: no plugin, no command (its parts import each other).
+            ceiling = LAYERS.index("framework") if src in HARNESS else LAYERS.index(layer(src))
+            if LAYERS.index(layer(dst)) > ceiling and not (src in HARNESS and dst in HARNESS):
                 bad.append((src, dst))
     return bad
 

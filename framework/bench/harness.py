@@ -7,12 +7,10 @@ this file, and nothing here knows any plugin.
 
 from __future__ import annotations
 
-import resource
 import statistics
 import tempfile
 import time
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -50,18 +48,10 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far: VmHWM on Linux, ru_maxrss elsewhere. Not ru_maxrss on Linux: a
-    spawned process is forked before it runs exec, and exec keeps the larger of its own peak and the forked copy's, so
-    a bench arm spawned by a 1.3 GiB parent (pytest, a forked test process) reported 1.3 GiB whatever it used itself."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        return 1024 * next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak GPU memory allocated since timed_fit reset it; on a CPU the process's peak resident memory so far."""
+    from framework.bench.fresh import peak_rss_bytes
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return peak_rss_bytes()
@@ -205,24 +195,3 @@ def measure_fit(module: DiffusionModule, model_cfg: ModelConfig, *, batch_size: 
         "peak_mem_bytes": peak_memory_bytes(device),
         "device": device_name(device),
     }
-
-
-def in_fresh_processes(target: Callable[[Any, str, str], None], cfg: Any, names: list[str],
-                       prefix: str) -> list[dict[str, Any]]:
-    """`target(cfg, name, out)` for each name in a process of its own (spawned: a process's peak memory is its own),
-    each writing its JSON row to `out`; the rows, in order. `target` is a module-level function."""
-    import json
-
-    import torch.multiprocessing as mp
-
-    rows = []
-    for name in names:
-        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-            out = f"{tmp}/{name}.json"
-            mp.start_processes(_fresh_main, args=(target, cfg, name, out), nprocs=1, start_method="spawn")
-            rows.append(json.loads(Path(out).read_text()))
-    return rows
-
-
-def _fresh_main(index: int, target: Callable[[Any, str, str], None], cfg: Any, name: str, out: str) -> None:
-    target(cfg, name, out)

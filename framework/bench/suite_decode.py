@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from framework.bench.harness import peak_rss_bytes
+from framework.bench.fresh import peak_rss_bytes
 from framework.cli import print_table
 import torch.distributed as dist
 

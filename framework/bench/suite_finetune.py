@@ -90,7 +90,7 @@ def _arm(cfg: FinetuneBench, arm: str, out: str) -> None:
 
 
 def run(cfg: FinetuneBench) -> list[dict[str, Any]]:
-    from framework.bench.harness import in_fresh_processes
+    from framework.bench.fresh import in_fresh_processes
 
     rows = in_fresh_processes(_arm, cfg, cfg.arms, "lf-finetune-")  # each arm a fresh process: the peak is per process
     print_table(rows, ["model", "arm", "precision", "trainable", "samples_per_s", "step_ms_median", "peak_gib",

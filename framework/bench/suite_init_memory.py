@@ -32,8 +32,8 @@ class InitMemoryBench:
 
 
 def _peak_rss_gb() -> float:
-    """Peak resident memory of this process (harness.peak_rss_bytes: a spawned rank's own, not its parent's)."""
-    from framework.bench.harness import peak_rss_bytes
+    """Peak resident memory of this process (fresh.peak_rss_bytes: a spawned rank's own, not its parent's)."""
+    from framework.bench.fresh import peak_rss_bytes
 
     return peak_rss_bytes() / 1e9
 

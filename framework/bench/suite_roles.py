@@ -138,7 +138,7 @@ def _role(cfg: RolesBench, role: str, out: str) -> None:
 
 
 def run(cfg: RolesBench) -> list[dict[str, Any]]:
-    from framework.bench.harness import in_fresh_processes
+    from framework.bench.fresh import in_fresh_processes
 
     rows = in_fresh_processes(_role, cfg, cfg.roles, "lf-roles-")  # each role a fresh process: the peak is per process
     print_table(rows, ["role", "preset", "frames", "size", "dtype", "seconds", "peak_gib", "full_peak_gib", "device"])
