@@ -502,9 +502,7 @@ import sys
 import torch
 from data_prep import storage
 from data_prep.precompute import CaptionCache
-
-def peak_mib():  # the process's peak resident set so far (Linux)
-    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) // 1024
+from framework.bench.fresh import peak_rss_bytes  # the process's peak resident set so far
 
 class Encoder:  # per-token embeddings of 8 tokens x 512, as a rank's text encoder returns them
     def encode(self, captions):
@@ -516,7 +514,7 @@ peaks = []
 for i in range(0, 100_000, 1000):
     cache([f"caption {j}" for j in range(i, i + 1000)])
     if i + 1000 in (20_000, 100_000):
-        peaks.append(peak_mib())
+        peaks.append(peak_rss_bytes() // 2**20)
 print(peaks[0], peaks[1], cache.encoded)
 """
 

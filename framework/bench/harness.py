@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import lightning.pytorch as pl
 import torch
 
+from framework.bench.fresh import peak_rss_bytes
 from framework.models.backbones import ModelConfig, build_denoiser
 from framework.models.flops import count_train_flops_per_sample
 from framework.training.module import DiffusionModule
@@ -50,8 +51,6 @@ def device_name(device: torch.device) -> str:
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak GPU memory allocated since timed_fit reset it; on a CPU the process's peak resident memory so far."""
-    from framework.bench.fresh import peak_rss_bytes
-
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return peak_rss_bytes()
