@@ -174,7 +174,7 @@ def rank_at(seed: int, micro: int, r: int = 0, W: int = 1) -> Any:
     from framework.training.module import DiffusionModule
 
     rank = SimpleNamespace(seed=seed, _stream_slots=lambda: (r, W), _micro_batch=lambda: micro)
-    rank._row_generators = lambda n, tag: DiffusionModule._row_generators(rank, n, tag)
+    rank._row_keys = lambda n, tag: DiffusionModule._row_keys(rank, n, tag)
     return rank
 
 

@@ -723,19 +723,28 @@ MUTANTS = [
              'return np.array([len(e["text_embeds"]) - 1 for e in embs] , dtype=np.int32)'),),
            ("tests/test_captions.py::test_per_image_rows_hold_the_latents_once_with_every_caption[int8]",)),
     Mutant("caption_draw_always_first", "training always takes a sample's first caption",
-           (("framework/training/module.py", "chosen[i] = torch.randint(k, (), generator=g)", "chosen[i] = 0"),),
+           (("framework/training/module.py", "return (u.double() * counts).long()", "return torch.zeros_like(counts)"),),
            ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",)),
-    Mutant("caption_draw_ignores_the_step", "each sample draws the same caption (and posterior sample, and flip) at "
-           "every step", (("framework/training/module.py", "hash((self.seed, micro, r + i * W, tag))",
-                          "hash((self.seed, 0, r + i * W, tag))"),),
+    Mutant("caption_draw_ignores_the_step", "each sample draws the same caption (and noise, posterior sample and "
+           "flip) at every step", (("framework/training/module.py", "keyed.keys(self.seed, micro, range(r, r + n * W, W), tag)",
+                          "keyed.keys(self.seed, 0, range(r, r + n * W, W), tag)"),),
            ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",
             "tests/test_recipes.py::test_the_posterior_and_flip_draws_follow_the_step_and_the_global_row_not_the_rank_count")),
-    Mutant("caption_draw_by_local_row", "the per-sample draws (caption, posterior sample, flip) are keyed by the "
+    Mutant("caption_draw_by_local_row", "the per-sample draws (caption, noise, posterior sample, flip) are keyed by the "
            "sample's row on its rank: another world size draws otherwise",
-           (("framework/training/module.py", "hash((self.seed, micro, r + i * W, tag))",
-             "hash((self.seed, micro, i, tag))"),),
+           (("framework/training/module.py", "keyed.keys(self.seed, micro, range(r, r + n * W, W), tag)",
+             "keyed.keys(self.seed, micro, range(n), tag)"),),
            ("tests/test_captions.py::test_the_caption_draw_follows_the_step_and_the_global_row_not_the_rank_count",
             "tests/test_recipes.py::test_the_posterior_and_flip_draws_follow_the_step_and_the_global_row_not_the_rank_count")),
+    Mutant("keyed_draws_shift_the_sign_in", "the keyed generator shifts its int64 state arithmetically: the sign bit "
+           "spreads into the high bits, so it is no longer SplitMix64",
+           (("framework/training/keyed.py", "    return (x >> k) & ((1 << (64 - k)) - 1)", "    return x >> k"),),
+           ("tests/test_objectives.py::test_the_step_draws_from_each_samples_splitmix64_sequence",)),
+    Mutant("keyed_draws_repeat_within_a_sample", "every keyed draw of a sample is its sequence's first number: the "
+           "noise of a sample is one value repeated",
+           (("framework/training/keyed.py", "torch.arange(1, n + 1, dtype=torch.int64, device=keys.device)",
+             "torch.ones(n, dtype=torch.int64, device=keys.device)"),),
+           ("tests/test_objectives.py::test_keyed_normals_and_uniforms_have_their_distributions_and_no_correlation",)),
     Mutant("chosen_caption_from_the_first_sample", "each sample's chosen caption is looked up from the batch's first rows",
            (("framework/data/datamodule.py", "rows = torch.cumsum(counts, 0) - counts + chosen", "rows = chosen"),),
            ("tests/test_captions.py::test_training_draws_a_caption_per_sample_and_step_and_resumes_on_the_same_draws",)),

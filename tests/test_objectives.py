@@ -78,3 +78,55 @@ def test_logit_normal_draws_concentrate_mid_path():
     assert 0.0 < u.min() and u.max() < 1.0
     assert abs(u.mean().item() - 0.5) < 0.01
     assert ((u > 0.25) & (u < 0.75)).float().mean() > 0.6  # uniform would give 0.5
+
+
+def _splitmix64(state: int, n: int) -> list[int]:
+    """SplitMix64 by hand on Python integers (Steele, Lea and Flood 2014): the first n outputs from `state`."""
+    out = []
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) % 2**64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_the_step_draws_from_each_samples_splitmix64_sequence():
+    """keyed.bits is SplitMix64 from each key: seed 0's first output is the published 0xE220A8397B1DCDAF, and keys
+    whose arithmetic overflows int64 (negative, near 2**63) agree with the hand-written generator bit for bit."""
+    from framework.training import keyed
+
+    assert _splitmix64(0, 1) == [0xE220A8397B1DCDAF]
+    states = [0, 1, 12345678901234, 2**63 - 1, -1, -(2**63), hash((0, 7, 3, 1))]
+    got = keyed.bits(torch.tensor(states, dtype=torch.int64), 5)
+    for row, state in zip(got.tolist(), states):
+        assert [v % 2**64 for v in row] == _splitmix64(state % 2**64, 5)
+    # a key's first numbers do not depend on how many are drawn
+    k = keyed.keys(0, 3, range(6), 0)
+    torch.testing.assert_close(keyed.normals(k, 7), keyed.normals(k, 12)[:, :7], rtol=0, atol=0)
+
+
+def test_keyed_normals_and_uniforms_have_their_distributions_and_no_correlation():
+    """4096 samples x 64 draws: normals with mean 0, variance 1, kurtosis 3 and the normal CDF at 5 points; uniforms
+    in (0, 1) with mean 1/2, variance 1/12; neighbouring draws of a sample and neighbouring samples uncorrelated (each
+    bound about 5 standard errors)."""
+    from framework.training import keyed
+
+    k = keyed.keys(0, 11, range(4096), 0)
+    z = keyed.normals(k, 64).double()
+    n = z.numel()
+    assert abs(z.mean()) < 5 / n**0.5 and abs(z.var() - 1) < 5 * (2 / n) ** 0.5
+    assert abs((z**4).mean() - 3) < 5 * (96 / n) ** 0.5
+    for x in (-2.0, -1.0, 0.0, 0.5, 1.5):
+        p = torch.special.ndtr(torch.tensor(x, dtype=torch.float64))
+        assert abs((z < x).double().mean() - p) < 5 * (p * (1 - p) / n) ** 0.5, x
+    for a, b in ((z[:, :-1], z[:, 1:]), (z[:-1], z[1:])):  # within a sample; across samples
+        assert abs((a * b).mean()) < 5 / a.numel() ** 0.5
+    u = keyed.uniforms(k, 64).double()
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 5 * (1 / 12 / n) ** 0.5 and abs(u.var() - 1 / 12) < 5 * (1 / 180 / n) ** 0.5
+    assert abs(((u[:, :-1] - 0.5) * (u[:, 1:] - 0.5)).mean()) < 5 / 12 / n**0.5
+    # another tag or micro-batch: other numbers
+    assert not torch.equal(keyed.normals(keyed.keys(0, 11, range(8), 1), 4), z[:8, :4].float())
+    assert not torch.equal(keyed.normals(keyed.keys(0, 12, range(8), 0), 4), z[:8, :4].float())

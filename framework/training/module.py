@@ -1,16 +1,16 @@
 """The LightningModule: one diffusion training step on precomputed latents.
 
-Everything random in a step (noise, noise level, caption dropout) is drawn per sample from a generator
-seeded by (seed, micro-batch counter, the sample's row in the *global* batch), and each rank draws its
-own rows only. So a run is reproducible, resumes exactly from any checkpoint, and a 2-rank run draws the
-same numbers for the same samples as a 1-rank run with the same global batch (Streaming gives the rank
-at position r the global rows r, r+W, r+2W, ... and _draw draws the same rows). The caption a sample of a
-per_image dataset trains on in a step is drawn the same way (draw_captions).
+Everything random in a step (noise, noise level, caption dropout) is a function of (seed, micro-batch counter, the
+sample's row in the *global* batch), drawn for the whole batch at once (framework/training/keyed.py), and each rank
+draws its own rows only. So a run is reproducible, resumes exactly from any checkpoint, and a 2-rank run draws the
+same numbers for the same samples as a 1-rank run with the same global batch (Streaming gives the rank at position r
+the global rows r, r+W, r+2W, ... and _draw draws the same rows). The caption a sample of a per_image dataset trains
+on in a step, its posterior sample and its flip are drawn the same way (draw_captions, draw_latents).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,6 +23,7 @@ from framework.models.conditioning import drop_captions
 from framework.models.backbones import Denoiser, ModelConfig, build_denoiser, load_weights, to_model_config
 from framework.models.init import init_weights
 from framework.models.objectives import Objective, ObjectiveConfig
+from framework.training import keyed
 from framework.training.finite import FiniteGuard, NonFiniteLossError  # noqa: F401  (the module's error)
 from framework.training.optim import OptimizerConfig, build_optimizer, group_lambda, lr_lambda, scaled_lr
 from framework.training.registry import logging_step, param_groups_hook, training_loss_hook
@@ -30,8 +31,13 @@ from framework.distributed.config import StrategyConfig
 from framework.distributed.mesh import ParallelDims
 
 LEVEL_BUCKETS = 4  # train/loss_t0..3: the loss per quarter of the noise-level range (t0: least noise)
-CAPTION_DRAW = 1  # the caption draw's generators are keyed by (seed, micro-batch, row, CAPTION_DRAW): apart from _draw's
-LATENT_DRAW = 2  # and draw_latents' (the posterior's sample, the mirror flip) by LATENT_DRAW
+# The kinds of a step's keyed draws (the tag in keyed.keys), so that no two kinds share numbers:
+NOISE_DRAW, DROP_DRAW, CAPTION_DRAW, LATENT_DRAW, FLIP_DRAW = range(5)
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory, so that the copy does not wait for the GPU's queue."""
+    return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
 
 
 class DiffusionModule(pl.LightningModule):
@@ -302,61 +308,48 @@ class DiffusionModule(pl.LightningModule):
         """CPU generator for this micro-batch, independent of rank count and of restarts."""
         return torch.Generator().manual_seed(hash((self.seed, self._micro_batch())) & 0x7FFF_FFFF_FFFF)
 
+    def _row_keys(self, n: int, tag: int) -> torch.Tensor:
+        """(n,) int64 host keys of this rank's n samples for one kind of draw (keyed.keys): (seed, micro-batch, the
+        sample's row in the global batch, tag), so a sample draws the same on any world size and after a resume."""
+        (r, W), micro = self._stream_slots(), self._micro_batch()
+        return keyed.keys(self.seed, micro, range(r, r + n * W, W), tag)
+
     def _draw(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Noise, noise level and caption-drop flag for each of this rank's samples.
 
-        Each sample draws from its own CPU generator keyed by (seed, micro-batch, its index in the global batch),
-        so a rank draws only its own samples (host time O(local batch) whatever the world size) and a sample gets
-        the same numbers on any world size and after a resume. Noise and noise levels come back on the device,
-        the drop flags (B,) on the host. Streaming deals a global batch out round-robin over
-        W data-parallel ranks, nodes innermost: the rank at position r = local_rank * nodes + node_rank holds global
-        rows r, r+W, r+2W, ... (tests/test_distributed.py checks this against a 1-process run with the same global
-        batch, on 1 node and on 2); a sequence-parallel group of P ranks draws as one rank (Streaming's replication).
+        Keyed by sample (_row_keys): a rank draws only its own rows (host time O(local batch) whatever the world size)
+        and a sample gets the same numbers on any world size and after a resume. Streaming deals a global batch out
+        round-robin over W data-parallel ranks, nodes innermost: the rank at position r = local_rank * nodes +
+        node_rank holds global rows r, r+W, r+2W, ... (tests/test_distributed.py checks this against a 1-process run
+        with the same global batch, on 1 node and on 2); a sequence-parallel group of P ranks draws as one rank
+        (Streaming's replication). The noise and the normal behind the noise level are drawn on the batch's device,
+        the drop flags (B,) on the host: whether any row drops needs no device read.
         """
-        r, W = self._stream_slots()
-        B, micro, n = x0.shape[0], self._micro_batch(), x0[0].numel()
-        # One call per sample: its noise, then the normals behind its noise level and its caption-drop flag.
-        z = torch.empty(B, n + 2, pin_memory=x0.is_cuda)  # pinned: the copy below does not wait for the GPU
-        g = torch.Generator()
-        for i, row in enumerate(z.unbind(0)):  # the rows as views in one call, not one indexing op per sample
-            g.manual_seed(hash((self.seed, micro, r + i * W)) & 0x7FFF_FFFF_FFFF)
-            torch.randn(n + 2, generator=g, out=row)
-        # (B,) on the host: whether any row drops needs no device read
-        drop = torch.special.ndtr(z[:, n + 1]) < self.objective.cfg.caption_dropout
-        z = z.to(x0.device, non_blocking=True)
+        B, n = x0.shape[0], x0[0].numel()
+        drop = keyed.uniforms(self._row_keys(B, DROP_DRAW), 1)[:, 0] < self.objective.cfg.caption_dropout
+        z = keyed.normals(_to_device(self._row_keys(B, NOISE_DRAW), x0.device), n + 1)  # the noise, then the level's
         return z[:, :n].reshape(x0.shape), self.objective.levels(z[:, n]), drop
-
-    def _row_generators(self, n: int, tag: int) -> Iterator[torch.Generator]:
-        """A generator for each of this rank's n samples, keyed by (seed, micro-batch, the sample's row in the global
-        batch, tag) as _draw keys its own (so the same on any world size and after a resume); one object, reseeded."""
-        (r, W), micro, g = self._stream_slots(), self._micro_batch(), torch.Generator()
-        for i in range(n):
-            g.manual_seed(hash((self.seed, micro, r + i * W, tag)) & 0x7FFF_FFFF_FFFF)
-            yield g
 
     def draw_latents(self, latents: torch.Tensor, std: torch.Tensor | None, hflip: bool) -> torch.Tensor:
         """The latents (B, C, h, w) each sample trains on in this step: a draw latents + std * N(0, 1) of its VAE
         posterior when the dataset stores the std (posterior=distribution), mirrored left-right with probability 1/2
-        when hflip. Drawn per sample from its own generator (_row_generators); the data module calls it on the host
+        when hflip. Keyed by sample (_row_keys); the data module calls it on the host
         (LatentDataModule.on_before_batch_transfer)."""
-        out = latents.clone()
-        for i, g in enumerate(self._row_generators(latents.shape[0], LATENT_DRAW)):
-            if std is not None:
-                out[i] = latents[i] + std[i] * torch.randn(latents[i].shape, generator=g)
-            if hflip and torch.rand((), generator=g) < 0.5:
-                out[i] = out[i].flip(-1)
+        B, out = latents.shape[0], latents
+        if std is not None:
+            out = latents + std * keyed.normals(self._row_keys(B, LATENT_DRAW), latents[0].numel()).view(latents.shape)
+        if hflip:
+            flip = keyed.uniforms(self._row_keys(B, FLIP_DRAW), 1).view(B, *[1] * (latents.ndim - 1)) < 0.5
+            out = torch.where(flip, out.flip(-1), out)
         return out
 
     def draw_captions(self, counts: torch.Tensor) -> torch.Tensor:
         """For a batch of a caption_layout per_image dataset, whose samples have counts (B,) captions: which one each
-        trains on in this step, (B,) int64. Drawn from (seed, micro-batch, the sample's index in the global batch) as
-        _draw draws, so the same on any world size and after a resume. The data module calls it on the host, before
-        the batch's copy to the device (LatentDataModule.on_before_batch_transfer), which then moves one caption a
-        sample."""
-        chosen = torch.empty(len(counts), dtype=torch.long)
-        for i, (k, g) in enumerate(zip(counts.tolist(), self._row_generators(len(counts), CAPTION_DRAW))):
-            chosen[i] = torch.randint(k, (), generator=g)
-        return chosen
+        trains on in this step, (B,) int64, uniform over its captions. Keyed by sample as _draw draws, so the same on
+        any world size and after a resume. The data module calls it on the host, before the batch's copy to the
+        device (LatentDataModule.on_before_batch_transfer), which then moves one caption a sample."""
+        u = keyed.uniforms(self._row_keys(len(counts), CAPTION_DRAW), 1)[:, 0]
+        return (u.double() * counts).long()  # in float64 u * count stays below count
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         x0 = batch["latents"]  # (B, C, h, w), already scaled by the data module
