@@ -88,6 +88,7 @@ def test_sharded_last_checkpoint_is_a_link_to_the_numbered_folder(tmp_path, digi
     assert checkpoint_step(ckpts / "step0000002.ckpt") == 2
 
 
+@pytest.mark.slow  # 4 launches of 2 fsdp ranks: 23 s in a full run
 def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
     """strategy.async_save=true on 2 fsdp ranks: a run saved in the background, stopped and resumed, ends with the
     weights and losses of the same run saved synchronously, bit for bit; no temporary folder is left, and the

@@ -50,6 +50,7 @@ def _check_splits(result: dict, ranks: int) -> None:
             assert r["forward"] < tol and r["grad"] < tol, (key, r)
 
 
+@pytest.mark.slow  # 2 ranks through every family: 12.5 s in a full run
 def test_split_forward_backward_and_sampling_equal_the_whole_model(tmp_path, digits_shards):
     out = tmp_path / "result.json"
     proc = torchrun(2, "-m", "tests.workers.sequence", str(digits_shards), str(out), tmp=tmp_path, fork=True)
