@@ -19,7 +19,7 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule."""
 
     name: str = "adamw"
-    """adamw (torch.optim.AdamW, fused on GPU); plugins register more (came, came8bit: plugins/came.py)."""
+    """adamw (torch.optim.AdamW, its fused kernel); plugins register more (came, came8bit: plugins/came.py)."""
     lr: float = 1e-4
     """Peak learning rate, reached at the end of warm-up."""
     weight_decay: float = 0.0
@@ -104,10 +104,13 @@ def optimizer_settings(name: str, given: Any) -> Any:
 
 
 def fused_adamw(params: list, grad_scaler: bool) -> bool:
-    """Whether AdamW runs its fused kernel: it exists for CUDA tensors only (the whole update in one launch), and
-    it unscales a grad scaler's gradients inside its own step, after the norm check and clipping have read them
-    (Lightning refuses to clip for it), so a run with a grad scaler (16-mixed) goes without it."""
-    return not grad_scaler and bool(params) and all(p.is_cuda for p in _tensors(params))
+    """Whether AdamW runs its fused kernel: the whole update in one call, on CUDA or on the CPU (where torch's default
+    loops over the parameters in Python, ten-odd tensor calls each: on the quickstart's 99 parameters 6.5 ms a step
+    against about 1.5). It needs every parameter on one kind of device. It unscales a grad scaler's gradients inside
+    its own step, after the norm check and clipping have read them (Lightning refuses to clip for it), so a run with
+    a grad scaler (16-mixed) goes without it."""
+    kinds = {p.device.type for p in _tensors(params)}
+    return not grad_scaler and kinds in ({"cuda"}, {"cpu"})
 
 
 def _adamw(params: Iterable, cfg: OptimizerConfig, grad_scaler: bool = False) -> torch.optim.Optimizer:
