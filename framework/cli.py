@@ -93,7 +93,8 @@ class RankSharing:
 
         if self.decode_ranks:
             return DecodeRanks(self.decode_ranks, self.aco)
-        return SplitRanks() if self.sequence_parallel > 1 else OneProcess()  # the groups share the prompts
+        # under torchrun the ranks (or the sequence-parallel groups) share the prompts; alone, one process draws all
+        return SplitRanks() if _launched_ranks() > 1 else OneProcess()
 
 
 @dataclass
@@ -107,9 +108,9 @@ class EncoderPaths:
 
 
 def share_ranks(pipe: Any, cfg: RankSharing) -> bool:
-    """Join torchrun's process group for `cfg`'s decode_ranks / sequence_parallel (splitting the pipeline's model for
-    the latter: on the denoising ranks only, in groups of consecutive ranks, when both are set); returns whether this
-    rank writes and prints (rank 0, or the only process)."""
+    """Join torchrun's process group: for `cfg`'s decode_ranks / sequence_parallel (splitting the pipeline's model for
+    the latter: on the denoising ranks only, in groups of consecutive ranks, when both are set), else for the ranks to
+    share the images; returns whether this rank writes and prints (rank 0, or the only process)."""
     import torch.distributed as dist
 
     if cfg.decode_ranks != "auto" and (not isinstance(cfg.decode_ranks, int) or cfg.decode_ranks < 0):
@@ -130,7 +131,16 @@ def share_ranks(pipe: Any, cfg: RankSharing) -> bool:
         from framework.distributed.sequence import split_for_sampling
 
         split_for_sampling(pipe.model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
+    else:  # plain torchrun: every rank draws its share of the images (SplitRanks)
+        from framework.distributed.env import init_from_env
+
+        init_from_env()
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _launched_ranks() -> int:
+    """The number of processes torchrun started for this command (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def run_complete(run: Path) -> bool:

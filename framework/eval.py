@@ -31,7 +31,9 @@ __all__ = ["EvalCommand", "eval_summary", "evaluate", "run", "scaling_curve"]
 def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Path,
                   ranks: Sharing | None = None) -> dict[str, Any]:
     """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections.
-    ranks: as in evaluate (with DecodeRanks rank 0 scores and writes, the others get {})."""
+    ranks: as in evaluate; rank 0 scores and writes, the others get {}."""
+    import torch.distributed as dist
+
     from framework.inference.bestof import SELECTIONS, select
     from framework.evaluation.judge import get_judge
 
@@ -41,7 +43,7 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
         raise ValueError(f"scaling={ns}: give candidate counts >= 1, e.g. scaling=[1,2,4,8]")
     ns = sorted(set(ns))
     candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], ranks, progress=True)
-    if candidates is None:
+    if candidates is None or (dist.is_initialized() and dist.get_rank() != 0):  # rank 0 scores and writes
         return {}
     judge = get_judge(settings.judge or ps.judge, settings.judge_path)
     rows = []
@@ -140,7 +142,7 @@ def run(cfg: EvalCommand) -> None:
             print(json.dumps(result))
         return
     grid = out / ("samples.png" if cfg.real else "judged.png")
-    metrics = evaluate(pipe, cfg, grid, cfg.sharing(), progress=True)
+    metrics = evaluate(pipe, cfg, grid if rank0 else None, cfg.sharing(), progress=True)
     if not rank0:
         return
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -451,6 +451,12 @@ MUTANTS = [
     Mutant("aco_refused_on_denoisers_only", "a family Aco cannot share is refused on the denoising ranks only",
            (("framework/inference/sharing.py", "            aco_processors(pipe.model, None)\n", "            pass\n"),),
            ("tests/test_decoupled.py::test_a_family_aco_cannot_share_is_refused_on_every_rank",)),
+    Mutant("plain_torchrun_draws_everything", "under plain torchrun every rank of framework.eval draws every image",
+           (("framework/cli.py", "return SplitRanks() if _launched_ranks() > 1 else OneProcess()", "return OneProcess()"),),
+           ("tests/test_decoupled.py::test_under_plain_torchrun_the_ranks_share_the_images",)),
+    Mutant("plain_torchrun_joins_no_group", "framework.eval under plain torchrun joins no process group: every rank "
+           "draws every image and prints", (("framework/cli.py", "        init_from_env()\n    return not", "    return not"),),
+           ("tests/test_decoupled.py::test_eval_command_on_two_processes_scores_what_one_process_scores[plain]",)),
     Mutant("adamw_weight_decay_dropped", "the AdamW the trainer builds ignores optimizer.weight_decay",
            (("framework/training/optim.py", "eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None",
              "eps=cfg.eps, weight_decay=0.0, fused=fused or None"),),

@@ -51,6 +51,7 @@ def test_keep_checkpoints_zero_keeps_only_last(tmp_path, digits_shards):
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
+@pytest.mark.slow
 def test_keep_checkpoints_removes_whole_sharded_folders(tmp_path, digits_shards):
     run_dir = tmp_path / "run"
     run_train(run_dir, digits_shards, *fsdp(devices=1, batch=16), "trainer.checkpoint_every_n_steps=1",

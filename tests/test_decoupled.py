@@ -76,21 +76,36 @@ def quick_ckpt(tmp_path_factory, digits_shards) -> str:
     return train(compose_cfg(cheap(tmp_path_factory.mktemp("ckpt"), digits_shards, steps=2)))["checkpoint"]
 
 
+def test_under_plain_torchrun_the_ranks_share_the_images(monkeypatch):
+    """framework.eval / framework.sample under torchrun with no sharing option: SplitRanks (each rank its share); one
+    process alone: OneProcess; decode_ranks: DecodeRanks."""
+    from framework.cli import RankSharing
+    from framework.inference.sharing import DecodeRanks, OneProcess, SplitRanks
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert isinstance(RankSharing().sharing(), OneProcess)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert isinstance(RankSharing().sharing(), SplitRanks)
+    assert isinstance(RankSharing(sequence_parallel=2).sharing(), SplitRanks)
+    assert isinstance(RankSharing(decode_ranks=1).sharing(), DecodeRanks)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("split", ["decode_ranks=1 aco=0.5", "sequence_parallel=2"])
+@pytest.mark.parametrize("split", [pytest.param("", id="plain"), "decode_ranks=1 aco=0.5", "sequence_parallel=2"])
 def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, quick_ckpt, split):
-    """`torchrun ... -m framework.eval decode_ranks=1 aco=0.5` (the decoding rank computing half the heads while it
-    has nothing to decode; test_each_role_loads_only_its_own_model runs decode_ranks without Aco) or
-    sequence_parallel=2 on 2 processes: the same metrics as one process (only the speed differs), printed once, by
-    rank 0."""
+    """`torchrun ... -m framework.eval` on 2 processes, plain (each rank draws half the 40 images), with
+    decode_ranks=1 aco=0.5 (the decoding rank computing half the heads while it has nothing to decode;
+    test_each_role_loads_only_its_own_model runs decode_ranks without Aco) or with sequence_parallel=2: the same
+    metrics as one process (only the speed differs), printed once, by rank 0. Plain, both draw in batches of one
+    rank's half: the same batches, the same rounding."""
     from framework.eval import EvalCommand, evaluate
     from framework.inference.pipeline import Pipeline
 
     ckpt = quick_ckpt
-    args = dict(seeds=1, phrasings=1, steps=3, batch_size=8)
-    # decode_ranks: through the real torchrun; sequence_parallel: the same ranks forked (tests/zygote.py)
+    args = dict(seeds=1, phrasings=1, steps=3, batch_size=8 if split else 20)
+    # decode_ranks: through the real torchrun; the others: the same ranks forked (tests/zygote.py)
     proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", *split.split(), "device=cpu",
-                    *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path, fork=split.startswith("sequence"))
+                    *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path, fork=not split.startswith("decode"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("prompt_accuracy ") for line in lines) == 1
@@ -99,8 +114,8 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
     want = evaluate(Pipeline.from_checkpoint(ckpt), EvalCommand(ckpt=ckpt, **args))
     for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "num_images"):
         assert got[key] == want[key], key
-    # decoupled images are bit-identical; split attention may round differently in float32
-    assert got["fd"] == (want["fd"] if split.startswith("decode") else pytest.approx(want["fd"], rel=1e-4))
+    # decoupled and split images are bit-identical; split attention may round differently in float32
+    assert got["fd"] == (pytest.approx(want["fd"], rel=1e-4) if split.startswith("sequence") else want["fd"])
 
 
 @pytest.mark.parametrize("decode_ranks,aco", [("1", 0), ("auto", 0), ("auto", 0.5)])
