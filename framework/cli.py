@@ -89,12 +89,14 @@ class RankSharing:
 
     def sharing(self) -> Any:
         """The framework/inference/sharing.py object these settings name (after share_ranks has joined the job)."""
+        import torch.distributed as dist
+
         from framework.inference.sharing import DecodeRanks, OneProcess, SplitRanks
 
         if self.decode_ranks:
             return DecodeRanks(self.decode_ranks, self.aco)
-        # under torchrun the ranks (or the sequence-parallel groups) share the prompts; alone, one process draws all
-        return SplitRanks() if _launched_ranks() > 1 else OneProcess()
+        # in torchrun's group the ranks (or the sequence-parallel groups) share the prompts; alone, one process draws all
+        return SplitRanks() if dist.is_initialized() else OneProcess()
 
 
 @dataclass
@@ -136,11 +138,6 @@ def share_ranks(pipe: Any, cfg: RankSharing) -> bool:
 
         init_from_env()
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _launched_ranks() -> int:
-    """The number of processes torchrun started for this command (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def run_complete(run: Path) -> bool:

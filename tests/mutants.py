@@ -452,7 +452,7 @@ MUTANTS = [
            (("framework/inference/sharing.py", "            aco_processors(pipe.model, None)\n", "            pass\n"),),
            ("tests/test_decoupled.py::test_a_family_aco_cannot_share_is_refused_on_every_rank",)),
     Mutant("plain_torchrun_draws_everything", "under plain torchrun every rank of framework.eval draws every image",
-           (("framework/cli.py", "return SplitRanks() if _launched_ranks() > 1 else OneProcess()", "return OneProcess()"),),
+           (("framework/cli.py", "return SplitRanks() if dist.is_initialized() else OneProcess()", "return OneProcess()"),),
            ("tests/test_decoupled.py::test_under_plain_torchrun_the_ranks_share_the_images",)),
     Mutant("plain_torchrun_joins_no_group", "framework.eval under plain torchrun joins no process group: every rank "
            "draws every image and prints", (("framework/cli.py", "        init_from_env()\n    return not", "    return not"),),

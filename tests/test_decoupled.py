@@ -77,14 +77,16 @@ def quick_ckpt(tmp_path_factory, digits_shards) -> str:
 
 
 def test_under_plain_torchrun_the_ranks_share_the_images(monkeypatch):
-    """framework.eval / framework.sample under torchrun with no sharing option: SplitRanks (each rank its share); one
-    process alone: OneProcess; decode_ranks: DecodeRanks."""
+    """framework.eval / framework.sample with no sharing option, once share_ranks has joined torchrun's group:
+    SplitRanks (each rank its share); one process alone (no group): OneProcess; decode_ranks: DecodeRanks."""
+    import torch.distributed as dist
+
     from framework.cli import RankSharing
     from framework.inference.sharing import DecodeRanks, OneProcess, SplitRanks
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not dist.is_initialized()
     assert isinstance(RankSharing().sharing(), OneProcess)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     assert isinstance(RankSharing().sharing(), SplitRanks)
     assert isinstance(RankSharing(sequence_parallel=2).sharing(), SplitRanks)
     assert isinstance(RankSharing(decode_ranks=1).sharing(), DecodeRanks)
