@@ -396,6 +396,38 @@ def test_shared_memory_left_by_a_dead_dataset_is_not_reused(digits_shards, tmp_p
     assert next(iter(dm.train_dataloader()))["latents"].shape == (16, 1, 8, 8)
 
 
+def test_each_dataset_opened_holds_descriptors_only_on_its_own_shared_memory(digits_shards):
+    """Opening a dataset searches every prefix before it for a free one. Streaming's search kept each segment it
+    looked at open until the process exited, so the descriptors on /dev/shm grew with the square of the datasets a
+    process opened (a single test worker reached its limit of 20,000, and then moto's server could not open its
+    socket). Now each dataset adds what the first one added, its own segments, whatever came before it."""
+    import gc
+
+    from streaming import StreamingDataset
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this system")
+
+    def on_shm() -> int:  # this process's descriptors on shared-memory segments
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sum(link.startswith("/dev/shm/") for link in links)
+
+    gc.collect()  # an earlier test's garbage holding a segment is not counted as this test's
+    before, counts = on_shm(), []
+    for _ in range(8):  # opened and dropped one after another, as a notebook or one test worker does
+        dataset = framework.data.shards.open_streaming(
+            lambda: StreamingDataset(local=str(digits_shards), shuffle=False, batch_size=1))
+        del dataset
+        gc.collect()
+        counts.append(on_shm() - before)
+    first = counts[0]
+    assert first > 0, "a dataset holds its own segments"
+    assert counts == [first * (i + 1) for i in range(8)], f"descriptors on /dev/shm after each dataset: {counts}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Streaming's background threads (framework.data.shards.ShardDataset)
 # ---------------------------------------------------------------------------------------------
@@ -577,11 +609,9 @@ def test_two_jobs_opening_their_datasets_together_take_their_prefixes_in_turn(di
     end on different prefixes without the retry."""
     import threading
 
-    import streaming.base.shared.prefix as prefix_lib
-
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
-    real, first_search, met = prefix_lib._check_and_find_retrying, {}, []
+    real, first_search, met = framework.data.shards.first_free_prefix, {}, []
     both = threading.Barrier(2, timeout=3)
 
     def search(*args, **kwargs):
@@ -596,7 +626,7 @@ def test_two_jobs_opening_their_datasets_together_take_their_prefixes_in_turn(di
                 pass
         return found
 
-    monkeypatch.setattr(prefix_lib, "_check_and_find_retrying", search)
+    monkeypatch.setattr(framework.data.shards, "first_free_prefix", search)
     modules = [LatentDataModule(DataConfig(path=str(digits_shards), batch_size=8), seed=0) for _ in range(2)]
     errors: list[BaseException] = []
 

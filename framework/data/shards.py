@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,7 +246,6 @@ def prefix_lock(shm_dir: Path = SHM_DIR, timeout: float = 300.0) -> Iterator[Non
     """
     import fcntl
     import logging
-    import time
 
     import torch.distributed as dist
 
@@ -290,7 +290,6 @@ def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
     the others waiting."""
     import logging
     import random
-    import time
 
     alone = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1
     for attempt in range(attempts):
@@ -302,6 +301,52 @@ def open_racing_other_jobs(make: Any, attempts: int = 5) -> Any:
             logging.getLogger(__name__).warning("another job registered Streaming's shared-memory prefix at the same "
                                                 "moment (%s); trying the next one", err)
             time.sleep(random.uniform(0.05, 0.5))
+
+
+def first_free_prefix(streams_local: list[str], streams_remote: list, segment: str, retry: int) -> int:
+    """The first prefix free for the segment name `segment`, searched as Streaming's `_check_and_find_retrying` does
+    (prefixes with file locks in the temporary folder skipped; a local folder that a live dataset with a remote also
+    uses is an error, retried `retry` times a TICK apart), with one change: each segment looked at is closed again.
+    Streaming attaches with its SharedMemory's default `auto_cleanup`, which hands the handle to `atexit`, so every
+    dataset opened kept two descriptors (the file and its map) on every segment of every prefix before it until the
+    process exited: the count grew with the square of the datasets a process opened, and a single test worker
+    reached its limit of 20,000."""
+    from streaming.base.constant import TICK
+
+    failures = 0
+    while True:
+        try:
+            return _first_free_prefix_once(streams_local, streams_remote, segment)
+        except ValueError:
+            failures += 1
+            if failures > retry:
+                raise
+            time.sleep(TICK)  # a dataset being dropped may still be letting its folders go
+
+
+def _first_free_prefix_once(streams_local: list[str], streams_remote: list, segment: str) -> int:
+    from streaming.base import constant
+    from streaming.base.shared import prefix as shm
+
+    for found in shm._each_prefix_int():
+        locks = [shm._get_path(found, lock) for lock in (constant.BARRIER_FILELOCK, constant.CACHE_FILELOCK)]
+        try:
+            if any(os.path.exists(os.path.join(tempfile.gettempdir(), lock)) for lock in locks):
+                continue
+            memory = shm.SharedMemory(shm._get_path(found, segment), False, auto_cleanup=False)
+        except PermissionError:
+            continue
+        except FileNotFoundError:
+            return found
+        try:
+            if segment == constant.LOCALS and any(streams_remote):
+                theirs, _ = shm._unpack_locals(bytes(memory.buf))
+                if any(remote is not None and local in theirs for local, remote in zip(streams_local, streams_remote)):
+                    raise ValueError(f"Reused local directory: {streams_local} vs {theirs}. Give each dataset with a "
+                                     "remote its own local folder.")
+        finally:
+            memory.cleanup()  # an attached segment: closed, not removed
+    raise AssertionError("the prefixes are endless")
 
 
 def agreed_shm_prefix(streams_local: list[str], streams_remote: list, world: Any, retry: int = 100) -> tuple[int, Any]:
@@ -316,8 +361,7 @@ def agreed_shm_prefix(streams_local: list[str], streams_remote: list, world: Any
     shm._check_self(streams_local)
     found = -1
     if world.is_local_leader:
-        found = max(shm._check_and_find_retrying(streams_local, streams_remote, shm_name=name, retry=retry)
-                    for name in shm.SHM_TO_CLEAN)
+        found = max(first_free_prefix(streams_local, streams_remote, name, retry) for name in shm.SHM_TO_CLEAN)
     synced = dist.is_available() and dist.is_initialized()
     if synced:
         every: list[Any] = [None] * dist.get_world_size()
@@ -378,7 +422,6 @@ def __getattr__(name: str):
 
 def _shard_dataset_class() -> type:
     import threading
-    import time
 
     from streaming import StreamingDataset
     from streaming.base.constant import TICK
