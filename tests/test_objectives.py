@@ -107,6 +107,22 @@ def test_the_step_draws_from_each_samples_splitmix64_sequence():
     torch.testing.assert_close(keyed.normals(k, 7), keyed.normals(k, 12)[:, :7], rtol=0, atol=0)
 
 
+def test_keyed_draws_are_finite_and_symmetric_for_every_bit_pattern_they_read():
+    """Every pattern of the 24 top bits (the rest zero or all ones): the uniform equals (top 23 bits + 1/2) / 2**23
+    computed in float64 by hand, lies strictly inside (0, 1), mirrors the complementary bits' about 1/2 exactly, and
+    its normal is finite. All-ones bits once gave 1.0 and an infinite noise draw (the video quickstart at step 213)."""
+    from framework.training import keyed
+
+    top = torch.arange(1 << 24, dtype=torch.int64)
+    for low in (0, (1 << 40) - 1):
+        b = (top << 40) | low
+        u = keyed.unit(b)
+        assert torch.equal(u.double(), ((top >> 1).double() + 0.5) / 2**23)
+        assert 0 < u.min() and u.max() < 1
+        assert torch.equal(u + keyed.unit(~b), torch.ones_like(u))
+        assert torch.isfinite(torch.special.ndtri(u)).all()
+
+
 def test_keyed_normals_and_uniforms_have_their_distributions_and_no_correlation():
     """4096 samples x 64 draws: normals with mean 0, variance 1, kurtosis 3 and the normal CDF at 5 points; uniforms
     in (0, 1) with mean 1/2, variance 1/12; neighbouring draws of a sample and neighbouring samples uncorrelated (each

@@ -43,12 +43,19 @@ def bits(keys: torch.Tensor, n: int) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def unit(b: torch.Tensor) -> torch.Tensor:
+    """float32 in (0, 1) from int64 bits: the top 23 bits and a half, times 2**-23, so 2**-24 to 1 - 2**-24.
+    Every step is exact in float32; with 24 bits the half rounds to even above 2**23 and all-ones bits give 1.0,
+    whose inverse CDF is inf (the video quickstart's non-finite loss at step 213: one noise draw in 2**24)."""
+    return _shr(b, 41).float().add_(0.5).mul_(2.0 ** -23)
+
+
 def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, n) float32 uniform on (0, 1): each output's top 24 bits (float32's whole mantissa) and a half, times 2**-24."""
-    return _shr(bits(keys, n), 40).float().add_(0.5).mul_(2.0 ** -24)
+    """(B, n) float32 uniform on (0, 1), symmetric about 1/2: `unit` of each key's first n outputs."""
+    return unit(bits(keys, n))
 
 
 def normals(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, n) float32 standard normals: the normal's inverse CDF of `uniforms` (so |z| < 5.34, the smallest uniform
-    being 2**-25: 1 draw in 10**7 would be beyond it)."""
+    """(B, n) float32 standard normals: the normal's inverse CDF of `uniforms`, finite and |z| <= 5.29 (the smallest
+    uniform being 2**-24: 1 draw in 10**7 would be beyond it)."""
     return torch.special.ndtri(uniforms(keys, n))
