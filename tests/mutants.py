@@ -5,8 +5,11 @@
     python tests/mutants.py NAME [NAME...]  # only these
     python tests/mutants.py --markdown      # the table as Markdown (the README's copy)
 
-Each mutant is a text edit of the product (a list of (file, old, new); `old` must occur exactly once, so a
-mutant that no longer applies is reported as stale rather than silently testing nothing). It is applied to a
+    python tests/mutants.py --audit         # stale mutants and missing tests, reported; nothing runs, exit 0
+
+Each mutant is a text edit of the product (a list of (file, old, new); `old` must occur exactly once, ignoring how
+its tokens are spaced, so a reflowed line still matches and a mutant that no longer applies is reported as stale
+rather than silently testing nothing). It is applied to a
 copy of the checkout in a temporary folder, never to the checkout itself, and only the tests listed for it
 run there (`python -m pytest -x` on those node ids, with their own TMPDIR). First the same tests run on the
 unmutated copy: a mutant only counts as caught when its tests pass without it.
@@ -21,6 +24,8 @@ stale (the mutant's text is no longer in the code). Only caught counts as caught
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import os
 import re
 import shutil
@@ -1012,14 +1017,82 @@ def copy_checkout(dst: Path) -> None:
             shutil.copy2(src, dst / rel)
 
 
+# --------------------------------------------------------------------------------------------------
+# Matching: a mutant's text is found in its file whatever the whitespace, so reflowing a line keeps it
+# --------------------------------------------------------------------------------------------------
+
+TOKEN = re.compile(r"\w+|\S")  # words (names, numbers) and single other characters
+WORD = re.compile(r"\w")
+
+
+def pattern(old: str) -> re.Pattern[str]:
+    """A regex for `old` that ignores how its tokens are spaced: any run of whitespace (newlines and indentation
+    included) may stand between two tokens, and must where `old` separates two words."""
+    parts, prev = [], ""
+    for tok in TOKEN.findall(old):
+        if prev:  # two words in a row were apart in `old` (else they would be one token)
+            parts.append(r"\s+" if WORD.match(prev) and WORD.match(tok) else r"\s*")
+        parts.append(re.escape(tok))
+        prev = tok
+    return re.compile("".join(parts))
+
+
+def spans(text: str, old: str) -> list[tuple[int, int]]:
+    """Where `old` occurs in `text`: its exact occurrences, or where none is exact those that differ only in
+    whitespace between tokens."""
+    exact = [(m.start(), m.start() + len(old)) for m in re.finditer(re.escape(old), text)]
+    return exact or [m.span() for m in pattern(old).finditer(text)]
+
+
 def apply(mutant: Mutant, tree: Path) -> str | None:
     """Apply the edits in `tree`; None, or why the mutant is stale."""
     for rel, old, new in mutant.edits:
-        text = (tree / rel).read_text()
-        if text.count(old) != 1:
-            return f"{rel}: the text to change occurs {text.count(old)} times, expected once"
-        (tree / rel).write_text(text.replace(old, new))
+        text = (tree / rel).read_text() if (tree / rel).is_file() else ""
+        found = spans(text, old)
+        if len(found) != 1:
+            return f"{rel}: the text to change occurs {len(found)} times, expected once"
+        (start, end), = found
+        (tree / rel).write_text(text[:start] + new + text[end:])
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The audit: what in the table no longer fits the code, reported without running a test
+# --------------------------------------------------------------------------------------------------
+
+@functools.cache
+def defined_tests(path: Path) -> frozenset[str]:
+    """The test functions a file defines: `test_x` at module level, `Class::test_x` for a method."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    names = {n.name for n in tree.body if isinstance(n, functions)}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        names |= {f"{cls.name}::{m.name}" for m in cls.body if isinstance(m, functions)}
+    return frozenset(n for n in names if n.rpartition("::")[2].startswith("test_"))
+
+
+def missing_tests(test_ids: list[str] | tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """The ids (tests/test_x.py or tests/test_x.py::name[param]) that name no test file or function under root."""
+    out = []
+    for test_id in test_ids:
+        path, _, name = re.sub(r"\[.*\]$", "", test_id).partition("::")
+        file = root / path
+        if not path.startswith("tests/test_") or not file.is_file() or (name and name not in defined_tests(file)):
+            out.append(test_id)
+    return out
+
+
+def audit(mutants: list[Mutant], root: Path = ROOT) -> list[str]:
+    """One line for each mutant whose text is not in its file exactly once or that names a test that is gone."""
+    lines = []
+    for m in mutants:
+        for rel, old, _ in m.edits:
+            text = (root / rel).read_text() if (root / rel).is_file() else ""
+            if len(found := spans(text, old)) != 1:
+                lines.append(f"{m.name}: stale, its text occurs {len(found)} times in {rel} (retarget it)")
+        for test_id in missing_tests(m.tests, root):
+            lines.append(f"{m.name}: names {test_id}, which does not exist (renamed? update its tests)")
+    return lines
 
 
 def revert(mutant: Mutant, tree: Path) -> None:
@@ -1075,11 +1148,17 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
+    parser.add_argument("--audit", action="store_true", help="report stale mutants and missing tests; run nothing")
     args = parser.parse_args()
     unknown = set(args.names) - {m.name for m in MUTANTS}
     if unknown:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}; see --list")
     chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.audit:  # a report, never a failure: a renamed test or a moved line is mended when someone next looks
+        lines = audit(chosen)
+        print("\n".join(lines) + "\n" if lines else "", end="")
+        print(f"mutants audit: {len(chosen)} mutants, {len(lines)} problems")
+        return 0
     if args.list:
         for m in chosen:
             print(f"{m.name}: {m.what}\n    " + "\n    ".join(m.tests))
