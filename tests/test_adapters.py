@@ -130,6 +130,30 @@ def test_adapter_dropout_changes_what_the_adapter_learns(tmp_path, digits_shards
     assert any(not torch.equal(plain["state_dict"][k], dropped["state_dict"][k]) for k in plain["state_dict"])
 
 
+def test_lora_dropout_drops_the_adapters_input_in_training_only():
+    """adapter.dropout=0.5 on LoRA, by hand: in training a target layer computes W x + (alpha / r) B A drop(x), with the
+    base term undropped and drop torch's own dropout at rate 0.5 from the same seed; in eval mode (grids, sampling)
+    W x + (alpha / r) B A x. Dropout at inference, on the base or at another rate fails here."""
+    import torch.nn.functional as F
+
+    model = build_denoiser(ModelConfig(family="pixart", num_layers=1, num_heads=2, head_dim=8, sample_size=8,
+                                       in_channels=1, text_dim=16))
+    add_adapter(model, AdapterConfig(kind="lora", rank=2, alpha=6, dropout=0.5, targets=["attn1.to_q"]))
+    layer = model.net.transformer_blocks[0].attn1.to_q
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        b.normal_()  # LoRA's B starts at zero, which would hide the adapter's term
+        x = torch.randn(3, 5, a.shape[1])  # (B, N, D)
+        base = F.linear(x, layer.base_layer.weight, layer.base_layer.bias)
+        model.train()
+        torch.manual_seed(7)
+        trained = layer(x)
+        torch.manual_seed(7)
+        torch.testing.assert_close(trained, base + 3.0 * F.dropout(x, 0.5, training=True) @ a.T @ b.T)
+        model.eval()
+        torch.testing.assert_close(layer(x), base + 3.0 * x @ a.T @ b.T)
+
+
 def test_an_adapter_run_with_ema_resumes_exactly(tmp_path, digits_shards, base, monkeypatch):
     """Crashed after step 3 and resumed from its step-2 checkpoint (the adapter and its EMA alone), the run logs the
     uninterrupted run's losses and ends with its adapter; the EMA is the adapter's, and sample reads it."""
