@@ -85,9 +85,10 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
 
 def fit_model_to_weights(dcfg: DictConfig, rank: int = 0) -> dict[str, Path]:
     """init_from= a diffusers folder: set the model keys its config.json fixes (framework/models/released.py), so
-    released weights load with the configuration they were trained with. A value the preset file or the user set
-    that contradicts the file is refused, naming both (the dataset-decided keys excepted: a preset's value for them is
-    a placeholder). Returns {key: config.json} for the keys the file fixed."""
+    released weights load with the configuration they were trained with. The folder's architecture replaces the
+    preset's (a preset picks a family and a size; the weights decide which size); a value the user set (command line
+    or experiment file) that contradicts the file is refused, naming both. Returns {key: config.json} for the
+    dataset-decided keys the file fixed."""
     from framework.models.backbones import PRESET_DIR
     from framework.models.released import DATA_DECIDED, constructor_default, read_model_fields
 
@@ -96,14 +97,12 @@ def fit_model_to_weights(dcfg: DictConfig, rank: int = 0) -> dict[str, Path]:
         return {}
     file, fields = found
     name, family = dcfg.model.name, dcfg.model.family
-    preset_file = PRESET_DIR / f"{name}.yaml"
-    preset = OmegaConf.to_container(OmegaConf.load(preset_file)) if preset_file.is_file() else {}
     chosen, changed = chosen_model_keys(dcfg), []
 
-    def refuse(key: str, current: Any, value: Any, by: str) -> None:
-        raise ValueError(f"init_from={dcfg.init_from}: {file} has {key}={value!r}, but {by} sets model.{key}="
-                         f"{current!r}. These weights were trained with {value!r}: drop model.{key}, or choose the "
-                         f"model= preset of these weights{matching_preset(fields, family)}")
+    def refuse(key: str, current: Any, value: Any) -> None:
+        raise ValueError(f"init_from={dcfg.init_from}: {file} has {key}={value!r}, but your config (command line or "
+                         f"experiment file) sets model.{key}={current!r}. These weights were trained with {value!r}: "
+                         f"drop model.{key}, or choose the model= preset of these weights{matching_preset(fields, family)}")
 
     kwargs = fields.pop("kwargs")
     for key, value in fields.items():
@@ -111,21 +110,22 @@ def fit_model_to_weights(dcfg: DictConfig, rank: int = 0) -> dict[str, Path]:
         if current == value:
             continue
         if key in chosen:
-            refuse(key, current, value, "your config (command line or experiment file)")
-        if key in preset and key not in DATA_DECIDED:
-            refuse(key, current, value, f"model={name} (conf/model/{name}.yaml)")
+            refuse(key, current, value)
         dcfg.model[key] = value
         changed.append(f"model.{key}: {current} -> {value}")
     own = OmegaConf.to_container(dcfg.model.kwargs) if dcfg.model.get("kwargs") else {}
+    preset_file = PRESET_DIR / f"{name}.yaml"
+    preset = (OmegaConf.to_container(OmegaConf.load(preset_file)) if preset_file.is_file() else {}).get("kwargs") or {}
+    # the user's own kwargs: named on the command line, or set (by an experiment file) to other than the preset's
+    mine = {k for k in own if f"kwargs.{k}" in chosen or ("kwargs" in chosen and own[k] != preset.get(k))}
     for key in sorted(set(kwargs) | set(own)):
         value = kwargs.get(key, constructor_default(family, key))
-        if key not in own:
-            own[key] = value
-            changed.append(f"model.kwargs.{key}: -> {value}")
-        elif own[key] != value:
-            by = f"model={name} (conf/model/{name}.yaml)" if key in preset.get("kwargs", {}) and "kwargs" not in chosen \
-                else "your config (command line or experiment file)"
-            refuse(f"kwargs.{key}", own[key], value, by)
+        if key in own and own[key] == value:
+            continue
+        if key in mine:
+            refuse(f"kwargs.{key}", own[key], value)
+        changed.append(f"model.kwargs.{key}: {own.get(key)} -> {value}")
+        own[key] = value
     dcfg.model.kwargs = own
     if changed and rank == 0:
         print(f"model={name} set from {file}: " + ", ".join(changed))

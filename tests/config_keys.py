@@ -1178,7 +1178,7 @@ KEYS: dict[str, dict] = {
         "tests/test_matrix.py::test_combination_trains_samples_and_ends_with_the_evaluation",
         "tests/test_recipes.py::test_a_diffusers_folder_builds_the_model_its_config_json_describes",
         "tests/test_recipes.py::test_a_folder_of_another_family_is_refused_naming_the_class",
-        "tests/test_recipes.py::test_a_preset_or_key_that_contradicts_the_folder_is_refused_naming_both",
+        "tests/test_recipes.py::test_a_key_the_user_set_that_contradicts_the_folder_is_refused_naming_both",
     ], "mutant": "released_kwargs_ignored"},
     "adapter.kind": {"tests": [
         "tests/test_adapters.py::test_only_the_adapter_trains_and_the_checkpoint_holds_it_alone",

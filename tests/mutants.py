@@ -825,11 +825,11 @@ MUTANTS = [
            "beyond the preset's are dropped (interpolation_scale, qk_norm, ...)",
            (("framework/preflight.py", "            own[key] = value\n", "            pass\n"),),
            ("tests/test_recipes.py::test_a_diffusers_folder_builds_the_model_its_config_json_describes",)),
-    Mutant("released_preset_not_checked", "init_from= a diffusers folder: a preset value that contradicts its "
-           "config.json is replaced silently instead of refused",
-           (("framework/preflight.py", "        if key in preset and key not in DATA_DECIDED:",
-             "        if False:"),),
-           ("tests/test_recipes.py::test_a_preset_or_key_that_contradicts_the_folder_is_refused_naming_both",)),
+    Mutant("released_user_key_not_checked", "init_from= a diffusers folder: a model key the user set that contradicts "
+           "its config.json is replaced silently instead of refused",
+           (("framework/preflight.py", "        if key in chosen:\n            refuse(key, current, value)",
+             "        if False:\n            refuse(key, current, value)"),),
+           ("tests/test_recipes.py::test_a_key_the_user_set_that_contradicts_the_folder_is_refused_naming_both",)),
     Mutant("hflip_ignored", "data.hflip=true trains on the stored latents, never mirrored",
            (("framework/data/datamodule.py", '        if "latents_std" in batch or self.cfg.hflip:',
              '        if "latents_std" in batch:'),),
@@ -1034,6 +1034,8 @@ def pattern(old: str) -> re.Pattern[str]:
             parts.append(r"\s+" if WORD.match(prev) and WORD.match(tok) else r"\s*")
         parts.append(re.escape(tok))
         prev = tok
+    if old.endswith("\n"):  # a mutant of whole lines takes its last line's end too
+        parts.append(r"[ \t]*\n")
     return re.compile("".join(parts))
 
 
@@ -1044,6 +1046,19 @@ def spans(text: str, old: str) -> list[tuple[int, int]]:
     return exact or [m.span() for m in pattern(old).finditer(text)]
 
 
+def reindented(text: str, start: int, old: str, new: str) -> tuple[int, str]:
+    """Where `old` starts with indentation and matched at another depth (re-indented code), the start of its line and
+    `new` shifted by the difference, so that a mutated block keeps the indentation of the code around it."""
+    line = text.rfind("\n", 0, start) + 1
+    wanted, actual = len(old) - len(old.lstrip(" ")), start - line
+    if not wanted or text[line:start].strip():
+        return start, new
+    shift = actual - wanted
+    lines = [(" " * shift + x if shift > 0 else x[min(-shift, len(x) - len(x.lstrip(" "))):]) if x.strip() else x
+             for x in new.split("\n")]
+    return line, "\n".join(lines)
+
+
 def apply(mutant: Mutant, tree: Path) -> str | None:
     """Apply the edits in `tree`; None, or why the mutant is stale."""
     for rel, old, new in mutant.edits:
@@ -1052,6 +1067,8 @@ def apply(mutant: Mutant, tree: Path) -> str | None:
         if len(found) != 1:
             return f"{rel}: the text to change occurs {len(found)} times, expected once"
         (start, end), = found
+        if text[start:end] != old:
+            start, new = reindented(text, start, old, new)
         (tree / rel).write_text(text[:start] + new + text[end:])
     return None
 

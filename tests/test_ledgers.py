@@ -34,6 +34,17 @@ def test_a_reflowed_line_is_mutated_in_place(tmp_path: Path):
     assert apply(m, tmp_path) == "m.py: the text to change occurs 0 times, expected once"
 
 
+def test_a_mutated_block_found_at_another_depth_keeps_the_indentation_of_its_code(tmp_path: Path):
+    (tmp_path / "m.py").write_text("for k in ks:\n    if k:\n        own[k] = 1\n    n += 1\n")
+    m = Mutant("deeper", "", (("m.py", "            own[k] = 1\n", "            pass\n            pass\n"),), ())
+    assert apply(m, tmp_path) is None
+    assert (tmp_path / "m.py").read_text() == "for k in ks:\n    if k:\n        pass\n        pass\n    n += 1\n"
+    (tmp_path / "m.py").write_text("def f():\n    if x:\n                return 1\n")
+    m = Mutant("shallower", "", (("m.py", "        if x:\n            return 1", "        if x:\n            return 2"),), ())
+    assert apply(m, tmp_path) is None
+    assert (tmp_path / "m.py").read_text() == "def f():\n    if x:\n        return 2\n"
+
+
 def test_the_audits_report_a_renamed_test_a_moved_line_and_a_new_key(tmp_path: Path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_a.py").write_text("def test_renamed():\n    pass\n\n\nclass TestB:\n"

@@ -94,16 +94,23 @@ def _fit(overrides: list[str]):
 @pytest.mark.parametrize("family, changes, pipeline", [
     ("pixart", {"interpolation_scale": 2, "norm_eps": 1e-5}, True),
     ("sana", {"qk_norm": "rms_norm_across_heads", "interpolation_scale": 2, "mlp_ratio": 2.0}, False),
+    # an architecture no shipped preset has: 3 layers of 3 heads, then heads of 16 in patches of 1 (PixArt attends to
+    # the captions at its own width, which the model derives)
+    ("pixart", {"num_layers": 3, "num_attention_heads": 3, "cross_attention_dim": 96}, False),
+    ("pixart", {"attention_head_dim": 16, "patch_size": 1, "cross_attention_dim": 64}, False),
 ])
 def test_a_diffusers_folder_builds_the_model_its_config_json_describes(tmp_path, digits_shards, family, changes,
                                                                        pipeline):
-    """The preset leaves these constructor arguments unset; init_from's config.json sets them, and the model built
-    from the fitted config computes what diffusers' own from_pretrained of the folder computes."""
+    """The preset leaves these constructor arguments unset or sets others (its size); init_from's config.json sets
+    them, though the user named none, and the model built from the fitted config computes what diffusers' own
+    from_pretrained of the folder computes."""
     from framework.models.backbones import FAMILIES, build_denoiser, load_weights, to_model_config
 
     folder = _save(tmp_path / "released", family, pipeline, **changes)
     cfg = _fit([f"model={family}_debug", f"init_from={folder}", f"data.path={digits_shards}"])
-    assert {k: cfg.model.kwargs.get(k) for k in changes} == changes
+    named = {"num_attention_heads": "num_heads", "attention_head_dim": "head_dim"}  # ModelConfig's names
+    set_here = {k: v for k, v in changes.items() if k != "cross_attention_dim"}
+    assert {k: cfg.model.get(named.get(k, k), cfg.model.kwargs.get(k)) for k in set_here} == set_here
     model = load_weights(build_denoiser(to_model_config(cfg.model)), folder).eval()
     reference = FAMILIES[family].from_pretrained(folder, subfolder="transformer" if pipeline else None).eval()
     g = torch.Generator().manual_seed(1)
@@ -117,10 +124,9 @@ def test_a_diffusers_folder_builds_the_model_its_config_json_describes(tmp_path,
 
 
 @pytest.mark.parametrize("changes, overrides, message", [
-    ({"num_layers": 2}, [],
-     r"config.json has num_layers=2, but model=pixart_debug \(conf/model/pixart_debug.yaml\) sets model.num_layers=4"),
-    ({"attention_head_dim": 16}, [], r"has head_dim=16, but model=pixart_debug .* sets model.head_dim=32"),
-    ({"patch_size": 1}, [], r"has patch_size=1, but model=pixart_debug .* sets model.patch_size=2"),
+    ({"num_layers": 2}, ["model.num_layers=4"],
+     r"config.json has num_layers=2, but your config \(command line or experiment file\) sets model.num_layers=4"),
+    ({"attention_head_dim": 16}, ["model.head_dim=8"], r"has head_dim=16, but your config .* sets model.head_dim=8"),
     ({"interpolation_scale": 2}, ["+model.kwargs.interpolation_scale=1"],
      r"has kwargs.interpolation_scale=2, but your config \(command line or experiment file\) sets "
      r"model.kwargs.interpolation_scale=1"),
@@ -128,7 +134,7 @@ def test_a_diffusers_folder_builds_the_model_its_config_json_describes(tmp_path,
     ({"in_channels": 4, "out_channels": 4}, [],
      r"does not fit the dataset .* gives model.in_channels=4, .* has in_channels=1"),
 ])
-def test_a_preset_or_key_that_contradicts_the_folder_is_refused_naming_both(tmp_path, digits_shards, changes,
+def test_a_key_the_user_set_that_contradicts_the_folder_is_refused_naming_both(tmp_path, digits_shards, changes,
                                                                             overrides, message):
     folder = _save(tmp_path / "released", "pixart", **changes)
     with pytest.raises(ValueError, match=message):
