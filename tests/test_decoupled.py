@@ -174,19 +174,23 @@ def test_sequence_parallel_denoising_groups_with_decode_ranks(tmp_path, quick_ck
 
 @pytest.mark.slow
 def test_bench_decode_reports_each_way_and_each_ranks_role(tmp_path):
-    """`framework.bench decode` on 2 ranks with the small decoder: images/s, one prompt's latency and each rank's peak
-    memory with its role (the decoding rank never built the denoiser, with or without Aco; in the split way both ranks
-    denoise and decode)."""
+    """`framework.bench decode` on 2 ranks with the small decoder, against its one-rank way: each way's images are one
+    rank's (bit for bit, Aco's to float round-off: the helper computes half the heads), images/s is the images over
+    the best time, and each rank's peak memory comes with its role (the decoding rank never built the denoiser, with
+    or without Aco; in the split way both ranks denoise and decode)."""
     out = tmp_path / "bench.json"
     proc = torchrun(2, "-m", "framework.bench", "decode", "images=2", "batch_size=1", "steps=2", "latent_size=8",
-                    "repeats=1", "ways=[decoupled,decoupled_aco,split]", "vae=small", f"out={out}", tmp=tmp_path,
-                    fork=True)
+                    "repeats=1", "ways=[one_rank,decoupled,decoupled_aco,split]", "vae=small", f"out={out}",
+                    tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    decoupled, aco, split = json.loads(out.read_text())
-    assert (decoupled["way"], aco["way"], split["way"]) == ("decoupled", "decoupled_aco", "split")
+    one, decoupled, aco, split = json.loads(out.read_text())
+    assert (one["way"], decoupled["way"], aco["way"], split["way"]) == ("one_rank", "decoupled", "decoupled_aco", "split")
     assert (decoupled["aco"], aco["aco"], aco["vae"]) == (0.0, 0.5, "small")
-    for r in (decoupled, aco, split):
-        assert r["images_per_s"] > 0 and r["latency_s"] > 0 and all(m["peak_MiB"] > 0 for m in r["per_rank"])
+    assert one["same_images_as_one_rank"] and decoupled["same_images_as_one_rank"] and split["same_images_as_one_rank"]
+    assert aco["max_diff_vs_one_rank"] <= 1e-5
+    for r in (one, decoupled, aco, split):
+        assert r["images_per_s"] == 2 / r["seconds"] and r["latency_s"] > 0
+        assert all(m["peak_MiB"] > 0 for m in r["per_rank"])
     # recorded after each way: the decoupled ways came first, so the decoding rank had not built the denoiser yet
     for r in (decoupled, aco):
         assert [(m["denoiser"], m["decoder"]) for m in r["per_rank"]] == [(True, False), (False, True)]
