@@ -105,6 +105,34 @@ def main(data: str, vae: str, decode_ranks: int, out: str) -> None:
     leave()
 
 
+def slow_alone(seconds: float) -> None:
+    """decode_ranks=auto's calibration times each batch denoised alone `seconds` longer, so that Aco's helped batch is
+    the faster and Aco stays on whatever this shared CPU does to the timings."""
+    import contextlib
+
+    from framework.inference import decoupled
+
+    choose, co, helped = decoupled.choose_decode_ranks, decoupled.co_processing, [False]
+
+    @contextlib.contextmanager
+    def co_processing(*args, **kwargs):
+        helped[0] = True
+        try:
+            with co(*args, **kwargs):
+                yield
+        finally:
+            helped[0] = False
+
+    def choose_decode_ranks(pipe, batch, denoise, *args, **kwargs):
+        def timed(b):
+            if not helped[0]:
+                time.sleep(seconds)
+            return denoise(b)
+        return choose(pipe, batch, timed, *args, **kwargs)
+
+    decoupled.co_processing, decoupled.choose_decode_ranks = co_processing, choose_decode_ranks
+
+
 def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     """`... tests.workers.decoupled roles CKPT K|auto OUT`: the sample command's way (a lazy pipeline of a checkpoint):
     per rank, whether it built the denoiser and loaded the image codec; rank 0 also
@@ -112,6 +140,8 @@ def roles_main(ckpt: str, decode_ranks: str, out: str) -> None:
     from framework.cli import RankSharing, share_ranks
     from framework.distributed.sequence import group_of
 
+    if os.environ.get("SLOW_ALONE"):
+        slow_alone(float(os.environ["SLOW_ALONE"]))
     pipe = Pipeline.from_checkpoint(ckpt, lazy=True)
     k = decode_ranks if decode_ranks == "auto" else int(decode_ranks)
     cfg = RankSharing(decode_ranks=k, sequence_parallel=int(os.environ.get("SEQUENCE_PARALLEL", "1")),
