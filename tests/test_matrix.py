@@ -162,6 +162,29 @@ def check_export(ckpt: Path, out: Path) -> None:
         assert exported[k[len("net."):]].equal(v), k
 
 
+def check_merged_by_hand(ckpt: Path, source: Path, exported: Path) -> None:
+    """The exported weights of a LoRA run (rank 4, alpha 4) against W + B A from the source checkpoint's fp32 W and
+    the run's stored A and B (its EMA's when the export used it): every adapted layer, and every other tensor the
+    source's bit for bit, whatever the int8 base and offloading did during training."""
+    import torch
+    from safetensors.torch import load_file
+
+    from framework.inference.checkpoint import model_weights, read_checkpoint, weights_used
+
+    run, base = read_checkpoint(ckpt), read_checkpoint(source)
+    lora, out = model_weights(run, weights_used(run)), load_file(str(exported))
+    w = {k[len("model.net."):]: v for k, v in base["state_dict"].items() if k.startswith("model.net.")}
+    layers = sorted({k[len("net."):].split(".lora_")[0] for k in lora if ".lora_A." in k})
+    assert layers and out.keys() == w.keys()
+    for name, v in w.items():
+        layer = name.removesuffix(".weight")
+        if layer in layers:
+            a, b = lora[f"net.{layer}.lora_A.default.weight"], lora[f"net.{layer}.lora_B.default.weight"]
+            torch.testing.assert_close(out[name], v + b @ a, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(out[name], v), name
+
+
 def check_own_eval(ckpt: Path, extra: list[str], metrics: dict, out: Path, devices: int) -> None:
     """framework.eval in one process, with the row's encoders, held-out images, metric networks and settings, gives the
     run's own metrics exactly. It draws in batches of one rank's share: a matmul's rounding depends on its row count,
@@ -282,6 +305,8 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert checkpoint_step(last_ckpt) == STEPS and not list(run_dir.rglob("*.tmp"))
     if m_id(request) in EXPORTED:  # the checkpoint this combination wrote exports to the weights it holds
         check_export(last_ckpt, tmp_path / "exported.safetensors")
+    if "adapter=lora" in extra:  # by hand: each exported target is the fp32 source's W + B A (alpha = rank: scale 1)
+        check_merged_by_hand(last_ckpt, request.getfixturevalue("latte_source"), tmp_path / "exported.safetensors")
 
     if logger == "csv":
         assert sorted(losses(run_dir)) == list(range(STEPS))
