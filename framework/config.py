@@ -18,6 +18,7 @@ from framework.distributed.config import StrategyConfig
 from framework.evaluation.settings import EvalSettings
 from framework.models.adapters import AdapterConfig
 from framework.models.backbones import ModelConfig
+from framework.models.families import family_of
 from framework.models.objectives import SAMPLERS, ObjectiveConfig, check_sampler
 from framework.training.optim import OptimizerConfig
 
@@ -254,7 +255,7 @@ def check_adapter(cfg: TrainConfig) -> None:
                          "quarter of its fp32 bytes) or adapter.base_dtype=bf16 under fsdp")
     s = cfg.strategy
     if cfg.adapter.offload_blocks and (not s.activation_checkpointing or s.name == "fsdp" or s.compile or
-                                       cfg.model.family == "unet"):
+                                       not family_of(cfg.model).offloads_blocks):
         raise ValueError("adapter.offload_blocks=true copies each block's frozen weights to the device for its forward "
                          "and again for its recomputation in backward: it needs strategy.activation_checkpointing=true "
                          "(without it every copy stays alive until backward), strategy=single or ddp (fsdp shards the "
@@ -313,5 +314,5 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"adapter.base_dtype={cfg.adapter.base_dtype}, adapter.offload_blocks="
                          f"{cfg.adapter.offload_blocks} hold a frozen base, and this run has none (adapter=none trains "
                          "every weight): choose an adapter (adapter=lora) or leave them at fp32 / false")
-    if m.family == "dit" and cfg.objective.caption_dropout > 0 and not m.num_classes:
+    if not family_of(m).reads_text and cfg.objective.caption_dropout > 0 and not m.num_classes:
         raise ValueError("model.num_classes must be set for the class-conditional dit family")

@@ -84,13 +84,6 @@ def export(cmd: ExportCommand) -> Path:
     return out
 
 
-# The stock diffusers pipeline of each family, and its backbone's component name. A PixArt-Sigma model (a
-# pixart_sigma_* preset, or a run of a pixart_sigma_* experiment) is written as a PixArtSigmaPipeline.
-PIPELINES = {"pixart": ("PixArtAlphaPipeline", "transformer"), "dit": ("DiTPipeline", "transformer"),
-             "sana": ("SanaPipeline", "transformer"), "unet": ("StableDiffusionPipeline", "unet"),
-             "latte": ("LattePipeline", "transformer"), "wan": ("WanPipeline", "transformer")}
-
-
 def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
     """A DiffusionPipeline folder: backbone, objective's scheduler, the dataset's VAE and text encoder.
 
@@ -105,69 +98,32 @@ def save_pipeline(denoiser: Any, ckpt: dict[str, Any], cmd: ExportCommand, out: 
     from framework.inference.pipeline import with_encoders
 
     extra = ckpt[CKPT_KEY]
-    family = denoiser.cfg.family
-    pipeline_name, backbone = PIPELINES[family]
-    info = with_encoders(extra["dataset"], cmd.vae, cmd.text_encoder, text=family != "dit")
-    if family == "pixart" and "sigma" in f"{denoiser.cfg.name} {extra['config'].get('name', '')}":
-        # A PixArt-Sigma preset or experiment: the same transformer, whose stock pipeline reads prompts up to Sigma's
-        # 300 tokens (PixArtAlphaPipeline would cut them at 120) and bins sizes up to 2048 px.
-        pipeline_name = "PixArtSigmaPipeline"
+    fam = denoiser.family  # its stock pipeline (the component holding the backbone: fam.subfolder)
+    pipeline_name = fam.pipeline_name(denoiser.cfg, extra["config"].get("name", ""))
+    info = with_encoders(extra["dataset"], cmd.vae, cmd.text_encoder, text=fam.reads_text)
     objective = Objective(ObjectiveConfig(**extra["config"]["objective"]))
-    parts: dict[str, Any] = {backbone: denoiser.net, "scheduler": objective.sampler(cmd.sampler or "dpm++")}
+    parts: dict[str, Any] = {fam.subfolder: denoiser.net, "scheduler": objective.sampler(cmd.sampler or "dpm++")}
     # The codec the dataset was encoded with (a folder, a pipeline folder's vae/, KL or DC), loaded as sampling does.
     parts["vae"] = getattr(load_image_codec(info["image_codec"]), "vae", None)
-    if family == "sana" and parts["vae"] is not None and type(parts["vae"]).__name__ != "AutoencoderDC":
-        # SanaPipeline reads the DC-AE's config when it is built; any other VAE fails there.
-        raise ValueError(f"export format=diffusers: diffusers' SanaPipeline takes an AutoencoderDC (DC-AE, the VAE SANA "
-                         f"is trained with); this model's latents come from an {type(parts['vae']).__name__}. Export "
-                         f"format=safetensors for the transformer alone, or encode the data with a DC-AE.")
-    if family == "unet" and denoiser.cfg.size_conditioning:
-        raise ValueError("export format=diffusers: this UNet is size-conditioned (model.size_conditioning=true), and "
-                         "stock StableDiffusionPipeline passes no size ids to it; export format=safetensors for the UNet "
-                         "alone, or sample with framework.sample")
-    check_video_pipeline(denoiser.cfg, parts["vae"])
-    if family == "dit" and denoiser.cfg.num_classes != 1000:
-        print(f"export: stock {pipeline_name} guides with class 1000 as the null class (ImageNet's); this model has "
-              f"{denoiser.cfg.num_classes} classes: sample it with guidance_scale=1 there, or with framework.sample")
-    if family == "sana" and not info.get("text_settings", {}).get("prefix"):
-        print(f"export: stock {pipeline_name} puts Gemma-2's instruction text before each prompt; this model was trained "
-              "on its captions as they are: call the pipeline with complex_human_instruction=None")
-    elif family == "sana":
-        print(f"export: this model was trained with precompute's text_prefix before each caption: call stock "
-              f"{pipeline_name} with complex_human_instruction set to its lines (its default is its own instruction) "
-              f"and max_sequence_length={info['text_settings'].get('max_tokens')}")
-    if family == "latte":
-        print(f"export: stock {pipeline_name} guides with the empty prompt padded to the prompt's length, padding "
-              "attended; framework.sample guides with the dataset's empty caption alone: their guided samples differ, "
-              "unguided ones (guidance_scale=1) are the same")
-    if family == "wan":
-        print(f"export: call stock {pipeline_name} with max_sequence_length={denoiser.cfg.text_len} (this model's "
-              "model.text_len; its default is Wan's 512)")
+    check_pipeline(denoiser.cfg, parts["vae"])
+    for note in fam.pipeline_notes(denoiser.cfg, info, pipeline_name):
+        print(note)
     if info.get("vae_tile"):
         print(f"export: the clips were encoded in tiles of {info['vae_tile']} pixels, and framework.sample decodes so; "
               "stock pipelines decode whole frames unless you call pipe.vae.enable_tiling()")
-    if family == "unet":
-        print(f"export: stock {pipeline_name} pads prompts to the tokenizer's length and attends to the padding; "
-              "LatentForge trained on each caption's own tokens (masked), so its images can differ from framework.sample's")
     if parts["vae"] is None:
         print("export: the dataset's pixel codec is not a diffusers VAE; the pipeline has none: load it with "
               "from_pretrained(folder, vae=None) and sample with output_type='latent'")
     elif not isinstance(info.get("shift_factor"), list) and abs(float(info.get("shift_factor", 0.0))) > 0:
         # (a list is a video VAE's latents_mean, which its stock pipeline reads from the VAE's config)
         print(f"export: the VAE has shift_factor={info['shift_factor']}; stock {pipeline_name} decodes without it")
-    if family != "dit":
+    if fam.reads_text:
         text = load_text_encoder(info["text_encoder"], **info.get("text_settings", {}))
         parts.update(text_encoder=text.model, tokenizer=text.tokenizer)
-    if family == "unet":
-        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    parts.update(fam.pipeline_extras)
     pipe = getattr(diffusers, pipeline_name)(**parts)
     pipe.save_pretrained(out, safe_serialization=True)
     return out
-
-
-# Where stock diffusers loads a LoRA file into a pipeline of the family: pipe.load_lora_weights(folder) (a LoRA loader
-# mixin) or, for the families whose pipelines have none, through peft on the backbone (docs/finetune.md).
-STOCK_LORA_LOADERS = {"sana": "SanaPipeline", "wan": "WanPipeline", "unet": "StableDiffusionPipeline"}
 
 
 def save_lora(ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
@@ -196,12 +152,15 @@ def save_lora(ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
     state = {k: v for k, v in model_weights(ckpt, weights_used(ckpt, cmd.weights)).items() if k in own}
     model.load_state_dict(state, strict=False, assign=True)
     layers = {k: v.contiguous() for k, v in get_peft_model_state_dict(model.net).items()}
-    pipeline_name, component = PIPELINES[model.cfg.family]
-    saver = getattr(diffusers, STOCK_LORA_LOADERS.get(model.cfg.family, ""), SanaLoraLoaderMixin)
+    # Stock diffusers loads the file with pipe.load_lora_weights(folder) where the family's pipeline has a LoRA loader
+    # mixin (fam.lora_loader), else through peft on the backbone (docs/finetune.md).
+    fam = model.family
+    pipeline_name, component = fam.pipeline_class, fam.subfolder
+    saver = getattr(diffusers, fam.lora_loader or "", SanaLoraLoaderMixin)
     metadata = adapter.peft_config(model.cfg.family).to_dict()
     metadata["target_modules"] = sorted(metadata["target_modules"])
     saver.save_lora_weights(out, **{f"{component}_lora_layers": layers, f"{component}_lora_adapter_metadata": metadata})
-    if model.cfg.family in STOCK_LORA_LOADERS:
+    if fam.lora_loader is not None:
         print(f"export: load it into a stock {pipeline_name} of the base with pipe.load_lora_weights({str(out)!r}, "
               "weight_name='pytorch_lora_weights.safetensors')")
     else:
@@ -210,24 +169,15 @@ def save_lora(ckpt: dict[str, Any], cmd: ExportCommand, out: Path) -> Path:
     return out / "pytorch_lora_weights.safetensors"
 
 
-def check_video_pipeline(cfg: Any, vae: Any) -> None:
-    """Refuse a video model that its stock pipeline would sample wrongly: LattePipeline keeps the first half of the
-    prediction's channels (it assumes Latte's learned sigma) unless the scheduler says the variance is learned, and
-    decodes frame by frame with an image VAE; the WanPipeline decodes with an AutoencoderKLWan's latent statistics,
-    which an image VAE has not."""
-    if cfg.family == "latte" and not cfg.learned_sigma and cfg.in_channels > 1:
-        raise ValueError(f"export format=diffusers: stock LattePipeline keeps the first half of the transformer's output "
-                         f"channels (Latte predicts a variance too), and this model predicts {cfg.in_channels} channels "
-                         "alone (model.learned_sigma=false): its samples would be wrong. Export format=safetensors, or "
-                         "train with model.learned_sigma=true")
-    if cfg.family == "latte" and vae is not None and type(vae).__name__ != "AutoencoderKL":
-        raise ValueError(f"export format=diffusers: stock LattePipeline decodes each frame with an image VAE "
-                         f"(AutoencoderKL); this model's latents come from an {type(vae).__name__}. Export "
-                         "format=safetensors for the transformer alone, or sample with framework.sample")
-    if cfg.family == "wan" and vae is not None and type(vae).__name__ != "AutoencoderKLWan":
-        raise ValueError(f"export format=diffusers: stock WanPipeline decodes with an AutoencoderKLWan (its latents' mean "
-                         f"and std); this model's latents come from an {type(vae).__name__}. Export format=safetensors "
-                         "for the transformer alone, or encode the clips with the Wan VAE")
+def check_pipeline(cfg: Any, vae: Any) -> None:
+    """Refuse a model that its family's stock pipeline would build or sample wrongly (each family's check_pipeline:
+    SANA's DC-AE, a size-conditioned UNet, Latte's learned sigma and image VAE, the Wan VAE's latent statistics)."""
+    from framework.models.families import family_of
+
+    family_of(cfg).check_pipeline(cfg, vae)
+
+
+check_video_pipeline = check_pipeline  # its earlier name, when only the video families had checks
 
 
 @hydra.main(version_base="1.3", config_path=None, config_name="export_command")

@@ -51,17 +51,19 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
     weights = fit_model_to_weights(dcfg, rank)
     build_missing(data, rank)
     info = read_dataset_info(data.path, data.local)
-    if info.text_dim == 0 and dcfg.model.family != "dit":
+    from framework.models.families import family_of, names_with
+
+    fam = family_of(dcfg.model.family)
+    if info.text_dim == 0 and fam.reads_text:
         raise ValueError(f"data.path={data.path} holds no captions ({info.path}: text_encoder=none, class labels only); "
                          f"model.family={dcfg.model.family} needs caption embeddings: train model.family=dit (a dit "
                          "preset) on it, or precompute the data with a text encoder")
-    from framework.models.backbones import VIDEO_FAMILIES
-
-    if (info.num_frames is not None) != (dcfg.model.family in VIDEO_FAMILIES):
+    if (info.num_frames is not None) != fam.video:
         kind = f"video clips ({info.num_frames} latent frames)" if info.num_frames is not None else "images"
+        video = ", ".join(names_with(lambda f: f.video))
         raise ValueError(f"data.path={data.path} holds {kind} ({info.path}); model.family={dcfg.model.family} denoises "
-                         f"{'video' if dcfg.model.family in VIDEO_FAMILIES else 'images'}: pick a "
-                         f"{'video (' + ', '.join(VIDEO_FAMILIES) + ')' if info.num_frames is not None else 'image'} "
+                         f"{'video' if fam.video else 'images'}: pick a "
+                         f"{'video (' + video + ')' if info.num_frames is not None else 'image'} "
                          "preset for it")
     chosen, changed = chosen_model_keys(dcfg), []
     for key, value in data_model_fields(info, dcfg.model.family).items():
@@ -151,7 +153,9 @@ def check_buckets(cfg: TrainConfig, buckets: list[dict]) -> None:
     split that divides every bucket's tokens: refuse one that does not, naming the bucket."""
     import dataclasses
 
-    if cfg.model.family == "dit":
+    from framework.models.families import family_of
+
+    if not family_of(cfg.model).any_aspect:
         raise ValueError(f"data.path={cfg.data.path} holds aspect-ratio buckets, but model.family=dit (diffusers' "
                          "DiTTransformer2DModel) only unpatchifies square latents: use a PixArt, SANA or UNet model, or "
                          "a dataset precomputed without buckets")
@@ -178,10 +182,8 @@ def check_encoders(cfg: TrainConfig, info: dict[str, Any]) -> None:
     evaluates = bool((cfg.eval.at_end or cfg.eval.every_n_steps) and (dataset_kind(info) or cfg.eval.real))
     if evaluates and cfg.eval.real:  # one's own data: the real images and the metric networks, checked now
         from framework.evaluation.realdata import check_real_eval, check_real_networks
-        from framework.models.backbones import VIDEO_FAMILIES
-
         check_real_eval(cfg.eval)
-        check_real_networks(cfg.eval, cfg.model.family in VIDEO_FAMILIES)
+        check_real_networks(cfg.eval, cfg.model.is_video)
     text = evaluates or not set(prompts) <= set(info.get("prompt_embeds", {}))
     with_encoders(info, cfg.sample.vae, cfg.sample.text_encoder, ("sample.vae", "sample.text_encoder"), text)
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from framework.models.plans import families_with, plan_of
+from framework.models.families import families_with, plan_of
 from framework.inference.caching import SCHEDULE_FILE, BranchRunner, CacheSchedule, model_signature
 from framework.models.objectives import DEFAULT_SAMPLER, SAMPLERS, check_sampler
 from framework.training.registry import register_plugin

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from framework.models.plans import families_with, plan_of
+from framework.models.families import families_with, plan_of
 from framework.models.blocks import has_stack, layer_views, restack_state
 from framework.cli import quiet_hydra
 from framework.inference.pipeline import Pipeline

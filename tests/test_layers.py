@@ -222,11 +222,11 @@ def test_inference_and_evaluation_import_no_lightning():
 
 def test_parallel_code_reads_plans_and_never_names_a_family():
     """FSDP2, sequence parallelism, cached sampling, growth, pruning and the cache router take what they need of a
-    backbone family from its plan (framework/models/plans.py): none of them compares against a family's name,
-    and every model preset's family has a plan."""
+    backbone family from its plan (its file's `plan` in framework/models/families/): none of them compares against a
+    family's name, and every model preset's family has a plan."""
     import re
 
-    from framework.models.plans import PLANS
+    from framework.models.families import FAMILIES as PLANS
 
     readers = ["framework/distributed/fsdp.py", "framework/distributed/sequence.py", "framework/inference/caching.py",
                "plugins/growth/__init__.py", "plugins/prune.py", "plugins/cache_router.py"]
@@ -236,6 +236,26 @@ def test_parallel_code_reads_plans_and_never_names_a_family():
         assert not found, f"{rel} names the families {sorted(set(found))}: read them from the family's plan instead"
     families = {re.search(r"^family:\s*(\w+)", p.read_text(), re.M).group(1) for p in (ROOT / "conf" / "model").glob("*.yaml")}
     assert families == set(PLANS), families
+
+
+def test_only_the_family_files_compare_family_names():
+    """One family, one file: code outside framework/models/families/ asks the family object (`family_of(cfg)`) for a
+    capability and never compares `family` against a name (==, !=, in, not in), nor keys a table by family names."""
+    import re
+
+    from framework.models.families import FAMILIES
+
+    names = "|".join(FAMILIES)
+    comparison = re.compile(r"family\s*(==|!=|\bin\b|\bnot in\b)")
+    keyed = re.compile(rf"""^\s*["']({names})["']\s*:""", re.M)  # a dict row keyed by a family's name
+    found = []
+    for name, path in find_modules(ROOT).items():
+        if name.startswith("framework.models.families"):
+            continue
+        text = path.read_text()
+        found += [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0).strip()}"
+                  for pattern in (comparison, keyed) for m in pattern.finditer(text)]
+    assert not found, found
 
 
 def test_benchmarks_and_studies_never_import_each_other():

@@ -183,7 +183,10 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
     dcfg = _compose(a["experiment"], a["overrides"], warmup + steps, Path(a["run_dir"]))
     info = fit_model_to_data(dcfg)  # the dataset's channels / size / text width, as the framework's run has them
     cfg = config_lib.to_object(dcfg)
-    if cfg.model.family not in ("pixart", "sana") or cfg.objective.name != "flow":
+    from framework.models.families import family_of
+
+    bare_call = family_of(cfg.model).bare_call  # how the loop below calls the diffusers net; None: it cannot
+    if bare_call is None or cfg.objective.name != "flow":
         raise ValueError("the hand-written loop covers the pixart and sana families with objective=flow")
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.trainer.accelerator != "cpu" else "cpu")
@@ -217,7 +220,7 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
                                          drop_last=True, pin_memory=device.type == "cuda")
     ob, k = cfg.objective, cfg.objective.flow_shift
     clip = cfg.trainer.gradient_clip_val
-    extra = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if cfg.model.family == "pixart" else {}
+    extra = bare_call
     step, t0 = 0, 0.0
     while step < warmup + steps:
         for batch in loader:

@@ -398,7 +398,7 @@ def run(bench: OverlapBench) -> list[dict[str, Any]]:
     from framework.distributed.mesh import ParallelDims
     from framework.distributed.sequence import check, init, install
     from framework.models.backbones import build_denoiser
-    from framework.models.plans import plan_of
+    from framework.models.families import plan_of
 
     latency, bandwidth = _link(bench.link, bench.latency_us, bench.bandwidth_GBps)
     per_node = bench.ranks_per_node or bench.ranks

@@ -310,7 +310,9 @@ def data_model_fields(info: DatasetInfo, family: str) -> dict[str, Any]:
     h, w = info.latent_size
     fields: dict[str, Any] = {"in_channels": info.latent_channels, "sample_size": h, "sample_width": None if w == h else w,
                               "num_frames": info.num_frames}
-    if family != "dit":
+    from framework.models.families import family_of
+
+    if family_of(family).reads_text:
         fields["text_dim"] = info.text_dim
     return fields
 

@@ -58,7 +58,7 @@ TRIM_EVERY_BYTES = 256 * 2**20  # see _trim_heap
 
 def shard_units(denoiser: Denoiser) -> list[nn.Module]:
     """The backbone's FSDP2 units in forward order, as its family's plan names them (framework/models/plans.py)."""
-    from framework.models.plans import plan_of
+    from framework.models.families import plan_of
 
     return plan_of(denoiser.cfg.family).units(denoiser.net)
 

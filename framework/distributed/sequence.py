@@ -56,7 +56,7 @@ from torch import nn
 
 from framework.distributed.mesh import Mesh
 from framework.models.backbones import Denoiser, ModelConfig
-from framework.models.plans import families_with, plan_of
+from framework.models.families import families_with, plan_of
 
 
 

@@ -429,13 +429,14 @@ def aco_processors(denoiser: Any, aco: Any) -> list[tuple[Any, Any]]:
 
     from framework.distributed.sequence import check_plain_softmax
     from framework.models.blocks import block_views
-    from framework.models.plans import plan_of
+    from framework.models.families import families_with, plan_of
 
     family = denoiser.cfg.family
     seq = plan_of(family).sequence
     if seq is None or seq.attention == "linear":
-        raise ValueError(f"aco: model.family={family} has no softmax self-attention stack to share (only pixart, dit, "
-                         "latte and wan); set aco=0")
+        shared = families_with(lambda p: p.sequence is not None and p.sequence.attention != "linear")
+        raise ValueError(f"aco: model.family={family} has no softmax self-attention stack to share (only {shared}); "
+                         "set aco=0")
     out = []
     for view in block_views(denoiser):
         attn = view.module.attn1

@@ -31,11 +31,6 @@ from torch import nn
 KINDS = ("none", "lora", "lokr", "loha")
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUANTIZED = ("int8", "fp8")  # the base's linear weights through torchao; its other weights stay fp32
-ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
-FAMILY_TARGETS: dict[str, list[str]] = {
-    "pixart": ATTENTION, "dit": ATTENTION, "sana": ATTENTION, "latte": ATTENTION, "unet": ATTENTION,
-    "wan": [*ATTENTION, "ffn.net.0.proj", "ffn.net.2"],
-}
 
 
 @dataclass
@@ -52,7 +47,8 @@ class AdapterConfig:
     """LoRA: dropout on the adapter's input; LoKr / LoHa: module dropout (the whole adapter dropped per step)."""
     targets: list[str] | None = None
     """Names of the linear layers that get an adapter: a layer whose name is one of these or ends with '.' + one
-    (e.g. to_q, attn2.to_k, ffn.net.2); null: the family's default (FAMILY_TARGETS: the attention projections)."""
+    (e.g. to_q, attn2.to_k, ffn.net.2); null: the family's default (its adapter_targets, framework/models/families/:
+    the attention projections)."""
     base_dtype: str = "fp32"
     """How the frozen base is held: fp32; bf16 (half its bytes; needs trainer.precision=bf16-mixed or 16-mixed, whose
     autocast computes with it); int8 or fp8 (its linear layers' weights, a quarter of their bytes, through torchao's
@@ -86,7 +82,9 @@ class AdapterConfig:
         return self.kind != "none"
 
     def target_names(self, family: str) -> list[str]:
-        return list(self.targets) if self.targets is not None else FAMILY_TARGETS[family]
+        from framework.models.families import family_of  # the diffusers classes load only when asked
+
+        return list(self.targets) if self.targets is not None else list(family_of(family).adapter_targets)
 
     def peft_config(self, family: str) -> Any:
         """peft's config of this adapter for a backbone of `family`."""

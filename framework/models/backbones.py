@@ -1,71 +1,37 @@
-"""Diffusion backbones: typed config, the diffusers families, one uniform `Denoiser`, weight loading.
+"""Diffusion backbones: typed config, one uniform `Denoiser`, weight loading.
 
-Reads top to bottom: the config, helpers that turn it into diffusers arguments, the attention backend,
-the `Denoiser` wrapper, `build_denoiser`, `load_weights`, and the presets (YAML files in conf/model/).
-The networks themselves come from diffusers; this file only owns the glue diffusers does not provide:
-one call signature for all families, validated sizes, and safe xformers selection.
+Reads top to bottom: the config, the attention backend, the `Denoiser` wrapper, `build_denoiser`, `load_weights`,
+and the presets (YAML files in conf/model/). The networks themselves come from diffusers, and what differs from
+family to family (constructor arguments, how the net is fed) is the family's file in framework/models/families/;
+this file owns the glue they share: one call signature for all families, validated sizes, safe xformers selection.
 """
 
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from diffusers import (
-    DiTTransformer2DModel,
-    LatteTransformer3DModel,
-    PixArtTransformer2DModel,
-    SanaTransformer2DModel,
-    UNet2DConditionModel,
-    WanTransformer3DModel,
-)
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from framework.models.families import FAMILIES as REGISTRY
+from framework.models.families import Family, family_of, names_with
+from framework.models.families.unet import SIZE_ID_DIM, SIZE_IDS, default_size_ids, pooled_text  # noqa: F401 (API)
+from framework.models.families.wan import padded_text
 from framework.models.init import INITS
 
-FAMILIES: dict[str, type[nn.Module]] = {
-    "pixart": PixArtTransformer2DModel,
-    "sana": SanaTransformer2DModel,
-    "dit": DiTTransformer2DModel,
-    "unet": UNet2DConditionModel,
-    "latte": LatteTransformer3DModel,
-    "wan": WanTransformer3DModel,
-}
+# The diffusers class of each family (framework/models/families/: one file a family, the registry `family_of`).
+FAMILIES: dict[str, type[nn.Module]] = {name: fam.diffusers_class for name, fam in REGISTRY.items()}
 # Families whose latents are clips (B, C, F, h, w): Latte's spatial blocks attend within each frame and its temporal
 # blocks across frames (ST-DiT); Wan's blocks attend over all frames' tokens at once, with 3D RoPE.
-VIDEO_FAMILIES = ("latte", "wan")
+VIDEO_FAMILIES = tuple(names_with(lambda fam: fam.video))
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
-
-# Diffusers arguments that ModelConfig's own fields set; giving them again in `kwargs` would be ambiguous.
-_DERIVED = {
-    "pixart": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
-               "sample_size", "patch_size", "caption_channels", "cross_attention_dim"},
-    "sana": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
-             "sample_size", "patch_size", "caption_channels", "cross_attention_dim"},
-    "dit": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
-            "sample_size", "patch_size", "num_embeds_ada_norm"},
-    "unet": {"in_channels", "out_channels", "sample_size", "layers_per_block", "cross_attention_dim",
-             "attention_head_dim", "num_attention_heads", "addition_embed_type", "addition_time_embed_dim",
-             "projection_class_embeddings_input_dim"},
-    "latte": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
-              "sample_size", "patch_size", "caption_channels", "cross_attention_dim", "video_length"},
-    "wan": {"num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
-            "patch_size", "text_dim"},
-}
-# Constructor arguments that make the diffusers class the released model's, where its defaults differ (a preset's
-# kwargs may still set them): Latte's blocks are PixArt's (adaLN-single, tanh GELU, biased attention, no affine norms).
-_FAMILY_DEFAULTS = {
-    "latte": {"norm_type": "ada_norm_single", "activation_fn": "gelu-approximate", "attention_bias": True,
-              "norm_elementwise_affine": False, "norm_eps": 1e-6, "num_embeds_ada_norm": 1000},
-}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,8 +89,7 @@ class ModelConfig:
     # when init_from gives the weights.
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"model.family={self.family!r} is unknown; choose one of {sorted(FAMILIES)}.")
+        fam = family_of(self)  # refuses an unknown family, naming the known ones
         if self.init not in INITS:
             raise ValueError(f"model.init={self.init!r} is unknown; choose one of {INITS} (the constructor's defaults, or "
                              "the family's reference code's initialisation).")
@@ -139,59 +104,37 @@ class ModelConfig:
                 raise ValueError(f"model.{key}={side} is not a positive multiple of model.patch_size="
                                  f"{self.patch_size}; pick a latent size that is a multiple of it.")
         self.kwargs = _plain(self.kwargs)
-        self._check_kwargs()
-        if self.family == "unet":
-            self._check_unet()
-        else:
-            self._check_transformer()
-        if self.family == "dit" and (self.num_classes is None or self.num_classes <= 0):
-            raise ValueError("model.num_classes must be set (> 0) for model.family=dit: DiT is class-conditional.")
-        self._check_frames()
-        if self.family != "dit" and not self.text_dim:
+        self._check_kwargs(fam)
+        fam.check(self)
+        self._check_frames(fam)
+        if fam.reads_text and not self.text_dim:
             raise ValueError(f"model.text_dim must be set for model.family={self.family}: it is the caption "
                              "embedding size of the dataset's text encoder.")
 
-    def _check_kwargs(self) -> None:
-        allowed = set(inspect.signature(FAMILIES[self.family].__init__).parameters) - {"self"}
+    def _check_kwargs(self, fam: Family) -> None:
+        allowed = set(inspect.signature(fam.diffusers_class.__init__).parameters) - {"self"}
         for key in self.kwargs:
-            if key in _DERIVED[self.family]:
+            if key in fam.derived:
                 raise ValueError(f"model.kwargs.{key} is set from ModelConfig's own fields for "
                                  f"model.family={self.family}; set those fields instead.")
             if key not in allowed:
-                raise ValueError(f"model.kwargs.{key} is not an argument of {FAMILIES[self.family].__name__}.")
-        if self.family == "pixart" and "use_additional_conditions" in self.kwargs:
-            raise ValueError("model.kwargs.use_additional_conditions is set from model.size_conditioning (the latents' "
-                             "own size is the condition); set that instead.")
-        if self.size_conditioning and self.family not in ("pixart", "unet"):
+                raise ValueError(f"model.kwargs.{key} is not an argument of {fam.diffusers_class.__name__}.")
+        fam.check_kwargs(self)
+        if self.size_conditioning and not fam.size_conditioning:
             raise ValueError(f"model.size_conditioning=true: model.family={self.family} has no size embedding here "
                              "(PixArt's resolution / aspect ratio, the UNet's SDXL-style micro-conditioning)")
-        if self.size_conditioning and self.family == "pixart" and self.num_heads and (self.num_heads * self.head_dim) % 3:
-            raise ValueError(f"model.size_conditioning=true needs a width divisible by 3 (PixArt splits it between the "
-                             f"height, width and aspect-ratio embeddings; 1152 = 3 x 384): model.num_heads x "
-                             f"model.head_dim = {self.num_heads * self.head_dim}")
 
-    def _check_transformer(self) -> None:
-        if not self.num_heads or self.num_heads <= 0:
-            raise ValueError(f"model.num_heads must be set (> 0) for model.family={self.family}.")
-        if self.width is not None and self.width != self.num_heads * self.head_dim:
-            raise ValueError(f"model.width={self.width} but model.num_heads * model.head_dim = "
-                             f"{self.num_heads} * {self.head_dim} = {self.num_heads * self.head_dim}; make them agree.")
-        if self.family == "sana":
-            heads, dim = _sana_cross_heads(self)
-            if heads * dim != self.hidden_size:
-                raise ValueError(f"model.kwargs.num_cross_attention_heads * model.kwargs.cross_attention_head_dim "
-                                 f"= {heads} * {dim} must equal the width {self.hidden_size}.")
-
-    def _check_frames(self) -> None:
-        video = self.family in VIDEO_FAMILIES
+    def _check_frames(self, fam: Family) -> None:
+        video = fam.video
         if video and (self.num_frames is None or self.num_frames <= 0):
             raise ValueError(f"model.num_frames must be set (> 0) for model.family={self.family}: the latent frames "
                              "of a clip (training takes it from the dataset's dataset.json).")
         if not video and self.num_frames is not None:
             raise ValueError(f"model.num_frames={self.num_frames}: model.family={self.family} denoises images; the "
                              f"video families are {', '.join(VIDEO_FAMILIES)}.")
-        if (self.family == "wan") != (self.text_len is not None):
-            raise ValueError(f"model.text_len={self.text_len}: it is set for model.family=wan only (the token count "
+        if fam.pads_text != (self.text_len is not None):
+            raise ValueError(f"model.text_len={self.text_len}: it is set for model.family="
+                             f"{'|'.join(names_with(lambda f: f.pads_text))} only (the token count "
                              "captions are zero-padded to), and must be set there.")
         if self.text_len is not None and self.text_len <= 0:
             raise ValueError(f"model.text_len={self.text_len} must be positive.")
@@ -199,27 +142,12 @@ class ModelConfig:
     @property
     def is_video(self) -> bool:
         """Whether the latents are clips (C, F, h, w)."""
-        return self.family in VIDEO_FAMILIES
+        return family_of(self).video
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
         """The latents of one sample after the channels: (h, w), or (F, h, w) for a video family."""
         return ((self.num_frames,) if self.is_video else ()) + self.latent_hw
-
-    def _check_unet(self) -> None:
-        if self.num_heads is not None:
-            raise ValueError("model.num_heads must be null for model.family=unet: heads per level are "
-                             "block_out_channels[i] // model.head_dim.")
-        if self.patch_size != 1:
-            raise ValueError("model.patch_size must be 1 for model.family=unet (it has no patch embedding).")
-        for c in _unet_channels(self):
-            if c % self.head_dim:
-                raise ValueError(f"model.kwargs.block_out_channels entry {c} is not divisible by "
-                                 f"model.head_dim={self.head_dim}.")
-        levels = len(_unet_channels(self))
-        if self.sample_size % 2 ** (levels - 1):
-            raise ValueError(f"model.sample_size={self.sample_size} must be divisible by {2 ** (levels - 1)} "
-                             f"(the unet halves it {levels - 1} times).")
 
     @property
     def latent_hw(self) -> tuple[int, int]:
@@ -238,7 +166,7 @@ class ModelConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# Helpers: config -> diffusers constructor arguments
+# Helpers: config -> diffusers constructor arguments (the family's own, framework/models/families/)
 # --------------------------------------------------------------------------------------------------
 
 def _plain(value: Any) -> Any:
@@ -248,69 +176,9 @@ def _plain(value: Any) -> Any:
     return dict(value) if isinstance(value, dict) else value
 
 
-def _sana_cross_heads(cfg: ModelConfig) -> tuple[int, int]:
-    """SANA's cross-attention heads: from kwargs, else the self-attention head size."""
-    dim = cfg.kwargs.get("cross_attention_head_dim", cfg.head_dim)
-    return cfg.kwargs.get("num_cross_attention_heads", cfg.hidden_size // dim), dim
-
-
-def _unet_channels(cfg: ModelConfig) -> list[int]:
-    default = inspect.signature(UNet2DConditionModel.__init__).parameters["block_out_channels"].default
-    return list(cfg.kwargs.get("block_out_channels", default))
-
-
-# The UNet's size conditioning (SDXL's six numbers, here in latent units: pixels over the VAE's factor), and the
-# sinusoid width of each.
-SIZE_IDS = ("original_height", "original_width", "crop_top", "crop_left", "target_height", "target_width")
-SIZE_ID_DIM = 256
-
-
-def default_size_ids(x: torch.Tensor) -> torch.Tensor:
-    """(B, 6) size ids for latents `x` (B, C, h, w) taken whole: the original is the target, no crop (what SDXL
-    samples with)."""
-    h, w = x.shape[-2:]
-    return x.new_tensor([[h, w, 0.0, 0.0, h, w]], dtype=torch.float32).expand(x.shape[0], len(SIZE_IDS))
-
-
-def pooled_text(text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, D): the mean of each caption's own tokens (mask True = token)."""
-    if mask is None:
-        return text.mean(1)
-    m = mask.to(text.dtype).unsqueeze(-1)  # (B, L, 1)
-    return (text * m).sum(1) / m.sum(1).clamp_min(1.0)
-
-
 def diffusers_kwargs(cfg: ModelConfig) -> dict[str, Any]:
-    """The constructor arguments of `FAMILIES[cfg.family]` for this config."""
-    size = dict(in_channels=cfg.in_channels, out_channels=cfg.out_channels, sample_size=cfg.sample_size)
-    if cfg.family == "unet":
-        # diffusers' UNet calls the per-level head *count* `attention_head_dim` (SD2: [5, 10, 20, 20]).
-        heads = [c // cfg.head_dim for c in _unet_channels(cfg)]
-        if cfg.size_conditioning:  # SDXL's: each size number embedded in 256 sinusoids, next to the pooled text
-            size.update(addition_embed_type="text_time", addition_time_embed_dim=SIZE_ID_DIM,
-                        projection_class_embeddings_input_dim=cfg.text_dim + len(SIZE_IDS) * SIZE_ID_DIM)
-        return dict(size, layers_per_block=cfg.num_layers, cross_attention_dim=cfg.text_dim,
-                    attention_head_dim=heads, **cfg.kwargs)
-    args = dict(size, num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
-                num_layers=cfg.num_layers, patch_size=cfg.patch_size)
-    if cfg.family == "pixart":
-        # Captions are projected to the width before cross-attention, hence cross_attention_dim = width.
-        args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size,
-                    use_additional_conditions=cfg.size_conditioning)
-    elif cfg.family == "sana":
-        heads, dim = _sana_cross_heads(cfg)
-        args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size,
-                    num_cross_attention_heads=heads, cross_attention_head_dim=dim)
-    elif cfg.family == "dit":
-        args.update(num_embeds_ada_norm=cfg.num_classes)
-    elif cfg.family == "latte":
-        args.update(caption_channels=cfg.text_dim, cross_attention_dim=cfg.hidden_size, video_length=cfg.num_frames)
-    elif cfg.family == "wan":  # no sample size: RoPE positions any clip; frames are never patched together here
-        del args["sample_size"]
-        args.update(patch_size=(1, cfg.patch_size, cfg.patch_size), text_dim=cfg.text_dim)
-    args.update(_FAMILY_DEFAULTS.get(cfg.family, {}))
-    args.update(cfg.kwargs)
-    return args
+    """The constructor arguments of the family's diffusers class for this config."""
+    return family_of(cfg).diffusers_kwargs(cfg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,37 +250,25 @@ class Denoiser(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.net = FAMILIES[cfg.family](**diffusers_kwargs(cfg))
+        self.net = self.family.diffusers_class(**diffusers_kwargs(cfg))
         self._after_build()
 
+    @property
+    def family(self) -> Family:
+        """The backbone's family (framework/models/families/)."""
+        return family_of(self.cfg)
+
     def _after_build(self) -> None:
-        if self.cfg.family == "dit":
-            for block in self.net.transformer_blocks:
-                labels = block.norm1.emb.class_embedder
-                # The "no class" row exists only when diffusers built the table with dropout_prob > 0.
-                assert labels.embedding_table.num_embeddings == self.cfg.num_classes + 1, "no null-class row"
-                labels.dropout_prob = 0.0
+        self.family.after_build(self.net, self.cfg)
         apply_attention_backend(self.net, self.cfg.attention)
 
     def null_labels(self, batch_size: int, device: torch.device | None = None) -> torch.Tensor | None:
         """Labels meaning "unconditional" (the extra embedding row) for dit; None for text families."""
-        if self.cfg.family != "dit":
-            return None
-        return torch.full((batch_size,), self.cfg.num_classes, dtype=torch.long, device=device)
+        return self.family.null_labels(self.cfg, batch_size, device)
 
     def padded_text(self, text: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """wan: the caption tokens (B, L, D), padding zeroed, then zero-padded to (B, text_len, D). Wan's cross-attention
-        reads the padding too, so every caption is padded to the same length whatever the batch's longest one is."""
-        n = self.cfg.text_len
-        if mask is not None:
-            text = text * mask.unsqueeze(-1).to(text.dtype)
-        if text.shape[1] > n:  # only then is the captions' length read (a host synchronisation)
-            longest = text.shape[1] if mask is None or mask.is_meta else int(mask.sum(1).max())
-            if longest > n:
-                raise ValueError(f"a caption of {longest} tokens is longer than model.text_len={n}; raise "
-                                 "model.text_len (or shorten the captions)")
-        text = text[:, :n]
-        return torch.nn.functional.pad(text, (0, 0, 0, n - text.shape[1]))
+        """wan: the caption tokens (B, L, D), padding zeroed, then zero-padded to (B, text_len, D)."""
+        return padded_text(self.cfg, text, mask)
 
     def forward(
         self,
@@ -427,63 +283,13 @@ class Denoiser(nn.Module):
         (B, L) True = token; size_ids (B, 6)
         for a size-conditioned UNet (SIZE_IDS; None: default_size_ids), ignored by the other families."""
         t = t.expand(x.shape[0]) if t.ndim == 0 else t  # (B,)
-        family = self.cfg.family
-        if family == "dit":
-            labels = self.null_labels(x.shape[0], x.device) if labels is None else labels
-            out = self.net(x, timestep=t, class_labels=labels, return_dict=False)[0]  # (B, C', h, w)
-        else:
-            if text is None:
-                raise ValueError(f"model.family={family} is text-conditional: pass `text` (B, L, D) embeddings.")
-            # diffusers wants a 1 = keep / 0 = drop mask and turns it into an additive -10000 bias itself.
-            mask = None if text_mask is None else text_mask.to(x.dtype)  # (B, L)
-            if family == "pixart":
-                sizes = {"resolution": None, "aspect_ratio": None}
-                if self.cfg.size_conditioning:  # (B, 2) height and width in an 8x VAE's pixels, (B, 1) height / width
-                    h, w = x.shape[-2:]
-                    sizes = {"resolution": x.new_tensor([[8.0 * h, 8.0 * w]]).expand(x.shape[0], 2),
-                             "aspect_ratio": x.new_tensor([[h / w]]).expand(x.shape[0], 1)}
-                out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
-                               added_cond_kwargs=sizes, return_dict=False)[0]
-            elif family == "sana":
-                out = self.net(x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
-                               return_dict=False)[0]
-            elif family == "latte":
-                # Its spatial blocks see each frame as a sample: the caption's additive bias, one per frame.
-                bias = None if mask is None else ((1 - mask) * -10000.0).repeat_interleave(x.shape[2], 0).unsqueeze(1)
-                with latte_frames(self.net, x.shape[2]):
-                    out = self.net(x, timestep=t, encoder_hidden_states=text, encoder_attention_mask=bias,
-                                   return_dict=False)[0]
-            elif family == "wan":
-                out = self.net(x, timestep=t, encoder_hidden_states=self.padded_text(text, text_mask),
-                               return_dict=False)[0]
-            else:
-                added = None
-                if self.cfg.size_conditioning:
-                    ids = default_size_ids(x) if size_ids is None else size_ids
-                    added = {"text_embeds": pooled_text(text, text_mask), "time_ids": ids.to(x.device, x.dtype)}
-                out = self.net(x, t, encoder_hidden_states=text, encoder_attention_mask=mask,
-                               added_cond_kwargs=added, return_dict=False)[0]
+        fam = self.family
+        if fam.reads_text and text is None:
+            raise ValueError(f"model.family={fam.name} is text-conditional: pass `text` (B, L, D) embeddings.")
+        out = fam.forward(self.net, self.cfg, x, t, text, text_mask, labels, size_ids)  # (B, C', ...) like x
         if self.cfg.learned_sigma:
             out, _variance = out.chunk(2, dim=1)  # (B, C, h, w) each
         return out
-
-
-@contextmanager
-def latte_frames(net: nn.Module, frames: int) -> Iterator[None]:
-    """Latte adds its whole table of temporal positions (one row per model.num_frames) to every clip; a clip of fewer
-    frames (a frame-count bucket of precompute's num_frames=[...]) takes the first `frames` rows while in here."""
-    full = net.temp_pos_embed  # (1, num_frames, D), a buffer
-    if frames > full.shape[1]:
-        raise ValueError(f"a clip of {frames} latent frames: this Latte's temporal positions go up to model.num_frames="
-                         f"{full.shape[1]}")
-    if frames == full.shape[1]:
-        yield
-        return
-    net.temp_pos_embed = full[:, :frames]
-    try:
-        yield
-    finally:
-        net.temp_pos_embed = full
 
 
 def to_model_config(cfg: ModelConfig | DictConfig | dict) -> ModelConfig:
@@ -506,7 +312,7 @@ def build_denoiser(cfg: ModelConfig | DictConfig | dict) -> Denoiser:
 def _backbone_subfolder(path: Path, family: str) -> str | None:
     """Where a diffusers folder keeps the backbone: a whole pipeline's unet/ or transformer/, else the folder."""
     if (path / "model_index.json").exists():
-        return "unet" if family == "unet" else "transformer"
+        return family_of(family).subfolder
     return None
 
 
@@ -524,7 +330,7 @@ def _ckpt_model_state(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]
 def _read_state_dict(path: Path, denoiser: Denoiser) -> dict[str, torch.Tensor]:
     """Denoiser-keyed (`net.*`) state dict from a diffusers folder, .safetensors or Lightning .ckpt."""
     if path.is_dir():
-        cls = FAMILIES[denoiser.cfg.family]
+        cls = denoiser.family.diffusers_class
         try:
             net = cls.from_pretrained(path, subfolder=_backbone_subfolder(path, denoiser.cfg.family),
                                       low_cpu_mem_usage=False)

@@ -28,8 +28,8 @@ from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from torch import nn
 
-from framework.models.plans import plan_of, unet_stages
 from framework.models.backbones import Denoiser
+from framework.models.families import plan_of
 
 BranchKind = Literal["self_attn", "cross_attn", "mlp"]
 # Where diffusers' blocks keep each branch's module (BasicTransformerBlock and SanaTransformerBlock alike; wan's MLP
@@ -96,12 +96,6 @@ def _branches(block: nn.Module) -> list[Branch]:
     return out
 
 
-def _unet_blocks(net: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The unet's BasicTransformerBlocks in forward order, inside its stages."""
-    return [(f"{prefix}.{name}", module) for prefix, stage in unet_stages(net)
-            for name, module in stage.named_modules() if isinstance(module, BasicTransformerBlock)]
-
-
 # --------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------
@@ -138,16 +132,7 @@ def layer_views(denoiser: Denoiser) -> list[list[BlockView]]:
 
 def block_views(denoiser: Denoiser) -> list[BlockView]:
     """Every block of the backbone with its branches, in forward order."""
-    family, net = denoiser.cfg.family, denoiser.net
-    if family == "unet":
-        named = _unet_blocks(net)
-    elif family == "latte":  # spatial block i, then temporal block i
-        named = [(f"{stack}.{i}", getattr(net, stack)[i]) for i in range(len(net.transformer_blocks))
-                 for stack in ("transformer_blocks", "temporal_transformer_blocks")]
-    elif family == "wan":
-        named = [(f"blocks.{i}", b) for i, b in enumerate(net.blocks)]
-    else:
-        named = [(f"transformer_blocks.{i}", b) for i, b in enumerate(denoiser.net.transformer_blocks)]
+    named = denoiser.family.named_blocks(denoiser.net)  # (name in the net, block) in forward order
     return [BlockView(i, name, block, _branches(block)) for i, (name, block) in enumerate(named)]
 
 

@@ -33,100 +33,27 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Callable
 
 import torch
 from torch import nn
 
+from framework.models.families import family_of
+from framework.models.families.base import ZERO, Rule, xavier
+
 INITS = ("diffusers", "reference")
-Rule = Callable[[torch.Size, torch.Generator], torch.Tensor]
 
 
-def fused_xavier(parts: int) -> Rule:
-    """xavier_uniform over (out, everything else), a linear's weight or a conv's flattened as the references do, for a
-    slice of a projection fused from `parts` such slices (the bound of the fused (parts * out, in) weight)."""
-    def rule(shape: torch.Size, g: torch.Generator) -> torch.Tensor:
-        fan_out, fan_in = parts * shape[0], max(1, int(torch.Size(shape[1:]).numel()))
-        bound = (6.0 / (fan_in + fan_out)) ** 0.5
-        return (torch.rand(shape, generator=g, dtype=torch.float32) * 2 - 1) * bound
-    return rule
-
-
-xavier = fused_xavier(1)
-
-
-def normal(std: float) -> Rule:
-    return lambda shape, g: torch.randn(shape, generator=g, dtype=torch.float32) * std
-
-
-def constant(value: float) -> Rule:
-    return lambda shape, g: torch.full(shape, value, dtype=torch.float32)
-
-
-ZERO = constant(0.0)
-N002 = normal(0.02)
-
-# (pattern on the parameter name, rule), the first match wins; then every nn.Linear / patch-embedding conv falls back
-# to the basic init (xavier weight, zero bias). Names are those of the diffusers class inside a Denoiser (`net.`).
-SPECIFIC: dict[str, list[tuple[str, Rule]]] = {
-    "dit": [
-        (r"net\.transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),  # timm Attention's qkv
-        (r"net\.pos_embed\.proj\.bias", ZERO),
-        (r"net\.transformer_blocks\.\d+\.norm1\.linear\.(weight|bias)", ZERO),  # adaLN modulation: adaLN-Zero
-        (r"net\.proj_out_[12]\.(weight|bias)", ZERO),  # final layer's modulation and linear
-        (r"net\.transformer_blocks\.\d+\.norm1\.emb\.timestep_embedder\.linear_[12]\.weight", N002),
-        (r"net\.transformer_blocks\.\d+\.norm1\.emb\.class_embedder\.embedding_table\.weight", N002),
-    ],
-    "pixart": [
-        (r"net\.transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),  # its attention's qkv
-        (r"net\.transformer_blocks\.\d+\.attn2\.to_[kv]\.weight", fused_xavier(2)),  # cross-attention's kv_linear
-        (r"net\.transformer_blocks\.\d+\.attn2\.to_out\.0\.(weight|bias)", ZERO),  # cross-attention output
-        (r"net\.proj_out\.(weight|bias)", ZERO),  # final layer's linear
-        (r"net\.adaln_single\.emb\.(timestep|resolution|aspect_ratio)_embedder\.linear_[12]\.weight", N002),
-        (r"net\.adaln_single\.linear\.weight", N002),  # t_block
-        (r"net\.caption_projection\.linear_[12]\.weight", N002),  # y_embedder
-    ],
-    "sana": [  # no zeroed cross-attention output or final layer: SANA's init drops those of PixArt
-        (r"net\.transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),  # LiteLA's qkv
-        (r"net\.transformer_blocks\.\d+\.attn2\.to_[kv]\.weight", fused_xavier(2)),
-        (r"net\.time_embed\.guidance_embedder\.linear_1\.weight", N002),  # cfg_embedder (guidance_embeds)
-        (r"net\.time_embed\.guidance_embedder\.linear_2\.(weight|bias)", ZERO),
-        (r"net\.time_embed\.(emb\.)?timestep_embedder\.linear_[12]\.weight", N002),  # (emb. without guidance)
-        (r"net\.time_embed\.linear\.weight", N002),
-        (r"net\.caption_projection\.linear_[12]\.weight", N002),
-        (r"net\.caption_norm\.weight", constant(0.01)),  # attention_y_norm, scale_factor 0.01
-    ],
-    "unet": [
-        (r"net\.(down_blocks|up_blocks|mid_block)\.(\d+\.)?resnets\.\d+\.conv2\.(weight|bias)", ZERO),
-        (r"net\.(down_blocks|up_blocks|mid_block)\.(\d+\.)?attentions\.\d+\.proj_out\.(weight|bias)", ZERO),
-        (r"net\.conv_out\.(weight|bias)", ZERO),
-    ],
-    "latte": [
-        (r"net\.(temporal_)?transformer_blocks\.\d+\.attn1\.to_[qkv]\.weight", fused_xavier(3)),
-        (r"net\.transformer_blocks\.\d+\.attn2\.to_[kv]\.weight", fused_xavier(2)),
-        (r"net\.transformer_blocks\.\d+\.attn2\.to_out\.0\.(weight|bias)", ZERO),
-        (r"net\.proj_out\.(weight|bias)", ZERO),
-        (r"net\.adaln_single\.emb\.timestep_embedder\.linear_[12]\.weight", N002),
-        (r"net\.adaln_single\.linear\.weight", N002),
-        (r"net\.caption_projection\.linear_[12]\.weight", N002),
-    ],
-    "wan": [  # its time_projection (diffusers' time_proj) keeps the basic init; only the head's weight is zeroed
-        (r"net\.condition_embedder\.(text|time)_embedder\.linear_[12]\.weight", N002),
-        (r"net\.proj_out\.weight", ZERO),
-    ],
-}
-# The convolution the references give the basic init (their x_embedder / PatchEmbed); the UNet's keep PyTorch's.
-PATCH_CONV = {"dit": "net.pos_embed.proj", "pixart": "net.pos_embed.proj", "sana": "net.patch_embed.proj",
-              "latte": "net.pos_embed.proj", "wan": "net.patch_embedding"}
-
-
+# Each family's rules are its `init_rules` (framework/models/families/<name>.py): (pattern on the parameter name,
+# rule), the first match wins; then every nn.Linear / the family's `patch_conv` falls back to the basic init (xavier
+# weight, zero bias) where the family has `basic_init`. Names are those of the diffusers class inside a Denoiser.
 def rules(model: nn.Module, family: str) -> dict[str, Rule]:
     """{parameter name: its rule} of `model` (a Denoiser) under the reference init of `family`; parameters not named
     keep what the constructor drew."""
-    specific = [(re.compile(p), r) for p, r in SPECIFIC[family]]
+    fam = family_of(family)
+    specific = [(re.compile(p), r) for p, r in fam.init_rules]
     out: dict[str, Rule] = {}
     for module_name, module in model.named_modules():
-        basic = family != "unet" and (isinstance(module, nn.Linear) or module_name == PATCH_CONV.get(family))
+        basic = fam.basic_init and (isinstance(module, nn.Linear) or module_name == fam.patch_conv)
         for short, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{short}" if module_name else short
             rule = next((r for p, r in specific if p.fullmatch(name)), None)

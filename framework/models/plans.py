@@ -1,7 +1,6 @@
-"""Each backbone family's parallel plan: what FSDP2, sequence parallelism, growth, pruning and the cache router
-need to know of a family, in one place, so that their code reads the plan and never branches on family names.
-
-A new family adds one ParallelPlan here (and its block layout to framework/models/blocks.py):
+"""What FSDP2, sequence parallelism, growth, pruning and the cache router need to know of a family: its parallel
+plan. Each family's plan is the `plan` of its file in framework/models/families/ (`plan_of(name)` there), so their
+code reads the plan and never branches on family names. A plan has:
 - `required_blocks`: blocks other parts of the net read (pruning keeps them);
 - `units`: the modules FSDP2 shards one by one, in forward order (activation checkpointing and compile
   wrap the same units);
@@ -61,59 +60,3 @@ class ParallelPlan:
     routed: bool = True
     """The cache router's stage trains on its block views (each branch's output cached from step to step; blocks of
     any shape, so a video family's spatial, temporal and 3D blocks too)."""
-
-
-def _transformer_blocks(net: nn.Module) -> list[nn.Module]:
-    return list(net.transformer_blocks)
-
-
-def unet_stages(net: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The unet's down blocks, mid block and up blocks in forward order, with their names in the net."""
-    stages = [(f"down_blocks.{i}", b) for i, b in enumerate(net.down_blocks)]
-    if net.mid_block is not None:
-        stages.append(("mid_block", net.mid_block))
-    return stages + [(f"up_blocks.{i}", b) for i, b in enumerate(net.up_blocks)]
-
-
-def _unet_stages(net: nn.Module) -> list[nn.Module]:
-    return [stage for _, stage in unet_stages(net)]
-
-
-def _latte_blocks(net: nn.Module) -> list[nn.Module]:
-    """Spatial block i, then temporal block i: the order Latte's forward runs them."""
-    return [b for pair in zip(net.transformer_blocks, net.temporal_transformer_blocks) for b in pair]
-
-
-def _wan_blocks(net: nn.Module) -> list[nn.Module]:
-    return list(net.blocks)
-
-
-PLANS: dict[str, ParallelPlan] = {
-    "pixart": ParallelPlan(_transformer_blocks, stack=True, sequence=SequencePlan("pos_embed", "proj_out", "softmax")),
-    # diffusers' DiT final layer reads block 0's norm1.emb (its timestep and class embedding)
-    "dit": ParallelPlan(_transformer_blocks, stack=True, sequence=SequencePlan("pos_embed", "proj_out_2", "softmax"),
-                        required_blocks=(0,)),
-    "sana": ParallelPlan(_transformer_blocks, stack=True,
-                         # SanaTransformerBlock.forward(hidden_states, attention_mask, encoder_hidden_states,
-                         # encoder_attention_mask, timestep, height, width)
-                         sequence=SequencePlan("patch_embed", "proj_out", "linear", rows_arg=5)),
-    "unet": ParallelPlan(_unet_stages, stack=False, sequence=None, routed=False,
-                         why_not="its transformer blocks sit between resnets and convolutions at several resolutions"),
-    "latte": ParallelPlan(_latte_blocks, stack=True, stack_attrs=("transformer_blocks", "temporal_transformer_blocks"),
-                          sequence=SequencePlan("pos_embed", "norm_out", "switch")),
-    # diffusers' own context-parallel plan for Wan (WanTransformer3DModel._cp_plan) splits the same three places
-    "wan": ParallelPlan(_wan_blocks, stack=True, stack_attrs=("blocks",),
-                        sequence=SequencePlan("blocks.0", "proj_out", "softmax", split_input=True, rope="rope")),
-}
-
-
-def plan_of(family: str) -> ParallelPlan:
-    if family not in PLANS:
-        raise ValueError(f"model.family={family} has no parallel plan; known families: {sorted(PLANS)}")
-    return PLANS[family]
-
-
-def families_with(feature: Callable[[ParallelPlan], object]) -> str:
-    """'pixart, sana and dit': the families whose plan has `feature` (for messages)."""
-    names = [f for f, p in PLANS.items() if feature(p)]
-    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)

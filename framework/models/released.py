@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from framework.models.backbones import _DERIVED, FAMILIES, _backbone_subfolder
+from framework.models.backbones import _backbone_subfolder
+from framework.models.families import family_of
 
 # ModelConfig fields that the dataset decides (framework/preflight.py fit_model_to_data): a preset's value for them
 # is a placeholder the dataset replaces, so it is no contradiction; the weights' value must fit the dataset instead.
@@ -38,7 +39,8 @@ def model_fields(config: dict[str, Any], family: str, file: Path) -> dict[str, A
     learned variance, the class count, the size conditioning) and, as `kwargs`, every other constructor argument of
     the family's class that the file sets to something other than the constructor's default. The latent size is left
     to the dataset: every family here computes its positional embedding for the size it is given."""
-    cls = FAMILIES[family]
+    fam = family_of(family)
+    cls = fam.diffusers_class
     kind = config.get("_class_name")
     if kind is not None and kind != cls.__name__:
         raise ValueError(f"init_from: {file} describes a {kind}, but model.family={family} builds a {cls.__name__}: "
@@ -49,33 +51,15 @@ def model_fields(config: dict[str, Any], family: str, file: Path) -> dict[str, A
     in_channels = value["in_channels"]
     out = value["out_channels"] or in_channels
     fields: dict[str, Any] = {"in_channels": in_channels, "learned_sigma": out == 2 * in_channels}
-    own = set(_DERIVED[family])
-    if family == "unet":
-        channels = list(value["block_out_channels"])
-        heads = value["attention_head_dim"]
-        heads = heads if isinstance(heads, (list, tuple)) else [heads] * len(channels)  # diffusers: heads per level
-        fields.update(num_layers=value["layers_per_block"], text_dim=value["cross_attention_dim"],
-                      head_dim=channels[0] // heads[0], size_conditioning=value["addition_embed_type"] == "text_time")
-    else:
-        fields.update(num_layers=value["num_layers"], num_heads=value["num_attention_heads"],
-                      head_dim=value["attention_head_dim"], patch_size=value["patch_size"],
-                      width=value["num_attention_heads"] * value["attention_head_dim"])
-        if family == "dit":
-            fields["num_classes"] = value["num_embeds_ada_norm"]
-        else:
-            fields["text_dim"] = value["caption_channels"]
-        if family == "pixart":
-            # diffusers' PixArt: null means "on for the 1024 model" (sample_size 128), as its constructor decides
-            conditions = value["use_additional_conditions"]
-            fields["size_conditioning"] = value["sample_size"] == 128 if conditions is None else bool(conditions)
-            own.add("use_additional_conditions")
+    fields.update(fam.released_fields(value))  # the architecture, as the family's arguments spell it
+    own = set(fam.derived) | fam.released_own
     fields["kwargs"] = {k: v for k, v in given.items() if k not in own and v != constructor_default(family, k)}
     return fields
 
 
 def constructor_default(family: str, key: str) -> Any:
     """The default of argument `key` of the family's diffusers class (what a config without it builds)."""
-    default = inspect.signature(FAMILIES[family].__init__).parameters[key].default
+    default = inspect.signature(family_of(family).diffusers_class.__init__).parameters[key].default
     return list(default) if isinstance(default, tuple) else default
 
 

@@ -105,8 +105,10 @@ def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False) ->
 def predict_model(model_cfg: Any, params: int, trainable: int, **kwargs: Any) -> MemoryPlan:
     """predict() for a backbone of `model_cfg` (a ModelConfig): its tokens a sample, width and depth read off the
     config; `kwargs`: predict's others (optimizer, ema, shards, batch, checkpointing, precision, frozen_bytes)."""
+    from framework.models.families import family_of
+
     h, w = model_cfg.latent_hw
-    transformer = model_cfg.family != "unet"  # the UNet's activations are not estimated here
+    transformer = family_of(model_cfg).estimates_activations  # the UNet's activations are not estimated here
     return predict(params, trainable, tokens=(h // model_cfg.patch_size) * (w // model_cfg.patch_size),
                    width=model_cfg.hidden_size if transformer else 0, layers=model_cfg.num_layers, **kwargs)
 

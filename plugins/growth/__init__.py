@@ -41,7 +41,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from framework.models.plans import families_with, plan_of
+from framework.models.families import families_with, plan_of
 from framework.models.blocks import layer_views, restack_state, silence_block, stack_depth
 from framework.models.backbones import ModelConfig, build_denoiser, to_model_config
 from framework.training.registry import logging_step, register_plugin
