@@ -21,7 +21,7 @@ from framework.models.backbones import Denoiser, ModelConfig
 from framework.models.objectives import Objective, ObjectiveConfig
 from framework.training.draws import StepDraws
 from framework.training import figures
-from framework.training.figures import LEVEL_BUCKETS, logged  # noqa: F401  (LEVEL_BUCKETS: here before)
+from framework.training.figures import logged
 from framework.training.finite import FiniteGuard, NonFiniteLossError  # noqa: F401  (the module's error)
 from framework.training.checkpointing import check_global_batch
 from framework.training.optim import OptimizerConfig, configure_optimizers
