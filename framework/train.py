@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, SampleGrid, evaluate_module, module_pipeline
+from framework.training.figures import StepFigures
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu, writes_run_dir
 from framework.config import TrainConfig
 from framework.data.datamodule import LatentDataModule, split_global_batch
@@ -73,6 +74,7 @@ def build_callbacks(cfg: TrainConfig, run_dir: Path) -> list[pl.Callback]:
         cbs.append(LearningRateMonitor(logging_interval="step"))
         # Rates (samples/s, TFLOP/s, MFU) since the previous logging step, without a per-step GPU wait.
         cbs.append(LoggedStepThroughput())
+        cbs.append(StepFigures())  # train/loss_t0..3, train/grad_norm, train/data_wait_ms, ... (figures.py)
     return cbs
 
 

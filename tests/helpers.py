@@ -168,14 +168,11 @@ def make_tiny_text_encoder(root: Path, hidden_size: int = 32, seed: int = 0, voc
 
 
 def rank_at(seed: int, micro: int, r: int = 0, W: int = 1) -> Any:
-    """What DiffusionModule's per-sample draws read of a module: its seed, stream position r of W, micro-batch."""
-    from types import SimpleNamespace
+    """The per-sample draws (framework.training.draws.StepDraws) of the rank at stream position r of W, at micro-batch
+    `micro`."""
+    from framework.training.draws import StepDraws
 
-    from framework.training.module import DiffusionModule
-
-    rank = SimpleNamespace(seed=seed, _stream_slots=lambda: (r, W), _micro_batch=lambda: micro)
-    rank._row_keys = lambda n, tag: DiffusionModule._row_keys(rank, n, tag)
-    return rank
+    return StepDraws(seed, micro, r, W)
 
 
 def make_tiny_gemma2(root: Path, words: list[str], seed: int = 0) -> Path:

@@ -92,10 +92,8 @@ def test_per_image_rows_hold_the_latents_once_with_every_caption(tmp_path, tiny_
 
 
 def drawn(counts: list[int], micro: int, r: int = 0, W: int = 1, seed: int = 7) -> list[int]:
-    """DiffusionModule.draw_captions for a rank at stream position r of W, at micro-batch `micro`."""
-    from framework.training.module import DiffusionModule
-
-    return DiffusionModule.draw_captions(rank_at(seed, micro, r, W), torch.tensor(counts)).tolist()
+    """StepDraws.captions for a rank at stream position r of W, at micro-batch `micro`."""
+    return rank_at(seed, micro, r, W).captions(torch.tensor(counts)).tolist()
 
 
 

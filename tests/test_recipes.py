@@ -202,10 +202,9 @@ def test_a_codec_without_a_posterior_refuses_to_store_one(tmp_path, vae):
 
 
 def _draws(latents, std, hflip, micro, r=0, W=1):
-    from framework.training.module import DiffusionModule
     from tests.helpers import rank_at
 
-    return DiffusionModule.draw_latents(rank_at(0, micro, r, W), latents, std, hflip)
+    return rank_at(0, micro, r, W).latents(latents, std, hflip)
 
 
 def test_the_posterior_and_flip_draws_follow_the_step_and_the_global_row_not_the_rank_count():

@@ -13,7 +13,7 @@ The trainer never runs a VAE or a text encoder. Each batch is a dict:
 A dataset of caption_layout per_image (a row per image with all its captions) gives every caption instead of
 text_embeds / text_mask / caption: caption_embeds (N, L, D) and caption_mask (N, L) over the batch's N captions,
 sample after sample, caption_counts int64 (B,) and captions list[str] (N); on_before_batch_transfer keeps the caption
-the LightningModule draws for each sample in this step (DiffusionModule.draw_captions): the training step gets the
+drawn for each sample in this step (framework.training.draws.StepDraws.captions): the training step gets the
 batch above.
 Caption dropout is not done here (it would freeze the dropped rows into the loader's shuffle);
 the LightningModule calls `drop_captions` per step.
@@ -606,21 +606,20 @@ class LatentDataModule(L.LightningDataModule):
         )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """What is drawn per sample and step, here on the host before the copy to the device, by the LightningModule
-        (from the run's seed): a per_image dataset's batch keeps the caption it draws (DiffusionModule.draw_captions);
-        a posterior=distribution dataset's latents become a draw of each posterior, and data.hflip mirrors the
-        samples it draws (DiffusionModule.draw_latents)."""
+        """What is drawn per sample and step, here on the host before the copy to the device, from the run's seed
+        (framework.training.draws.StepDraws, as the training step draws its noise): a per_image dataset's batch keeps
+        the caption drawn for each sample; a posterior=distribution dataset's latents become a draw of each
+        posterior, and data.hflip mirrors the samples it draws."""
         if not isinstance(batch, dict):
             return batch
-        module = self.trainer.lightning_module
+        from framework.training.draws import StepDraws
+
+        draws = StepDraws.of(self.trainer, self.seed)
         if "caption_counts" in batch:
-            if not hasattr(module, "draw_captions"):
-                raise TypeError(f"{type(module).__name__} has no draw_captions(counts): it cannot train on "
-                                f"{self.cfg.path}, whose rows hold several captions each (caption_layout per_image)")
-            batch = choose_captions(batch, module.draw_captions(batch["caption_counts"]))
+            batch = choose_captions(batch, draws.captions(batch["caption_counts"]))
         if "latents_std" in batch or self.cfg.hflip:
             batch = dict(batch)
-            batch["latents"] = module.draw_latents(batch["latents"], batch.pop("latents_std", None), self.cfg.hflip)
+            batch["latents"] = draws.latents(batch["latents"], batch.pop("latents_std", None), self.cfg.hflip)
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:

@@ -296,3 +296,41 @@ def materialize(denoiser: Denoiser, rng_state: torch.Tensor, device: torch.devic
     left = [n for n, t in [*denoiser.named_parameters(), *denoiser.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"still on the meta device after materialize: {left[:3]}")
+
+
+def build_model(cfg: ModelConfig, meta: bool, init_from: str | None) -> tuple[Denoiser, torch.Tensor | None]:
+    """DiffusionModule's denoiser and, under fsdp (`meta`), the CPU RNG state its shards are drawn from later.
+
+    meta: no rank holds the whole model, so shapes only now, this rank's shards in `configure` (from the RNG state
+    the ordinary build would have started from). Otherwise the ordinary build: init_from's weights (a checkpoint, a
+    .safetensors file or a diffusers folder), or model.init's (reference: as the family's reference code initialises).
+    """
+    from framework.models.backbones import load_weights, to_model_config
+
+    if meta:
+        rng_state = torch.get_rng_state()
+        return build_meta(to_model_config(cfg)), rng_state
+    model = build_denoiser(cfg)
+    if init_from:
+        load_weights(model, init_from)
+    else:
+        reference_init.init_weights(model)
+    return model, None
+
+
+def configure(model: Denoiser, s: Any, strategy: Any, rng_state: torch.Tensor | None,
+              start: str | Mapping[str, torch.Tensor] | None) -> None:
+    """DiffusionModule.configure_model under strategy `s` (a StrategyConfig): sequence-parallel hooks, activation
+    checkpointing / compile per block, then FSDP2 sharding under fsdp, on the job's one mesh (framework/distributed/
+    mesh.py: ddp and fsdp). A meta-device model (rng_state given) gets its real shards right after: fresh, or from
+    `start` (init_from, or a plugin's starting weights)."""
+    mesh = getattr(strategy, "mesh", None)
+    if s.sequence_parallel > 1:  # hooks and processors only: before sharding, on the meta model under fsdp
+        from framework.distributed.sequence import init, install
+
+        install(model, init(mesh, s.sequence_parallel_head_groups))
+    prepare_blocks(model, s.activation_checkpointing, s.compile)
+    if s.name == "fsdp":
+        shard(model, mesh.fsdp_mesh(), s.sharding, strategy.param_dtype)
+        if rng_state is not None:
+            materialize(model, rng_state, strategy.root_device, start)

@@ -83,7 +83,7 @@ class ParallelDims:
         not the rank on more than one node. With sequence groups (Streaming's `replication`) it deals to the groups as
         ranks of a world it builds itself (streaming.base.world.World.replicate): W / P ranks, on W / P / G nodes of G
         when G divides W / P, else on one node; a group's ranks share one position. The training step draws each
-        sample's noise by its global row (DiffusionModule._draw)."""
+        sample's noise by its global row (framework.training.draws.StepDraws)."""
         per_node = self.world // self.nodes
         groups = self.world // self.sequence
         nodes = groups // per_node if groups % per_node == 0 else 1

@@ -28,8 +28,9 @@ def drop_captions(
 
     text (B, L, D), mask (B, L), drop (B,) bool -> (B, max(L, L0), D), (B, max(L, L0)). The inputs are not
     modified, except `text` with inplace=True (a copy the caller owns, such as the training step's float32 one): then
-    only the dropped rows are written, not a whole new batch of embeddings. The flags come from DiffusionModule._draw
-    (classifier-free guidance), on the host, so that finding whether any row drops reads no device memory.
+    only the dropped rows are written, not a whole new batch of embeddings. The flags come from StepDraws.noise
+    (framework/training/draws.py; classifier-free guidance), on the host, so that finding whether any row drops
+    reads no device memory.
     """
     if not bool(drop.any()):
         return text, mask

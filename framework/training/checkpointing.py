@@ -489,3 +489,16 @@ def preemption_callbacks(run_dir: Path, grace_check: bool = True) -> list[pl.Cal
     if not slurm_task():
         return []
     return [SlurmPreemption({signal.SIGUSR1: REQUEUE, signal.SIGTERM: STOP}), *([GraceCheck(run_dir)] if grace_check else [])]
+
+
+def check_global_batch(saved: int | None, now: int | None, allowed: bool) -> None:
+    """A resumed run keeps the global batch its checkpoint was trained at (`saved`), unless `allowed`
+    (trainer.allow_global_batch_change)."""
+    if saved is not None and now is not None and saved != now and not allowed:
+        raise ValueError(
+            f"resuming a run whose global batch was {saved} samples per step with {now} (data.batch_size x "
+            f"data-parallel ranks x trainer.accumulate_grad_batches): the data order, the noise drawn per sample "
+            f"and the learning-rate schedule's meaning of a step would change mid-run. Resume with the same global "
+            f"batch (e.g. raise trainer.accumulate_grad_batches on fewer ranks), or set "
+            f"trainer.allow_global_batch_change=true to continue anyway."
+        )

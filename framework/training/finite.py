@@ -29,6 +29,7 @@ class FiniteGuard:
         self._loss_finite: torch.Tensor | None = None  # this step's micro-batch losses all finite (device bool)
         self._first_bad: torch.Tensor | None = None  # the first step with a non-finite loss / norm, -1: none (device)
         self._grad_norm: torch.Tensor | None = None  # this step's gradient norm, for clipping
+        self.grad_norm: torch.Tensor | None = None  # the last step's global norm, whole (train/grad_norm)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss, kept on the device until the step's gradient norm joins it."""
@@ -44,6 +45,7 @@ class FiniteGuard:
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
         self._grad_norm = norm  # a DTensor under fsdp (the shards' norms combined): clipping takes it as it is
         whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.grad_norm = whole
         ok = torch.isfinite(whole.detach().float()).reshape(())
         if self._loss_finite is not None:
             ok = ok & self._loss_finite.reshape(())

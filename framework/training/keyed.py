@@ -2,7 +2,7 @@
 
 A training sample's noise, noise level, caption-drop flag, caption choice, posterior sample and flip must be the same
 on any number of ranks and after a resume, so they are functions of (seed, micro-batch, the sample's row in the global
-batch, what is drawn), not of a generator's state (framework/training/module.py). One seeded torch.Generator per
+batch, what is drawn), not of a generator's state (framework/training/draws.py). One seeded torch.Generator per
 sample gives that at a host call per sample; here a sample's key starts a SplitMix64 sequence (Steele, Lea and Flood,
 "Fast splittable pseudorandom number generators", OOPSLA 2014), whose j-th number is a function of (key, j) alone.
 So a batch draws with a fixed handful of integer tensor ops, whatever its size, on the device that holds the batch.

@@ -174,3 +174,29 @@ def group_lambda(base: Callable[[int], float], warmup_steps: int = 0) -> Callabl
         return base(step) * ramp
 
     return f
+
+
+def configure_optimizers(module: Any) -> dict[str, Any]:
+    """DiffusionModule.configure_optimizers: the optimizer over every trainable parameter of `module` (the backbone's,
+    or a stage's own: a frozen backbone + router), in a plugin's parameter groups if one gives them, at the peak lr
+    scaled to the global batch (optimizer.lr_scaling), stepped by the schedule (lr_lambda) per optimizer step."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from framework.training.registry import param_groups_hook
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    hook = param_groups_hook(module.trainer) if module._trainer is not None else None
+    groups = hook.param_groups(module, params) if hook is not None else [{"params": params}]
+    if sorted(map(id, params)) != sorted(id(p) for g in groups for p in g["params"]):
+        raise RuntimeError(f"{type(hook).__name__}.param_groups must return each trainable parameter once")
+    cfg = module.optimizer_cfg
+    scaled = module._trainer is not None and getattr(module.trainer.precision_plugin, "scaler", None) is not None
+    lr = scaled_lr(cfg, module.global_batch() if module._trainer is not None else None)
+    if cfg.lr_scaling != "none":
+        rank_zero_info(f"optimizer.lr_scaling={cfg.lr_scaling}: peak lr {lr:.4g} = {cfg.lr:g} at "
+                       f"{cfg.lr_reference_batch} samples per step, for this run's {module.global_batch()}")
+    opt = build_optimizer([{"params": g["params"], "lr": lr * g.get("lr_scale", 1.0)} for g in groups], cfg,
+                          grad_scaler=scaled)
+    base = lr_lambda(module.optimizer_cfg, module.max_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [group_lambda(base, g.get("warmup_steps", 0)) for g in groups])
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

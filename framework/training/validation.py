@@ -26,7 +26,8 @@ import lightning.pytorch as pl
 import torch
 
 from framework.data.datamodule import DatasetInfo, LatentCollate, choose_captions, read_dataset_info
-from framework.training.module import LEVEL_BUCKETS
+from framework.training.draws import stream_slots
+from framework.training.figures import LEVEL_BUCKETS
 
 VAL_DRAW = 3  # the generators of the validation noise are keyed by (seed, VAL_DRAW, sample index)
 
@@ -163,7 +164,7 @@ class ValidationLoss(pl.Callback):
         if step == self._last_step:  # several micro-batches per step
             return
         self._last_step = step
-        r, world = pl_module._stream_slots()
+        r, world = stream_slots(trainer)
         was_training = pl_module.training
         pl_module.eval()
         try:
