@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
 from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, SampleGrid, evaluate_module, module_pipeline
+from framework.training.draws import StepDraws
 from framework.training.figures import StepFigures
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu, writes_run_dir
 from framework.config import TrainConfig
@@ -287,7 +288,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
         apply_global_batch(cfg, trainer)
     check_memory(cfg, trainer)  # before the model is built: a run that cannot fit is refused, not killed
     # Every rank of a sequence-parallel group reads the same samples (Streaming's replication).
-    dm = LatentDataModule(cfg.data, seed=cfg.seed, replication=cfg.strategy.sequence_parallel)
+    dm = LatentDataModule(cfg.data, seed=cfg.seed, replication=cfg.strategy.sequence_parallel, draws=StepDraws.of)
     module = DiffusionModule(
         cfg.model,
         cfg.objective,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import numpy as np
@@ -475,9 +475,12 @@ def _same_place(a: str, b: str) -> bool:
 class LatentDataModule(L.LightningDataModule):
     """StreamingDataset + StreamingDataLoader over precomputed latents, one shard partition per rank."""
 
-    def __init__(self, cfg: DataConfig, seed: int = 0, replication: int = 1) -> None:
+    def __init__(self, cfg: DataConfig, seed: int = 0, replication: int = 1,
+                 draws: Callable[[L.Trainer, int], Any] | None = None) -> None:
         super().__init__()
-        self.cfg, self.seed = cfg, seed
+        # draws(trainer, seed): the step's per-sample draws (framework.training.draws.StepDraws.of), given by the
+        # training so that this layer never imports it
+        self.cfg, self.seed, self.draws = cfg, seed, draws
         self.replication = replication  # consecutive ranks that read the same samples (sequence parallelism)
         # Build a missing dataset once, on global rank 0 only: on a shared filesystem two nodes'
         # local rank 0 would otherwise write the same folder at once.
@@ -607,14 +610,15 @@ class LatentDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """What is drawn per sample and step, here on the host before the copy to the device, from the run's seed
-        (framework.training.draws.StepDraws, as the training step draws its noise): a per_image dataset's batch keeps
-        the caption drawn for each sample; a posterior=distribution dataset's latents become a draw of each
-        posterior, and data.hflip mirrors the samples it draws."""
-        if not isinstance(batch, dict):
+        (`draws`, as the training step draws its noise): a per_image dataset's batch keeps the caption drawn for each
+        sample; a posterior=distribution dataset's latents become a draw of each posterior, and data.hflip mirrors
+        the samples it draws."""
+        if not isinstance(batch, dict) or not ("caption_counts" in batch or "latents_std" in batch or self.cfg.hflip):
             return batch
-        from framework.training.draws import StepDraws
-
-        draws = StepDraws.of(self.trainer, self.seed)
+        if self.draws is None:
+            raise ValueError("this batch needs per-sample draws (a caption per image, a posterior sample or a flip): "
+                             "give LatentDataModule draws=, as framework.train does (framework.training.draws)")
+        draws = self.draws(self.trainer, self.seed)
         if "caption_counts" in batch:
             batch = choose_captions(batch, draws.captions(batch["caption_counts"]))
         if "latents_std" in batch or self.cfg.hflip:

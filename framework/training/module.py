@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.inference.checkpoint import CKPT_KEY
-from framework.models.adapters import AdapterConfig, attach_adapter, check_adapter_checkpoint
+from framework.training.adapter_run import AdapterConfig, attach_adapter, check_adapter_checkpoint
 from framework.models.conditioning import drop_captions
 from framework.models.backbones import Denoiser, ModelConfig
 from framework.models.objectives import Objective, ObjectiveConfig
