@@ -310,18 +310,18 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
 
     if logger == "csv":
         assert sorted(losses(run_dir)) == list(range(STEPS))
+    else:
+        assert not (run_dir / "metrics.csv").exists()
     if "optimizer.lr_scaling=sqrt" in extra:  # by hand: 32 samples a step (2 ranks x 2 micro-batches of 8) and the
         # quickstart's lr 5e-4 scaled by sqrt(32 / 256), in its 100-step warm-up: (step + 1) / 100 of it
         with open(run_dir / "metrics.csv", newline="") as f:
-            rows = list(csv.DictReader(f))
-        seen = {int(r["step"]): float(r["trainer/images_seen"]) for r in rows if r.get("trainer/images_seen")}
+            logged = list(csv.DictReader(f))
+        seen = {int(r["step"]): float(r["trainer/images_seen"]) for r in logged if r.get("trainer/images_seen")}
         assert seen == {s: 32.0 * (s + 1) for s in range(STEPS)}, seen
-        lrs = [(int(r["step"]), float(v)) for r in rows for k, v in r.items() if k.startswith("lr-") and v]
+        lrs = [(int(r["step"]), float(v)) for r in logged for k, v in r.items() if k.startswith("lr-") and v]
         assert sorted({s for s, _ in lrs}) == list(range(STEPS)), lrs
         assert [v for _, v in lrs] == pytest.approx([5e-4 * (32 / 256) ** 0.5 * (s + 1) / 100 for s, _ in lrs],
                                                     rel=1e-6), lrs
-    else:
-        assert not (run_dir / "metrics.csv").exists()
     if logger == "wandb":
         (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # one W&B run, from rank 0
         wait_for_exit(log)
