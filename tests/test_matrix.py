@@ -185,17 +185,23 @@ def check_merged_by_hand(ckpt: Path, source: Path, exported: Path) -> None:
             assert torch.equal(out[name], v), name
 
 
-def check_own_eval(ckpt: Path, extra: list[str], metrics: dict, out: Path, devices: int) -> None:
-    """framework.eval in one process, with the row's encoders, held-out images, metric networks and settings, gives the
-    run's own metrics exactly. It draws in batches of one rank's share: a matmul's rounding depends on its row count,
-    and images 1e-6 apart can round to different 8-bit pixels, which the metric networks read."""
-    keys = ("sample.vae", "sample.text_encoder", "eval.real", "eval.inception", "eval.clip", "eval.bootstrap")
-    given = [e.split(".", 1)[1] for e in extra if e.split("=", 1)[0] in keys]
+def eval_alone(ckpt: Path, metrics: dict, out: Path, devices: int, *args: str) -> dict:
+    """framework.eval's metrics in one process on `ckpt` with the rows' settings (seeds=1, steps=2) and `args`. It
+    draws in batches of one rank's share: a matmul's rounding depends on its row count, and images 1e-6 apart can
+    round to different 8-bit pixels, which the metric networks read."""
     share = -(-metrics["num_images"] // devices)
     proc = zygote.run([sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={out}", "seeds=1", "steps=2",
-                       "device=cpu", f"batch_size={share}", *given], timeout=300)
+                       "device=cpu", f"batch_size={share}", *args], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    alone = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_own_eval(ckpt: Path, extra: list[str], metrics: dict, out: Path, devices: int) -> None:
+    """framework.eval in one process, with the row's encoders, held-out images, metric networks and settings, gives the
+    run's own metrics exactly."""
+    keys = ("sample.vae", "sample.text_encoder", "eval.real", "eval.inception", "eval.clip", "eval.bootstrap")
+    given = [e.split(".", 1)[1] for e in extra if e.split("=", 1)[0] in keys]
+    alone = eval_alone(ckpt, metrics, out, devices, *given)
     for key in ("fid", "fid_interval", "clip_score", "clip_score_interval", "num_images", "num_real"):
         assert alone[key] == metrics[key], (key, alone, metrics)
 
@@ -208,13 +214,9 @@ EVALUATED = {"ddp-2-tensorboard-sequence_parallel": 1e-4, "fsdp-2-csv-came8bit-e
 
 
 def check_eval(ckpt: Path, metrics: dict, out: Path, devices: int, rel: float) -> None:
-    """framework.eval in one process, with the rows' evaluation settings, on the run's final checkpoint gives the run's
-    accuracies exactly and its fd to `rel` (batches of one rank's share, as check_own_eval draws)."""
-    share = -(-metrics["num_images"] // devices)
-    proc = zygote.run([sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={out}", "seeds=1", "phrasings=1",
-                       "steps=2", "device=cpu", f"batch_size={share}"], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    alone = json.loads(proc.stdout.strip().splitlines()[-1])
+    """framework.eval in one process on the run's final checkpoint gives the run's accuracies exactly and its fd to
+    `rel`."""
+    alone = eval_alone(ckpt, metrics, out, devices, "phrasings=1")
     for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "num_images"):
         assert alone[key] == metrics[key], (key, alone, metrics)
     assert alone["fd"] == pytest.approx(metrics["fd"], rel=rel, abs=0), (alone, metrics)

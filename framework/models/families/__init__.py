@@ -30,10 +30,8 @@ def names_with(feature: Callable[[Family], object]) -> list[str]:
 
 
 def plan_of(family: str) -> ParallelPlan:
-    """The parallel plan of a family (framework/models/plans.py)."""
-    if family not in FAMILIES:
-        raise ValueError(f"model.family={family} has no parallel plan; known families: {sorted(FAMILIES)}")
-    return FAMILIES[family].plan
+    """The parallel plan of a family (framework/models/plans.py); an unknown one refused as family_of refuses it."""
+    return family_of(family).plan
 
 
 def families_with(feature: Callable[[ParallelPlan], object]) -> str:
