@@ -290,7 +290,8 @@ def validate(cfg: TrainConfig) -> None:
         from framework.distributed.sequence import check
 
         world = n_devices * t.num_nodes if isinstance(n_devices, int) and n_devices > 0 else None
-        check(m, sp, cfg.strategy.sequence_parallel_head_groups, world)
+        if not m.unset_data_fields():  # else checked once the dataset has set the latent sizes
+            check(m, sp, cfg.strategy.sequence_parallel_head_groups, world)
         if world is not None:
             from framework.distributed.mesh import ParallelDims
 
@@ -301,9 +302,9 @@ def validate(cfg: TrainConfig) -> None:
                              f"{t.accumulate_grad_batches} are both set: the global batch derives the accumulation "
                              "from the device count; drop trainer.accumulate_grad_batches")
         if isinstance(n_devices, int) and n_devices > 0:  # known now: refuse before any data is read
-            from framework.data.datamodule import split_global_batch
+            from framework.training.plan import resolve
 
-            split_global_batch(cfg.data.global_batch_size, n_devices * t.num_nodes // sp, cfg.data.batch_size)
+            resolve(cfg, n_devices * t.num_nodes)
     if cfg.sample.sampler is not None:
         check_sampler(cfg.objective.name, cfg.sample.sampler)
     if cfg.eval.sampler is not None:

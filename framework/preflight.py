@@ -1,8 +1,8 @@
 """Before a training run builds anything: the model config fitted to its dataset, and the checks that need both.
 
 framework.train runs these between composing the config and building the data module and the model:
-`fit_model_to_data` sets the model keys the dataset decides (refusing a user's value that contradicts it),
-`check_buckets` and `check_encoders` refuse what would fail later, naming the key to change.
+`fit_model_to_data` sets the model keys the dataset decides (null in the presets; a value that contradicts the
+dataset is refused), `check_buckets` and `check_encoders` refuse what would fail later, naming the key to change.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from framework.cli import launch_rank
@@ -18,37 +17,35 @@ from framework.config import TrainConfig
 from framework.inference.pipeline import with_encoders
 
 
-def chosen_model_keys(dcfg: DictConfig) -> set[str]:
-    """model.* keys set by the user (command line or experiment file) rather than by the preset in conf/model/."""
+def preset_changes(dcfg: DictConfig) -> set[str]:
+    """model.* keys whose composed value is not the preset's (conf/model/<name>.yaml): an experiment file or the
+    command line set them. ("kwargs.K" for a constructor argument.)"""
     from framework.models.backbones import PRESET_DIR
 
     preset = PRESET_DIR / f"{dcfg.model.name}.yaml"
-    values = OmegaConf.load(preset) if preset.is_file() else {}
-    chosen = {k for k in dcfg.model if k in values and dcfg.model[k] != values[k]}
-    if HydraConfig.initialized():  # a command-line value equal to the preset's is a choice too (Hydra's own parser)
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))]
-        chosen |= {k.removeprefix("model.") for k in keys if k.startswith("model.")}
-    return chosen
+    values = OmegaConf.to_container(OmegaConf.load(preset)) if preset.is_file() else {}
+    changed = {k for k in dcfg.model if k != "kwargs" and dcfg.model[k] != values.get(k)}
+    own, theirs = dcfg.model.get("kwargs") or {}, values.get("kwargs") or {}
+    return changed | {f"kwargs.{k}" for k in own if own[k] != theirs.get(k)}
 
 
-def fit_model_to_data(dcfg: DictConfig) -> Any:
-    """Set the model keys the dataset decides (channels, latent size, text width) from its dataset.json, and
-    return the dataset's info (None when the data config itself is invalid: to_object reports that).
+def fit_model_to_data(dcfg: DictConfig) -> tuple[Any, tuple[str, ...]]:
+    """Set the model keys the dataset decides (channels, latent size, frames, text width; null in the presets) from
+    its dataset.json, and return the dataset's info (None when the data config itself is invalid: to_object reports
+    that) with one line per key set, saying from where (the run plan prints them).
 
-    A model preset names an architecture; the data it trains on fixes its input and caption widths, so the
-    user chooses `model=` and `data.path=` and nothing has to be undone (the quickstart's digits included).
-    A value the user set (not the preset's) that contradicts the dataset is refused, naming the key.
+    A model preset names an architecture; the data it trains on fixes its input and caption widths, so the user
+    chooses `model=` and `data.path=` and nothing has to be undone. A value given for one of them (by the user, or
+    by init_from's config.json) that contradicts the dataset is refused, naming both.
     """
     from framework.data.datamodule import DataConfig, build_missing, data_model_fields, read_dataset_info
 
     try:
         data: DataConfig = OmegaConf.to_object(dcfg.data)  # type: ignore[assignment]
     except Exception:
-        return None  # config_lib.to_object reports what is wrong with the data config
+        return None, ()  # config_lib.to_object reports what is wrong with the data config
     rank = launch_rank()
-    weights = fit_model_to_weights(dcfg, rank)
+    weights, fitted = fit_model_to_weights(dcfg)
     build_missing(data, rank)
     info = read_dataset_info(data.path, data.local)
     from framework.models.families import family_of, names_with
@@ -65,7 +62,7 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
                          f"{'video' if fam.video else 'images'}: pick a "
                          f"{'video (' + video + ')' if info.num_frames is not None else 'image'} "
                          "preset for it")
-    chosen, changed = chosen_model_keys(dcfg), []
+    from_data: list[str] = []
     for key, value in data_model_fields(info, dcfg.model.family).items():
         current = dcfg.model.get(key)
         if current == value:
@@ -74,76 +71,69 @@ def fit_model_to_data(dcfg: DictConfig) -> Any:
             raise ValueError(f"init_from={dcfg.init_from} does not fit the dataset at data.path={data.path}: "
                              f"{weights[key]} gives model.{key}={current}, {info.path} has {key}={value}. Precompute the "
                              "data with the encoders these weights were trained with")
-        if key in chosen:
+        if current is not None:
             raise ValueError(f"model.{key}={current} does not fit the dataset at data.path={data.path}: {info.path} "
-                             f"has {key}={value}. Drop model.{key} (the dataset sets it) or point data.path at a "
-                             "dataset built for that model")
-        changed.append(f"model.{key}: {current} -> {value}")
-        dcfg.model[key] = value
-    if changed and rank == 0:
-        print(f"model={dcfg.model.name} fitted to {info.path}: " + ", ".join(changed))
-    return info
+                             f"has {key}={value}. Drop model.{key} (null: the dataset sets it) or point data.path at "
+                             "a dataset built for that model")
+        if value is not None:
+            dcfg.model[key] = value
+            from_data.append(f"model.{key}={value}")
+    return info, tuple(fitted + ([f"{', '.join(from_data)} from {info.path}"] if from_data else []))
 
 
-def fit_model_to_weights(dcfg: DictConfig, rank: int = 0) -> dict[str, Path]:
+def fit_model_to_weights(dcfg: DictConfig) -> tuple[dict[str, Path], list[str]]:
     """init_from= a diffusers folder: set the model keys its config.json fixes (framework/models/released.py), so
     released weights load with the configuration they were trained with. The folder's architecture replaces the
-    preset's (a preset picks a family and a size; the weights decide which size); a value the user set (command line
-    or experiment file) that contradicts the file is refused, naming both. Returns {key: config.json} for the
-    dataset-decided keys the file fixed."""
-    from framework.models.backbones import PRESET_DIR
-    from framework.models.released import DATA_DECIDED, constructor_default, read_model_fields
+    preset's (a preset picks a family and a size; the weights decide which size); a value the experiment file or the
+    command line set (other than the preset's) that contradicts the file is refused, naming both. Returns
+    ({key: config.json} for the data-decided keys the file fixed, one line per key set)."""
+    from framework.models.released import read_model_fields
 
     found = read_model_fields(dcfg.init_from, dcfg.model.family) if dcfg.get("init_from") else None
     if found is None:
-        return {}
+        return {}, []
     file, fields = found
-    name, family = dcfg.model.name, dcfg.model.family
-    chosen, changed = chosen_model_keys(dcfg), []
+    family, mine, changed = dcfg.model.family, preset_changes(dcfg), []
 
     def refuse(key: str, current: Any, value: Any) -> None:
         raise ValueError(f"init_from={dcfg.init_from}: {file} has {key}={value!r}, but your config (command line or "
                          f"experiment file) sets model.{key}={current!r}. These weights were trained with {value!r}: "
                          f"drop model.{key}, or choose the model= preset of these weights{matching_preset(fields, family)}")
 
+    def take(key: str, current: Any, value: Any) -> None:
+        if key in mine and current is not None:
+            refuse(key, current, value)
+        changed.append(f"model.{key}={value}")
+
     kwargs = fields.pop("kwargs")
     for key, value in fields.items():
         current = dcfg.model.get(key)
-        if current == value:
-            continue
-        if key in chosen:
-            refuse(key, current, value)
-        dcfg.model[key] = value
-        changed.append(f"model.{key}: {current} -> {value}")
+        if current != value:
+            take(key, current, value)
+            dcfg.model[key] = value
+    from framework.models.released import constructor_default
+
     own = OmegaConf.to_container(dcfg.model.kwargs) if dcfg.model.get("kwargs") else {}
-    preset_file = PRESET_DIR / f"{name}.yaml"
-    preset = (OmegaConf.to_container(OmegaConf.load(preset_file)) if preset_file.is_file() else {}).get("kwargs") or {}
-    # the user's own kwargs: named on the command line, or set (by an experiment file) to other than the preset's
-    mine = {k for k in own if f"kwargs.{k}" in chosen or ("kwargs" in chosen and own[k] != preset.get(k))}
     for key in sorted(set(kwargs) | set(own)):
         value = kwargs.get(key, constructor_default(family, key))
-        if key in own and own[key] == value:
-            continue
-        if key in mine:
-            refuse(f"kwargs.{key}", own[key], value)
-        changed.append(f"model.kwargs.{key}: {own.get(key)} -> {value}")
-        own[key] = value
+        if own.get(key, value) != value or key not in own:
+            take(f"kwargs.{key}", own.get(key), value)
+            own[key] = value
     dcfg.model.kwargs = own
-    if changed and rank == 0:
-        print(f"model={name} set from {file}: " + ", ".join(changed))
-    return {key: file for key in fields if key in DATA_DECIDED}
+    from framework.models.backbones import DATA_FIELDS
+
+    return {key: file for key in fields if key in DATA_FIELDS}, [f"{', '.join(changed)} from {file}"] if changed else []
 
 
 def matching_preset(fields: dict[str, Any], family: str) -> str:
     """' (model=NAME matches them)' for the shipped presets whose architecture equals `fields`, else ''."""
-    from framework.models.backbones import PRESET_DIR
-    from framework.models.released import DATA_DECIDED
+    from framework.models.backbones import DATA_FIELDS, PRESET_DIR
 
     names = []
     for file in sorted(PRESET_DIR.glob("*.yaml")):
         values = OmegaConf.to_container(OmegaConf.load(file))
         if values.get("family") == family and all(values.get(k) == v for k, v in fields.items()
-                                                  if k in values and k not in DATA_DECIDED):
+                                                  if k in values and k not in DATA_FIELDS):
             names.append(file.stem)
     return f" (model={' or model='.join(names)} matches them)" if names else ""
 

@@ -4,6 +4,7 @@ and trainer, and fit. With no arguments this is the quickstart (conf/experiment/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,9 +24,10 @@ from framework.training.draws import StepDraws
 from framework.training.figures import StepFigures
 from framework.cli import launch_rank, share_cpu_threads, uses_gpu, writes_run_dir
 from framework.config import TrainConfig
-from framework.data.datamodule import LatentDataModule, split_global_batch
+from framework.data.datamodule import LatentDataModule
 from framework.training.loggers import RunCSVLogger, tensorboard_logger, wandb_logger
 from framework.training.module import DiffusionModule
+from framework.training.plan import RunPlan, resolve
 from framework.preflight import check_accelerator, check_buckets, check_encoders, fit_model_to_data
 from framework.training.registry import build_plugin_callbacks
 
@@ -164,21 +166,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
     )
 
 
-def apply_global_batch(cfg: TrainConfig, trainer: pl.Trainer) -> None:
-    """data.global_batch_size on this job: each device's micro-batch (data.batch_size, which the data module reads
-    in setup) and the trainer's accumulation, from the data-parallel ranks the trainer resolved."""
-    from lightning.pytorch.utilities import rank_zero_info
-
-    data_parallel = trainer.world_size // cfg.strategy.sequence_parallel
-    asked = cfg.data.batch_size
-    cfg.data.batch_size, trainer.accumulate_grad_batches = split_global_batch(
-        cfg.data.global_batch_size, data_parallel, asked)
-    rank_zero_info(f"data.global_batch_size={cfg.data.global_batch_size} on {data_parallel} data-parallel rank(s): "
-                   f"{cfg.data.batch_size} per device x {trainer.accumulate_grad_batches} micro-batch(es) per step "
-                   f"(data.batch_size={asked} is the most a device takes)")
-
-
-def check_memory(cfg: TrainConfig, trainer: pl.Trainer) -> None:
+def check_memory(cfg: TrainConfig, trainer: pl.Trainer, plan: RunPlan) -> None:
     """Refuse, before anything is trained, a run predicted to need more memory than a rank has
     (framework/training/memory.py; trainer.memory_limit_gb)."""
     from lightning.pytorch.utilities import rank_zero_info
@@ -188,7 +176,8 @@ def check_memory(cfg: TrainConfig, trainer: pl.Trainer) -> None:
     limit = cfg.trainer.memory_limit_gb
     if limit == 0:
         return
-    plan = memory.plan_run(cfg, trainer.world_size, default_precision(cfg), trainer.strategy.root_device.type == "cuda")
+    plan = memory.plan_run(cfg, trainer.world_size, default_precision(cfg), trainer.strategy.root_device.type == "cuda",
+                           micro_batch=plan.micro_batch)
     if limit is None:
         available, what = memory.available_bytes(trainer.strategy.root_device)
     else:
@@ -222,12 +211,13 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def checked_config(dcfg: DictConfig) -> TrainConfig:
+def checked_config(dcfg: DictConfig) -> tuple[TrainConfig, tuple[str, ...]]:
     """The typed config of `dcfg`, its model fitted to the dataset (which may build it: data.prepare), after every
     check that needs no trainer: plugins' fields, the accelerator, the dataset's encoders and buckets, the adapter's
-    precision. Nothing is written before these pass."""
+    precision. Nothing is written before these pass. Returns it with the lines saying which model keys the dataset and
+    the weights set (the run plan prints them)."""
     config_lib.check_plugins(dcfg.get("plugins"))  # before fitting the model may build the dataset
-    info = fit_model_to_data(dcfg)
+    info, fitted = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
     check_accelerator(cfg)
     if info is not None:
@@ -237,7 +227,7 @@ def checked_config(dcfg: DictConfig) -> TrainConfig:
     if cfg.adapter.base_dtype == "bf16" and default_precision(cfg) not in ("bf16-mixed", "16-mixed"):
         raise ValueError(f"adapter.base_dtype=bf16: this run's precision is {default_precision(cfg)} (the default on a "
                          "CPU); the bf16 base computes under mixed precision's autocast: set trainer.precision=bf16-mixed")
-    return cfg
+    return cfg, fitted
 
 
 def open_run_dir(cfg: TrainConfig, dcfg: DictConfig) -> Path:
@@ -271,7 +261,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     """Run training (and the final evaluation when eval.at_end); returns what was written.
 
     `extra_callbacks`: Lightning callbacks added to the run's own (a notebook's, or a benchmark's timer)."""
-    cfg = checked_config(dcfg)
+    cfg, fitted = checked_config(dcfg)
     run_dir = open_run_dir(cfg, dcfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     # TF32 tensor cores for the matmuls that stay in fp32 under bf16-mixed (norms' neighbours, fp32 runs).
@@ -284,11 +274,14 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
 
     callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
     trainer = build_trainer(cfg, run_dir, callbacks)
-    if cfg.data.global_batch_size is not None:
-        apply_global_batch(cfg, trainer)
-    check_memory(cfg, trainer)  # before the model is built: a run that cannot fit is refused, not killed
+    plan = resolve(cfg, trainer.world_size, fitted)  # the batch, the lr and the fitted keys: decided here, once
+    trainer.accumulate_grad_batches = plan.accumulation
+    if trainer.global_rank == 0:
+        print(plan.describe())
+    check_memory(cfg, trainer, plan)  # before the model is built: a run that cannot fit is refused, not killed
     # Every rank of a sequence-parallel group reads the same samples (Streaming's replication).
-    dm = LatentDataModule(cfg.data, seed=cfg.seed, replication=cfg.strategy.sequence_parallel, draws=StepDraws.of)
+    dm = LatentDataModule(dataclasses.replace(cfg.data, batch_size=plan.micro_batch), seed=cfg.seed,
+                          replication=cfg.strategy.sequence_parallel, draws=StepDraws.of)
     module = DiffusionModule(
         cfg.model,
         cfg.objective,
@@ -301,6 +294,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
         strategy=cfg.strategy,
         init_from=cfg.init_from,
         adapter=cfg.adapter,
+        plan=plan,
     )
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)

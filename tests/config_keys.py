@@ -94,10 +94,10 @@ KEYS: dict[str, dict] = {
         "tests/test_loggers.py::test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_run",
         "tests/test_own_data.py::test_a_preset_trains_on_own_latents_and_grids_decode_with_local_encoders",
         "tests/test_sequence.py::test_two_rank_sequence_parallel_training_follows_one_process",
-        "tests/test_train.py::test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice",
+        "tests/test_train.py::test_a_model_key_the_user_gives_is_checked_against_the_dataset",
         "tests/test_train.py::test_a_preset_takes_its_input_and_caption_widths_from_the_dataset",
         "tests/test_train.py::test_model_that_does_not_fit_the_data_fails_naming_the_key",
-    ], "mutant": "command_line_model_keys_ignored"},
+    ], "mutant": "given_model_keys_not_checked"},
     "model.sample_size": {"tests": [
         "tests/test_buckets.py::test_bucketed_training_on_two_ranks_follows_one_process_and_resumes_exactly",
         "tests/test_buckets.py::test_non_square_latents_go_through_the_families_that_take_them",
@@ -199,6 +199,10 @@ KEYS: dict[str, dict] = {
         "tests/test_buckets.py::test_pixart_size_conditioning_feeds_each_batch_its_own_shape",
         "tests/test_buckets.py::test_unet_size_conditioning_feeds_each_sample_its_original_size_and_crop",
     ], "mutant": "unet_size_ids_not_fed"},
+    "model.made_for": {"tests": [
+        "tests/test_train.py::test_a_preset_takes_its_input_and_caption_widths_from_the_dataset",
+        "tests/test_train.py::test_real_size_experiments_build_their_published_model",
+    ], "mutant": None},
     "model.kwargs": {"tests": [
         "tests/test_models.py::test_bad_family_config_names_the_key",
         "tests/test_models.py::test_bad_pixart_config_names_the_key",
@@ -226,7 +230,7 @@ KEYS: dict[str, dict] = {
         "tests/test_remote.py::test_a_bad_remote_fails_at_start_up_naming_what_to_fix",
         "tests/test_remote.py::test_start_up_reads_the_index_and_no_shard",
         "tests/test_remote.py::test_training_from_s3_killed_and_resumed_follows_the_uninterrupted_local_run",
-        "tests/test_train.py::test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice",
+        "tests/test_train.py::test_a_model_key_the_user_gives_is_checked_against_the_dataset",
         "tests/test_train.py::test_a_misspelled_plugin_field_is_refused_before_any_data_is_built",
         "tests/test_train.py::test_a_preset_takes_its_input_and_caption_widths_from_the_dataset",
         "tests/test_train.py::test_every_experiment_composes",
@@ -366,7 +370,7 @@ KEYS: dict[str, dict] = {
     "data.prepare": {"tests": [
         "tests/test_came.py::test_hydra_composes_came8bit",
         "tests/test_datamodule.py::test_prepare_data_builds_missing_dataset",
-        "tests/test_train.py::test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice",
+        "tests/test_train.py::test_a_model_key_the_user_gives_is_checked_against_the_dataset",
         "tests/test_train.py::test_a_misspelled_plugin_field_is_refused_before_any_data_is_built",
         "tests/test_train.py::test_a_preset_takes_its_input_and_caption_widths_from_the_dataset",
         "tests/test_train.py::test_every_model_preset_composes",

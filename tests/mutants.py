@@ -490,11 +490,11 @@ MUTANTS = [
            (("data_prep/record.py", "if not isinstance(version, int) or version > FORMAT_VERSION:",
              "if not isinstance(version, int):"),),
            ("tests/test_data_prep.py::test_the_dataset_record_round_trips_and_refuses_what_it_cannot_read",)),
-    Mutant("command_line_model_keys_ignored", "a model key given on the command line with the preset's own value is "
-           "fitted to the dataset instead of refused",
-           (("framework/preflight.py", "        chosen |= {k.removeprefix(\"model.\") for k in keys if k.startswith(\"model.\")}\n",
-             ""),),
-           ("tests/test_train.py::test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice",)),
+    Mutant("given_model_keys_not_checked", "a data-decided model key the user gives that contradicts the dataset is "
+           "overwritten by the dataset's instead of refused",
+           (("framework/preflight.py", "        if current is not None:\n            raise ValueError(f\"model.{key}={current} does",
+             "        if False:\n            raise ValueError(f\"model.{key}={current} does"),),
+           ("tests/test_train.py::test_a_model_key_the_user_gives_is_checked_against_the_dataset",)),
     Mutant("plugins_checked_after_the_data", "framework.train checks the plugins' fields only after fitting the model "
            "to the data (a dataset may be built first)",
            (("framework/train.py", "    config_lib.check_plugins(dcfg.get(\"plugins\"))  # before fitting the model may build the dataset\n",
@@ -810,9 +810,9 @@ MUTANTS = [
            (REMOTE + "test_each_rank_downloads_only_its_own_tars_through_staging",)),
     # Recipes (issue 42):
     Mutant("global_batch_ignored", "data.global_batch_size is ignored: data.batch_size per device, no accumulation",
-           (("framework/train.py", "    if cfg.data.global_batch_size is not None:\n        apply_global_batch",
-             "    if False:\n        apply_global_batch"),),
-           (DIST + "test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step",)),
+           (("framework/training/plan.py", "    if asked is None:\n", "    if True:\n"),),
+           (DIST + "test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step",
+            "tests/test_plan.py::test_a_run_reads_its_plan_and_leaves_the_config_as_composed")),
     Mutant("lr_scaling_ignored", "optimizer.lr_scaling is ignored: the lr stays as given whatever the global batch",
            (("framework/training/optim.py", '    if cfg.lr_scaling == "none":\n        return cfg.lr',
              '    if True:\n        return cfg.lr'),),
@@ -827,7 +827,7 @@ MUTANTS = [
            ("tests/test_recipes.py::test_a_diffusers_folder_builds_the_model_its_config_json_describes",)),
     Mutant("released_user_key_not_checked", "init_from= a diffusers folder: a model key the user set that contradicts "
            "its config.json is replaced silently instead of refused",
-           (("framework/preflight.py", "        if key in chosen:\n            refuse(key, current, value)",
+           (("framework/preflight.py", "        if key in mine and current is not None:\n            refuse(key, current, value)",
              "        if False:\n            refuse(key, current, value)"),),
            ("tests/test_recipes.py::test_a_key_the_user_set_that_contradicts_the_folder_is_refused_naming_both",)),
     Mutant("hflip_ignored", "data.hflip=true trains on the stored latents, never mirrored",

@@ -63,7 +63,7 @@ def test_every_preset_file_loads_into_model_config():
     ({"attention": "flash"}, "model.attention"),
     ({"width": 100}, "model.width"),
     ({"sample_size": 9}, "model.sample_size"),
-    ({"text_dim": None}, "model.text_dim"),
+    ({"text_dim": 0}, "model.text_dim"),
     ({"num_heads": None}, "model.num_heads"),
     ({"kwargs": {"num_layers": 3}}, "model.kwargs.num_layers"),
     ({"kwargs": {"not_an_arg": 1}}, "model.kwargs.not_an_arg"),

@@ -11,7 +11,6 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from framework import config as config_lib
 from framework.data.datamodule import split_global_batch
@@ -76,18 +75,11 @@ def _save(folder: Path, family: str, pipeline: bool = False, **changes) -> Path:
 
 
 def _fit(overrides: list[str]):
-    """The composed config after framework.train's preflight (Hydra's record of the command line included)."""
-    from hydra.core.hydra_config import HydraConfig
-
+    """The composed config after framework.train's preflight."""
     from framework.preflight import fit_model_to_data
 
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=[*overrides, "data.prepare=null"], return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        try:
-            fit_model_to_data(cfg)
-        finally:
-            HydraConfig.instance().cfg = None
+    cfg = compose_cfg([*overrides, "data.prepare=null"])
+    fit_model_to_data(cfg)
     return cfg
 
 
@@ -124,8 +116,8 @@ def test_a_diffusers_folder_builds_the_model_its_config_json_describes(tmp_path,
 
 
 @pytest.mark.parametrize("changes, overrides, message", [
-    ({"num_layers": 2}, ["model.num_layers=4"],
-     r"config.json has num_layers=2, but your config \(command line or experiment file\) sets model.num_layers=4"),
+    ({"num_layers": 2}, ["model.num_layers=3"],
+     r"config.json has num_layers=2, but your config \(command line or experiment file\) sets model.num_layers=3"),
     ({"attention_head_dim": 16}, ["model.head_dim=8"], r"has head_dim=16, but your config .* sets model.head_dim=8"),
     ({"interpolation_scale": 2}, ["+model.kwargs.interpolation_scale=1"],
      r"has kwargs.interpolation_scale=2, but your config \(command line or experiment file\) sets "

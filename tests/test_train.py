@@ -13,7 +13,6 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -65,7 +64,7 @@ def test_real_size_experiments_build_their_published_model(experiment):
 
     cfg = config_lib.to_object(compose_cfg([f"experiment={experiment}", "data.path=DIR"]))
     assert cfg.model.name == experiment and cfg.data.path == "DIR"  # the rest: tests/test_recipes.py's key tables
-    model = build_meta(to_model_config(cfg.model))
+    model = build_meta(to_model_config(cfg.model).filled())  # the data it was made for
     n = sum(p.numel() for p in model.parameters())
     low, high = REAL_SIZES[experiment]
     assert low <= n <= high, f"{experiment}: {n / 1e9:.3f}B parameters"
@@ -73,33 +72,33 @@ def test_real_size_experiments_build_their_published_model(experiment):
 
 def test_a_preset_takes_its_input_and_caption_widths_from_the_dataset(digits_shards):
     """model=PRESET data.path=DIR under the default (quickstart) experiment: the architecture is the preset's,
-    the channels / latent size / text width are the dataset's."""
+    the channels / latent size / text width (null in the preset) are the dataset's, each named in the lines the run
+    plan prints."""
     from framework.preflight import fit_model_to_data
 
     cfg = compose_cfg(["model=pixart_xl_2_256", f"data.path={digits_shards}", "data.prepare=null"])
-    assert (cfg.model.in_channels, cfg.model.sample_size, cfg.model.text_dim) == (4, 32, 4096)  # the preset's
-    fit_model_to_data(cfg)
+    assert (cfg.model.in_channels, cfg.model.sample_size, cfg.model.text_dim) == (None, None, None)
+    assert dict(cfg.model.made_for) == {"in_channels": 4, "sample_size": 32, "text_dim": 4096}
+    _, fitted = fit_model_to_data(cfg)
     m = config_lib.to_object(cfg).model
     assert (m.in_channels, m.sample_size, m.sample_width, m.text_dim) == (1, 8, None, 384)
     assert (m.num_layers, m.width, m.learned_sigma) == (28, 1152, False)  # the preset's, the quickstart's sigma
+    assert fitted == (f"model.in_channels=1, model.sample_size=8, model.text_dim=384 from {digits_shards}/dataset.json",)
 
 
-def test_a_command_line_model_key_equal_to_the_preset_is_still_the_users_choice(digits_shards):
-    """model.in_channels=4 on the command line is the preset's own value, but the user asked for it: a dataset of
-    1-channel latents is refused, naming the key, rather than silently fitted (Hydra's record of the overrides)."""
-    from hydra.core.hydra_config import HydraConfig
-
+@pytest.mark.parametrize("given", ["model.in_channels=4", "model.in_channels=1"])
+def test_a_model_key_the_user_gives_is_checked_against_the_dataset(digits_shards, given):
+    """model.in_channels=4 (what the preset was made for) on 1-channel latents is refused, naming both; the
+    dataset's own value is accepted as given. No record of the command line is read: null means "the dataset's"."""
     from framework.preflight import fit_model_to_data
 
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        overrides = ["model=pixart_xl_2_256", "model.in_channels=4", f"data.path={digits_shards}", "data.prepare=null"]
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
-        HydraConfig.instance().set_config(cfg)
-        try:
-            with pytest.raises(ValueError, match=r"model.in_channels=4 does not fit the dataset"):
-                fit_model_to_data(cfg)
-        finally:
-            HydraConfig.instance().cfg = None
+    cfg = compose_cfg(["model=pixart_xl_2_256", given, f"data.path={digits_shards}", "data.prepare=null"])
+    if given.endswith("=4"):
+        with pytest.raises(ValueError, match=r"model.in_channels=4 does not fit the dataset .* has in_channels=1"):
+            fit_model_to_data(cfg)
+        return
+    _, fitted = fit_model_to_data(cfg)
+    assert cfg.model.in_channels == 1 and "model.in_channels" not in fitted[0]
 
 
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))

@@ -89,7 +89,7 @@ def test_latte_denoises_a_shorter_clip_as_a_latte_built_for_its_frames_and_refus
 
 
 @pytest.mark.parametrize("preset,override,message", [
-    ("latte_debug", {"num_frames": None}, "model.num_frames must be set"),
+    ("latte_debug", {"num_frames": 0}, "model.num_frames=0 must be positive"),
     ("pixart_debug", {"num_frames": 8}, "model.num_frames=8: model.family=pixart denoises images"),
     ("wan_debug", {"text_len": None}, "model.text_len=None: it is set for model.family=wan only"),
     ("latte_debug", {"text_len": 16}, "model.text_len=16: it is set for model.family=wan only"),

@@ -181,7 +181,7 @@ def loop_side(a: dict[str, Any]) -> dict[str, Any]:
 
     warmup, steps = a["warmup"], a["steps"]
     dcfg = _compose(a["experiment"], a["overrides"], warmup + steps, Path(a["run_dir"]))
-    info = fit_model_to_data(dcfg)  # the dataset's channels / size / text width, as the framework's run has them
+    info, _ = fit_model_to_data(dcfg)  # the dataset's channels / size / text width, as the framework's run has them
     cfg = config_lib.to_object(dcfg)
     from framework.models.families import family_of
 

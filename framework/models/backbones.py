@@ -32,6 +32,9 @@ FAMILIES: dict[str, type[nn.Module]] = {name: fam.diffusers_class for name, fam 
 VIDEO_FAMILIES = tuple(names_with(lambda fam: fam.video))
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+# ModelConfig fields the dataset decides (framework/preflight.py fit_model_to_data; framework/data/datamodule.py
+# data_model_fields reads them off dataset.json): null in the presets, set once by a run from its data.
+DATA_FIELDS = ("in_channels", "sample_size", "sample_width", "num_frames", "text_dim")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -46,9 +49,11 @@ class ModelConfig:
     # preset name, for logs and checkpoints; conf/model/<name>.yaml
     family: str = "pixart"
     # "pixart" | "sana" | "dit" | "unet" (images) | "latte" | "wan" (video): which diffusers class is built
-    in_channels: int = 4
+    # The data-decided fields (DATA_FIELDS): null = the dataset's (a training run sets them from dataset.json and
+    # refuses a value that contradicts it); outside a run, `made_for` gives them (load_preset).
+    in_channels: int | None = None
     # latent channels (4 for SD-VAE, 32 for DC-AE, 1 for the quickstart's pixel digits)
-    sample_size: int = 8
+    sample_size: int | None = None
     # latent side length h = w the net is built for (image side / VAE downsample)
     sample_width: int | None = None
     # latent width when it differs from sample_size (non-square data such as the 8x16 digit pairs); null = square
@@ -67,7 +72,7 @@ class ModelConfig:
     # channels per attention head
     width: int | None = None
     # hidden size; null derives num_heads * head_dim, a value must equal it (a cross-check for presets)
-    text_dim: int | None = 4096
+    text_dim: int | None = None
     # caption-embedding dim the net reads (T5-XXL 4096, Gemma-2-2B 2304, OpenCLIP-H 1024); unused by dit
     learned_sigma: bool = False
     # net also predicts a variance (out channels doubled); Denoiser drops that half (fixed-variance samplers)
@@ -83,6 +88,10 @@ class ModelConfig:
     # units), embedded with the masked mean of the caption's tokens (the pooled text) and added to the timestep's
     kwargs: dict[str, Any] = field(default_factory=dict)
     # extra diffusers constructor arguments of the family's class (e.g. sana's mlp_ratio, unet block types)
+    made_for: dict[str, int] = field(default_factory=dict)
+    # the data the preset's architecture was made for (the released model's VAE channels and latent side, its text
+    # encoder's width, its clip frames): what load_preset builds with when no dataset is given (benchmarks, tests,
+    # memory plans). A training run never reads it: its dataset decides those fields.
     init: str = "diffusers"
     # from-scratch weights: "diffusers" (the constructor's PyTorch defaults) | "reference" (the family's reference code:
     # xavier linears, N(0, 0.02) embeddings, adaLN-Zero and zeroed output layers; framework/models/init.py). Not used
@@ -96,7 +105,7 @@ class ModelConfig:
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention={self.attention!r} is unknown; choose one of {ATTENTION_BACKENDS}.")
         for key in ("in_channels", "sample_size", "patch_size", "num_layers", "head_dim"):
-            if getattr(self, key) <= 0:
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be positive.")
         for key in ("sample_size", "sample_width"):
             side = getattr(self, key)
@@ -107,9 +116,25 @@ class ModelConfig:
         self._check_kwargs(fam)
         fam.check(self)
         self._check_frames(fam)
-        if fam.reads_text and not self.text_dim:
-            raise ValueError(f"model.text_dim must be set for model.family={self.family}: it is the caption "
-                             "embedding size of the dataset's text encoder.")
+        if fam.reads_text and self.text_dim is not None and self.text_dim <= 0:
+            raise ValueError(f"model.text_dim={self.text_dim} must be positive for model.family={self.family}: it is "
+                             "the caption embedding size of the dataset's text encoder (null: the dataset's).")
+        unknown = set(self.made_for) - set(DATA_FIELDS)
+        if unknown:
+            raise ValueError(f"model.made_for has {sorted(unknown)}: it holds only the data-decided fields {DATA_FIELDS}")
+
+    def filled(self) -> ModelConfig:
+        """This config with its unset data-decided fields from `made_for` (a model outside a training run)."""
+        import dataclasses
+
+        return dataclasses.replace(self, **{k: v for k, v in self.made_for.items() if getattr(self, k) is None})
+
+    def unset_data_fields(self) -> list[str]:
+        """The data-decided fields this model still needs (null: the dataset's, not yet given)."""
+        fam = family_of(self)
+        need = ["in_channels", "sample_size"] + (["text_dim"] if fam.reads_text else []) + \
+               (["num_frames"] if fam.video else [])
+        return [k for k in need if getattr(self, k) is None]
 
     def _check_kwargs(self, fam: Family) -> None:
         allowed = set(inspect.signature(fam.diffusers_class.__init__).parameters) - {"self"}
@@ -126,9 +151,9 @@ class ModelConfig:
 
     def _check_frames(self, fam: Family) -> None:
         video = fam.video
-        if video and (self.num_frames is None or self.num_frames <= 0):
-            raise ValueError(f"model.num_frames must be set (> 0) for model.family={self.family}: the latent frames "
-                             "of a clip (training takes it from the dataset's dataset.json).")
+        if video and self.num_frames is not None and self.num_frames <= 0:
+            raise ValueError(f"model.num_frames={self.num_frames} must be positive for model.family={self.family}: "
+                             "the latent frames of a clip (null: the dataset's, from its dataset.json).")
         if not video and self.num_frames is not None:
             raise ValueError(f"model.num_frames={self.num_frames}: model.family={self.family} denoises images; the "
                              f"video families are {', '.join(VIDEO_FAMILIES)}.")
@@ -249,6 +274,11 @@ class Denoiser(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        unset = cfg.unset_data_fields()
+        if unset:
+            raise ValueError(f"model={cfg.name}: {', '.join('model.' + k for k in unset)} unset (null: the dataset's). "
+                             "A training run sets them from its dataset.json; outside one, give them "
+                             "(load_preset(name) fills them from the preset's made_for)")
         self.cfg = cfg
         self.net = self.family.diffusers_class(**diffusers_kwargs(cfg))
         self._after_build()
@@ -444,8 +474,9 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str, **overrides: Any) -> ModelConfig:
-    """ModelConfig of conf/model/<name>.yaml with field overrides, e.g. load_preset("pixart_debug", in_channels=1)."""
+    """ModelConfig of conf/model/<name>.yaml with field overrides, e.g. load_preset("pixart_debug", in_channels=1); the
+    data-decided fields neither gives are the preset's `made_for` (the data it was made for), so the model builds."""
     file = PRESET_DIR / f"{name}.yaml"
     if not file.exists():
         raise ValueError(f"model={name} is not a preset; choose one of {preset_names()}.")
-    return to_model_config(OmegaConf.merge(OmegaConf.load(file), overrides))
+    return to_model_config(OmegaConf.merge(OmegaConf.load(file), overrides)).filled()

@@ -2,7 +2,7 @@
 
 `init_from=` a diffusers folder (a backbone saved with `save_pretrained`, or a whole pipeline whose transformer/ or
 unet/ holds it) loads the weights of the model its config.json describes. framework/preflight.py sets the model
-config from it before anything is built, and refuses a preset value or a user's key that says otherwise.
+config from it before anything is built, and refuses a user's key that says otherwise.
 """
 
 from __future__ import annotations
@@ -14,11 +14,6 @@ from typing import Any
 
 from framework.models.backbones import _backbone_subfolder
 from framework.models.families import family_of
-
-# ModelConfig fields that the dataset decides (framework/preflight.py fit_model_to_data): a preset's value for them
-# is a placeholder the dataset replaces, so it is no contradiction; the weights' value must fit the dataset instead.
-DATA_DECIDED = ("in_channels", "text_dim")
-
 
 def config_file(path: str | Path, family: str) -> Path | None:
     """The config.json of the backbone in a diffusers folder (or a pipeline's transformer/ / unet/); None when

@@ -74,10 +74,12 @@ LOWER_IT = ("strategy=fsdp over more devices (shards weights, gradients, optimiz
             "data.global_batch_size keep the global batch)", "trainer.precision=bf16-mixed")
 
 
-def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False) -> MemoryPlan:
+def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False,
+             micro_batch: int | None = None) -> MemoryPlan:
     """The prediction for a composed TrainConfig on `world_size` ranks at `precision` (the run's, its default
     resolved), the model built on the meta device to count its parameters; `on_gpu`: whether the ranks train on GPUs
-    (adapter.offload_blocks then moves the blocks' frozen weights off the device)."""
+    (adapter.offload_blocks then moves the blocks' frozen weights off the device); `micro_batch`: a device's batch
+    (the run plan's; data.batch_size when None)."""
     from framework.distributed.fsdp import build_meta
     from framework.models.backbones import to_model_config
 
@@ -98,8 +100,8 @@ def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False) ->
     if cfg.strategy.name == "fsdp":
         shards = devices if cfg.strategy.sharding == "HYBRID_SHARD" else world_size
     return predict_model(model_cfg, params, trainable, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}),
-                         shards=shards, batch=cfg.data.batch_size, checkpointing=cfg.strategy.activation_checkpointing,
-                         precision=precision, frozen_bytes=frozen_bytes)
+                         shards=shards, batch=micro_batch or cfg.data.batch_size,
+                         checkpointing=cfg.strategy.activation_checkpointing, precision=precision, frozen_bytes=frozen_bytes)
 
 
 def predict_model(model_cfg: Any, params: int, trainable: int, **kwargs: Any) -> MemoryPlan:

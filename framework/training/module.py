@@ -25,6 +25,7 @@ from framework.training.figures import logged
 from framework.training.finite import FiniteGuard, NonFiniteLossError  # noqa: F401  (the module's error)
 from framework.training.checkpointing import check_global_batch
 from framework.training.optim import OptimizerConfig, configure_optimizers
+from framework.training.plan import RunPlan
 from framework.training.registry import logging_step, training_loss_hook
 from framework.distributed.config import StrategyConfig
 from framework.distributed.fsdp import build_model, configure
@@ -46,6 +47,7 @@ class DiffusionModule(pl.LightningModule):
         strategy: StrategyConfig | None = None,
         init_from: str | None = None,
         adapter: AdapterConfig | None = None,
+        plan: RunPlan | None = None,
     ) -> None:
         super().__init__()
         self.model_cfg, self.optimizer_cfg = model, optimizer
@@ -67,6 +69,7 @@ class DiffusionModule(pl.LightningModule):
         self._interval_loss: torch.Tensor | None = None  # the losses summed since the last logged step, and their count
         self._interval_batches = 0
         self.allow_global_batch_change = allow_global_batch_change  # trainer.allow_global_batch_change
+        self.plan = plan  # the run's global batch and peak lr (framework/training/plan.py), None outside a run
         self.config = config or {}  # the resolved run config, stored in every checkpoint
         self.strategy_cfg = strategy  # block preparation and sharding in configure_model
         # Set from the dataset in setup(); kept in checkpoints so sampling needs no dataset.
@@ -221,12 +224,8 @@ class DiffusionModule(pl.LightningModule):
     # ---- checkpoints --------------------------------------------------------------------
 
     def global_batch(self) -> int | None:
-        """Samples per optimizer step over the whole job: per-device batch x data-parallel ranks x accumulation."""
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is None:
-            return None
-        sequence = self.strategy_cfg.sequence_parallel if self.strategy_cfg is not None else 1
-        return dm.cfg.batch_size * (self.trainer.world_size // sequence) * self.trainer.accumulate_grad_batches
+        """Samples per optimizer step over the whole job (the run plan's; None for a module outside a run)."""
+        return self.plan.global_batch if self.plan is not None else None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.finite.check()  # never save weights that a non-finite step produced

@@ -180,8 +180,6 @@ def configure_optimizers(module: Any) -> dict[str, Any]:
     """DiffusionModule.configure_optimizers: the optimizer over every trainable parameter of `module` (the backbone's,
     or a stage's own: a frozen backbone + router), in a plugin's parameter groups if one gives them, at the peak lr
     scaled to the global batch (optimizer.lr_scaling), stepped by the schedule (lr_lambda) per optimizer step."""
-    from lightning.pytorch.utilities import rank_zero_info
-
     from framework.training.registry import param_groups_hook
 
     params = [p for p in module.parameters() if p.requires_grad]
@@ -191,10 +189,7 @@ def configure_optimizers(module: Any) -> dict[str, Any]:
         raise RuntimeError(f"{type(hook).__name__}.param_groups must return each trainable parameter once")
     cfg = module.optimizer_cfg
     scaled = module._trainer is not None and getattr(module.trainer.precision_plugin, "scaler", None) is not None
-    lr = scaled_lr(cfg, module.global_batch() if module._trainer is not None else None)
-    if cfg.lr_scaling != "none":
-        rank_zero_info(f"optimizer.lr_scaling={cfg.lr_scaling}: peak lr {lr:.4g} = {cfg.lr:g} at "
-                       f"{cfg.lr_reference_batch} samples per step, for this run's {module.global_batch()}")
+    lr = module.plan.lr if module.plan is not None else scaled_lr(cfg, None)  # the run plan scaled it
     opt = build_optimizer([{"params": g["params"], "lr": lr * g.get("lr_scale", 1.0)} for g in groups], cfg,
                           grad_scaler=scaled)
     base = lr_lambda(module.optimizer_cfg, module.max_steps)

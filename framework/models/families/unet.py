@@ -88,7 +88,7 @@ class UNet(Family):
                 raise ValueError(f"model.kwargs.block_out_channels entry {c} is not divisible by "
                                  f"model.head_dim={cfg.head_dim}.")
         levels = len(channels(cfg))
-        if cfg.sample_size % 2 ** (levels - 1):
+        if cfg.sample_size is not None and cfg.sample_size % 2 ** (levels - 1):
             raise ValueError(f"model.sample_size={cfg.sample_size} must be divisible by {2 ** (levels - 1)} "
                              f"(the unet halves it {levels - 1} times).")
 
