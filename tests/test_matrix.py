@@ -189,7 +189,7 @@ def eval_alone(ckpt: Path, metrics: dict, out: Path, devices: int, *args: str) -
     """framework.eval's metrics in one process on `ckpt` with the rows' settings (seeds=1, steps=2) and `args`. It
     draws in batches of one rank's share: a matmul's rounding depends on its row count, and images 1e-6 apart can
     round to different 8-bit pixels, which the metric networks read."""
-    share = -(-metrics["num_images"] // devices)
+    share = -(-metrics.get("num_images", metrics.get("num_clips", 0)) // devices)
     proc = zygote.run([sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={out}", "seeds=1", "steps=2",
                        "device=cpu", f"batch_size={share}", *args], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -210,14 +210,29 @@ def check_own_eval(ckpt: Path, extra: list[str], metrics: dict, out: Path, devic
 # (the own-data row's, with its metric networks, in check_own_eval), with fd's relative tolerance: sequence-parallel
 # sampling rounds its split attention differently (1e-4); under fsdp with bf16-mixed the run samples through FSDP2's
 # bf16 parameter gathers while framework.eval computes in fp32 (fd 76.46 against 76.37 when measured: 5e-3).
-EVALUATED = {"ddp-2-tensorboard-sequence_parallel": 1e-4, "fsdp-2-csv-came8bit-ema-norms": 5e-3}
+# The 2-rank rows' evaluations against framework.eval in one process too: best-of-N by the pair judge, a sharded
+# model's tournament, a grown model's EMA, the learned cache schedule, hybrid sharding over S3 shards (fd to 1e-5:
+# the 2 ranks sample in batches of their share, which framework.eval follows, but reduce in another order); and the
+# video rows' (Wan split over 2 ranks; Latte grown, in bf16-mixed, which framework.eval samples in fp32).
+EVALUATED = {"ddp-2-tensorboard-sequence_parallel": 1e-4, "fsdp-2-csv-came8bit-ema-norms": 5e-3,
+             "ddp-2-csv-pairs-bestof": 1e-5, "fsdp-2-wandb": 1e-5, "ddp-2-wandb-growth-ema": 1e-5,
+             "ddp-2-wandb-cache_router": 1e-5, "fsdp-2-csv-s3-hybrid": 1e-5,
+             "fsdp-2-csv-wan-ema-came8bit-sequence_parallel": 1e-4, "single-1-csv-latte-norms-growth": 5e-3}
+# A row's eval.* keys that framework.eval takes under their own names (the cache schedule: the run's file).
+EVAL_KEYS = ("eval.best_of", "eval.selection", "eval.pick", "eval.judge")
 
 
-def check_eval(ckpt: Path, metrics: dict, out: Path, devices: int, rel: float) -> None:
-    """framework.eval in one process on the run's final checkpoint gives the run's accuracies exactly and its fd to
-    `rel`."""
-    alone = eval_alone(ckpt, metrics, out, devices, "phrasings=1")
-    for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "num_images"):
+def check_eval(ckpt: Path, metrics: dict, out: Path, devices: int, rel: float, extra: list[str]) -> None:
+    """framework.eval in one process on the run's final checkpoint, with the row's evaluation settings, gives the
+    run's accuracies and image count exactly and its fd to `rel`."""
+    given = [e.split(".", 1)[1] for e in extra if e.split("=", 1)[0] in EVAL_KEYS]
+    if metrics.get("cache_schedule") == "learned":
+        given.append(f"cache_schedule={ckpt.parent.parent / 'cache_schedule.json'}")
+    alone = eval_alone(ckpt, metrics, out, devices, "phrasings=1", *given)
+    exact = [k for k in metrics if k.endswith("accuracy") and not k.startswith("classifier")]
+    exact += [k for k in ("num_images", "num_clips") if k in metrics]
+    assert len(exact) >= 3, metrics
+    for key in exact:
         assert alone[key] == metrics[key], (key, alone, metrics)
     assert alone["fd"] == pytest.approx(metrics["fd"], rel=rel, abs=0), (alone, metrics)
 
@@ -265,6 +280,9 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert metrics["num_clips"] == 10 * 4 * 3 and metrics["fd"] >= 0.0
         assert sum(line.startswith("digit_accuracy ") for line in stdout.splitlines()) == 1
         assert (run_dir / "eval" / "judged.png").is_file()
+        if m_id(request) in EVALUATED:
+            check_eval(run_dir / "checkpoints" / "last.ckpt", metrics, tmp_path / "eval1", devices,
+                       EVALUATED[m_id(request)], extra)
     else:
         headline = "pair_accuracy" if pairs else "prompt_accuracy"
         assert 0.0 <= metrics[headline] <= 1.0 and metrics["fd"] >= 0.0
@@ -273,7 +291,7 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         assert (run_dir / "eval" / "judged.png").is_file()
         if m_id(request) in EVALUATED:
             check_eval(run_dir / "checkpoints" / "last.ckpt", metrics, tmp_path / "eval1", devices,
-                       EVALUATED[m_id(request)])
+                       EVALUATED[m_id(request)], extra)
     assert sorted(p.name for p in (run_dir / "samples").glob("*.png")) == ["step0000002.png", "step0000004.png"]
     last_ckpt = run_dir / "checkpoints" / "last.ckpt"
     assert last_ckpt.exists()
