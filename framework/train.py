@@ -211,11 +211,11 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def checked_config(dcfg: DictConfig) -> tuple[TrainConfig, tuple[str, ...]]:
+def checked_config(dcfg: DictConfig) -> tuple[TrainConfig, tuple[str, ...], int | None]:
     """The typed config of `dcfg`, its model fitted to the dataset (which may build it: data.prepare), after every
     check that needs no trainer: plugins' fields, the accelerator, the dataset's encoders and buckets, the adapter's
     precision. Nothing is written before these pass. Returns it with the lines saying which model keys the dataset and
-    the weights set (the run plan prints them)."""
+    the weights set (the run plan prints them) and the dataset's sample count."""
     config_lib.check_plugins(dcfg.get("plugins"))  # before fitting the model may build the dataset
     info, fitted = fit_model_to_data(dcfg)
     cfg = config_lib.to_object(dcfg)
@@ -227,7 +227,7 @@ def checked_config(dcfg: DictConfig) -> tuple[TrainConfig, tuple[str, ...]]:
     if cfg.adapter.base_dtype == "bf16" and default_precision(cfg) not in ("bf16-mixed", "16-mixed"):
         raise ValueError(f"adapter.base_dtype=bf16: this run's precision is {default_precision(cfg)} (the default on a "
                          "CPU); the bf16 base computes under mixed precision's autocast: set trainer.precision=bf16-mixed")
-    return cfg, fitted
+    return cfg, fitted, info.num_samples if info is not None else None
 
 
 def open_run_dir(cfg: TrainConfig, dcfg: DictConfig) -> Path:
@@ -261,7 +261,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     """Run training (and the final evaluation when eval.at_end); returns what was written.
 
     `extra_callbacks`: Lightning callbacks added to the run's own (a notebook's, or a benchmark's timer)."""
-    cfg, fitted = checked_config(dcfg)
+    cfg, fitted, num_samples = checked_config(dcfg)
     run_dir = open_run_dir(cfg, dcfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     # TF32 tensor cores for the matmuls that stay in fp32 under bf16-mixed (norms' neighbours, fp32 runs).
@@ -274,7 +274,8 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
 
     callbacks = [*build_callbacks(cfg, run_dir), *extra_callbacks]
     trainer = build_trainer(cfg, run_dir, callbacks)
-    plan = resolve(cfg, trainer.world_size, fitted)  # the batch, the lr and the fitted keys: decided here, once
+    # the batch, the lr, the fitted keys and the data's partitions: decided here, once, before any model is built
+    plan = resolve(cfg, trainer.world_size, fitted, trainer.num_nodes, num_samples)
     trainer.accumulate_grad_batches = plan.accumulation
     if trainer.global_rank == 0:
         print(plan.describe())

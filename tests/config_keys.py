@@ -344,6 +344,7 @@ KEYS: dict[str, dict] = {
         "tests/test_datamodule.py::test_shuffle_seed_predownload_cache_limit_and_persistent_workers_reach_the_loader",
     ], "mutant": "cache_limit_ignored"},
     "data.num_canonical_nodes": {"tests": [
+        "tests/test_plan.py::test_the_data_partitions_fit_the_job_s_node_count_or_the_plan_refuses_it",
         "tests/test_datamodule.py::test_streaming_scale_keys_reach_the_dataset",
         "tests/test_datamodule.py::test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts",
     ], "mutant": None},

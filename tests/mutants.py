@@ -813,6 +813,10 @@ MUTANTS = [
            (("framework/training/plan.py", "    if asked is None:\n", "    if True:\n"),),
            (DIST + "test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step",
             "tests/test_plan.py::test_a_run_reads_its_plan_and_leaves_the_config_as_composed")),
+    Mutant("canonical_nodes_unchecked", "a job whose node count Streaming cannot partition with "
+           "data.num_canonical_nodes starts, to fail in every rank's data loader",
+           (("framework/training/plan.py", "        check_canonical_nodes(setting, ncn, nodes, num_samples)\n", ""),),
+           ("tests/test_plan.py::test_the_data_partitions_fit_the_job_s_node_count_or_the_plan_refuses_it",)),
     Mutant("lr_scaling_ignored", "optimizer.lr_scaling is ignored: the lr stays as given whatever the global batch",
            (("framework/training/optim.py", '    if cfg.lr_scaling == "none":\n        return cfg.lr',
              '    if True:\n        return cfg.lr'),),

@@ -547,13 +547,13 @@ def test_streaming_scale_keys_reach_the_dataset(digits_shards, tmp_path):
             DataConfig(path=str(digits_shards), **bad)
 
 
-def test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts(digits_shards, tmp_path, caplog):
-    """The real-data config's canonical node count (auto: 840 for a dataset of 3,360 samples or more) divides evenly
-    over 1-8 physical nodes, so a job saved on 4 nodes and resumed on 3, 5, 6 or 7 keeps Streaming's per-node
-    partition (each node reads its own canonical nodes' shards); with Streaming's default (the first run's 4 nodes)
-    that partition refuses 3 nodes and a resume falls back to one that reads shards across node boundaries. A small
-    dataset gets fewer partitions, at least 4 samples each, instead of a refusal (72 captioned images: 12), and the
-    run says what it chose: here the 4,314 digits rows get 840."""
+def test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts(digits_shards, tmp_path):
+    """The real-data config's canonical node count (auto: 3,840 for a dataset of 15,360 samples or more) partitions
+    evenly over every node count a job of 1 to 256 nodes is likely to have (powers of two, and 3, 5, 6, 10, 12, 24,
+    48, 96 ...), so a job starts on any of them and a resume on another keeps Streaming's per-node partition; with
+    Streaming's default (the first run's 4 nodes) that partition refuses 3 nodes. A small dataset gets fewer
+    partitions, at least 4 samples each, instead of a refusal (72 captioned images: 12): here the 4,314 digits rows
+    get 960, which 16, 32 and 64 nodes divide (840, the earlier choice, refused them)."""
     from omegaconf import OmegaConf
     from streaming.base.partition import get_partitions
 
@@ -561,15 +561,15 @@ def test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_count
 
     shipped = OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / "shards.yaml").num_canonical_nodes
     assert shipped == "auto"
-    ncn = canonical_nodes(shipped, 100_000)
-    assert ncn == 840
-    for nodes in range(1, 9):
-        get_partitions("orig", 100_000, ncn, nodes, 8, 2, 32)
-    assert [canonical_nodes("auto", n) for n in (72, 100, 479, 480, 3359, 3360, 3)] == [12, 24, 60, 120, 420, 840, 1]
+    assert canonical_nodes(shipped, 100_000) == 15360 and canonical_nodes(shipped, 30_719) == 3840
+    for nodes in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 256):
+        get_partitions("orig", 100_000, 3840, nodes, 8, 2, 32)
+    for nodes in (16, 32, 64):  # the issue's first run: 840 raised here
+        get_partitions("relaxed", 10_000_000, canonical_nodes("auto", 4314), nodes, 8, 8, 32)
+    assert [canonical_nodes("auto", n) for n in (72, 100, 479, 480, 3359, 3360, 3)] == [12, 24, 48, 120, 480, 480, 1]
     assert canonical_nodes(7, 72) == 7 and canonical_nodes(None, 72) is None
-    with caplog.at_level("INFO"):
-        dm = module(digits_shards, tmp_path, batch_size=8, num_canonical_nodes="auto")
-    assert dm.dataset.num_canonical_nodes == 840 and "num_canonical_nodes=auto chose 840 for 4314 samples" in caplog.text
+    dm = module(digits_shards, tmp_path, batch_size=8, num_canonical_nodes="auto")
+    assert dm.dataset.num_canonical_nodes == 960
     with pytest.raises(ValueError, match="evenly divisible"):
         get_partitions("orig", 100_000, 4, 3, 8, 2, 32)
 

@@ -212,12 +212,12 @@ def check_own_eval(ckpt: Path, extra: list[str], metrics: dict, out: Path, devic
 # bf16 parameter gathers while framework.eval computes in fp32 (fd 76.46 against 76.37 when measured: 5e-3).
 # The 2-rank rows' evaluations against framework.eval in one process too: best-of-N by the pair judge, a sharded
 # model's tournament, a grown model's EMA, the learned cache schedule, hybrid sharding over S3 shards (fd to 1e-5:
-# the 2 ranks sample in batches of their share, which framework.eval follows, but reduce in another order); and the
-# video rows' (Wan split over 2 ranks; Latte grown, in bf16-mixed, which framework.eval samples in fp32).
+# the 2 ranks sample in batches of their share, which framework.eval follows, but reduce in another order); and Wan's
+# clips split over 2 ranks.
 EVALUATED = {"ddp-2-tensorboard-sequence_parallel": 1e-4, "fsdp-2-csv-came8bit-ema-norms": 5e-3,
              "ddp-2-csv-pairs-bestof": 1e-5, "fsdp-2-wandb": 1e-5, "ddp-2-wandb-growth-ema": 1e-5,
              "ddp-2-wandb-cache_router": 1e-5, "fsdp-2-csv-s3-hybrid": 1e-5,
-             "fsdp-2-csv-wan-ema-came8bit-sequence_parallel": 1e-4, "single-1-csv-latte-norms-growth": 5e-3}
+             "fsdp-2-csv-wan-ema-came8bit-sequence_parallel": 1e-4}
 # A row's eval.* keys that framework.eval takes under their own names (the cache schedule: the run's file).
 EVAL_KEYS = ("eval.best_of", "eval.selection", "eval.pick", "eval.judge")
 

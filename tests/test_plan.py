@@ -74,3 +74,27 @@ def test_a_run_reads_its_plan_and_leaves_the_config_as_composed(tmp_path, digits
     extra = torch.load(out["checkpoint"], map_location="cpu", weights_only=True)[CKPT_KEY]
     assert (extra["global_batch"], extra["images_seen"]) == (12, 24)
     assert types.SimpleNamespace(**extra["config"]["data"]).batch_size == 5
+
+
+def test_the_data_partitions_fit_the_job_s_node_count_or_the_plan_refuses_it():
+    """data=shards (num_canonical_nodes=auto) on the 4,314 digits: 960 partitions, which 16, 32 and 64 nodes divide
+    (the plan says so); 7 nodes cannot start with 960 nor 128 nodes with an explicit 840, each refused before any
+    model is built, naming the node counts that can and the key. Streaming itself agrees on every case."""
+    from streaming.base.partition import get_partitions
+
+    cfg = _cfg("data=shards", "strategy=ddp", "trainer.devices=1")
+    for nodes in (1, 16, 32, 64):
+        plan = resolve(cfg, nodes, nodes=nodes, num_samples=4314)
+        assert ("data.num_canonical_nodes=auto: 960 for 4314 samples (at least 4 a partition); node counts it fits: "
+                "1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, ... 240") in plan.why
+        get_partitions("orig", 4314, 960, nodes, 1, 1, 8)
+    with pytest.raises(ValueError, match=r"data.num_canonical_nodes=960 \(auto chose it for 4314 samples\) cannot start "
+                                         r"a job of 7 nodes: .* Run on 4, 5, 6 or 8 nodes, or set "
+                                         r"data.num_canonical_nodes to a number 7 divides \(e.g. 959\)"):
+        resolve(cfg, 7, nodes=7, num_samples=4314)
+    with pytest.raises(ValueError, match="evenly divisible"):
+        get_partitions("orig", 4314, 960, 7, 1, 1, 8)
+    cfg.data.num_canonical_nodes = 840
+    with pytest.raises(ValueError, match=r"=840 \(as set\) cannot start a job of 128 nodes"):
+        resolve(cfg, 128, nodes=128, num_samples=100_000)
+    assert resolve(cfg, 8, nodes=8, num_samples=100_000).why == ()  # a value as set: nothing chosen

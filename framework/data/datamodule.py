@@ -75,10 +75,11 @@ class DataConfig:
     # Streaming's scale knobs (docs/training.md). num_canonical_nodes: the sample space is split into this many
     # partitions, dealt out to the physical nodes; when one count divides the other each node reads only its own
     # partitions' shards (else Streaming's relaxed partition reads across nodes). `auto` (the shipped real-data
-    # config) takes the largest of CANONICAL_NODES (840, 420, 120, ...) that leaves every partition at least
-    # SAMPLES_PER_PARTITION samples: 840 for any dataset of 3,360 samples or more (node counts 1-8, 10, 12, 14, 15,
-    # ... divide it), fewer for a small one (12 for 72 images); it depends on the dataset alone, so a resume gets the
-    # same. null = the first run's node count (Streaming's default).
+    # config) takes the largest of CANONICAL_NODES (15360, 7680, 3840, ..., 120, 48, ...) that leaves every partition
+    # at least SAMPLES_PER_PARTITION samples: 3,840 for 15,360 samples or more (node counts 1-6, 8, 10, 12, 15, 16,
+    # ..., 64, ..., 256 divide it), 960 for the 4,314 digits, 12 for 72 images; it depends on the dataset alone, so a
+    # resume on any node count gets the same. The run plan prints it and refuses a job whose node count it does not
+    # fit. null = the first run's node count (Streaming's default).
     num_canonical_nodes: Any = None
     shuffle_algo: str = "py1e"  # Streaming's shuffle: py1e (default), py1br, py1s, py2s, naive
     shuffle_block_size: Optional[int] = None  # samples per shuffle block; null = Streaming's max(4e6 / nodes, 2^18)
@@ -439,10 +440,26 @@ def check_socket_room() -> None:
                          "characters, or data.num_workers=0")
 
 
-# What data.num_canonical_nodes=auto chooses from, largest first: each divides 840 and is divided by the node counts
-# a dataset of its size is likely to be trained on; and the fewest samples it leaves a partition.
-CANONICAL_NODES = (840, 420, 120, 60, 24, 12, 6, 2, 1)
+# What data.num_canonical_nodes=auto chooses from, largest first, and the fewest samples it leaves a partition. From
+# 120 up, 15 x 2^k: every node count 2^a, 3 x 2^a, 5 x 2^a or 15 x 2^a up to it divides it (3,840: 1-6, 8, 10, 12, 15,
+# 16, 20, 24, 30, 32, 40, 48, 60, 64, ..., 128, ..., 256 nodes; 7, 9, 11, 13, 14 do not), and every multiple of it
+# above it is a count it divides; below 120, multiples of 2 and 3 for the few nodes a small dataset is trained on.
+CANONICAL_NODES = (15360, 7680, 3840, 1920, 960, 480, 240, 120, 48, 24, 12, 6, 2, 1)
 SAMPLES_PER_PARTITION = 4
+
+
+def check_canonical_nodes(setting: Any, ncn: Optional[int], nodes: int, num_samples: int) -> None:
+    """Refuse a num_canonical_nodes that a job of `nodes` nodes cannot start with (Streaming needs one of the two to
+    divide the other), naming the node counts that can and the key to set."""
+    if ncn is None or ncn % nodes == 0 or nodes % ncn == 0:
+        return
+    fits = [n for n in range(1, 2 * ncn + 1) if ncn % n == 0 or n % ncn == 0]
+    near = sorted(sorted(fits, key=lambda n: (abs(n - nodes), n))[:4])
+    how = f"auto chose it for {num_samples} samples" if setting == "auto" else "as set"
+    raise ValueError(f"data.num_canonical_nodes={ncn} ({how}) cannot start a job of {nodes} nodes: Streaming needs "
+                     f"one of the two to divide the other. Run on {', '.join(map(str, near[:-1]))} or {near[-1]} nodes, or set "
+                     f"data.num_canonical_nodes to a number {nodes} divides (e.g. {nodes * max(1, ncn // nodes)}); a "
+                     "resume on another node count then keeps that run's sample order")
 
 
 def canonical_nodes(setting: Any, num_samples: int) -> Optional[int]:
@@ -513,12 +530,8 @@ class LatentDataModule(L.LightningDataModule):
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, fewer than "
                              f"one global batch ({self.cfg.batch_size} per rank x {global_batch // self.cfg.batch_size}"
                              f" data-parallel ranks = {global_batch}); lower data.batch_size")
+        # auto: the run plan printed the choice and checked it against the job's node count
         ncn = self.num_canonical_nodes = canonical_nodes(self.cfg.num_canonical_nodes, self.info.num_samples)
-        if self.cfg.num_canonical_nodes == "auto":
-            from lightning.pytorch.utilities import rank_zero_info
-
-            rank_zero_info(f"data: num_canonical_nodes=auto chose {ncn} for {self.info.num_samples} samples (node "
-                           f"counts that divide {ncn} each read only their own partitions' shards)")
         if ncn is not None and self.info.num_samples <= ncn:
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, not more "
                              f"than data.num_canonical_nodes={ncn} (Streaming's partitions): lower "

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from framework.data.datamodule import split_global_batch
+from framework.data.datamodule import (SAMPLES_PER_PARTITION, canonical_nodes, check_canonical_nodes,
+                                         split_global_batch)
 from framework.training.optim import scaled_lr
 
 
@@ -44,9 +45,12 @@ class RunPlan:
         return "\n".join([head, *(f"  {line}" for line in self.why)])
 
 
-def resolve(cfg: Any, world_size: int, fitted: tuple[str, ...] = ()) -> RunPlan:
-    """The plan of a typed TrainConfig `cfg` on `world_size` ranks; `fitted`: the lines saying which model keys the
-    dataset or the weights set (framework/preflight.py). Refuses a global batch the job cannot split."""
+def resolve(cfg: Any, world_size: int, fitted: tuple[str, ...] = (), nodes: int = 1,
+            num_samples: int | None = None) -> RunPlan:
+    """The plan of a typed TrainConfig `cfg` on `world_size` ranks over `nodes` nodes; `fitted`: the lines saying
+    which model keys the dataset or the weights set (framework/preflight.py); `num_samples`: the dataset's (None: not
+    known yet, the data's partitions unchecked). Refuses a global batch the job cannot split and Streaming partitions
+    its node count cannot start with."""
     sp = cfg.strategy.sequence_parallel
     if world_size % sp:
         raise ValueError(f"strategy.sequence_parallel={sp} does not divide the job's {world_size} ranks")
@@ -64,4 +68,17 @@ def resolve(cfg: Any, world_size: int, fitted: tuple[str, ...] = ()) -> RunPlan:
         factor = "sqrt" if opt.lr_scaling == "sqrt" else ""
         why.append(f"optimizer.lr_scaling={opt.lr_scaling}: optimizer.lr={opt.lr:g} x {factor}("
                    f"{micro * data_parallel * accumulation}/{opt.lr_reference_batch}) (optimizer.lr_reference_batch)")
+    if num_samples is not None:
+        setting = cfg.data.num_canonical_nodes
+        ncn = canonical_nodes(setting, num_samples)
+        check_canonical_nodes(setting, ncn, nodes, num_samples)
+        if setting == "auto":
+            why.append(f"data.num_canonical_nodes=auto: {ncn} for {num_samples} samples (at least "
+                       f"{SAMPLES_PER_PARTITION} a partition); node counts it fits: {fitting_nodes(ncn)}")
     return RunPlan(world_size, sp, micro, accumulation, lr, tuple(why))
+
+
+def fitting_nodes(ncn: int, most: int = 256) -> str:
+    """The node counts up to `most` that start with `ncn` canonical nodes, as the plan prints them."""
+    fits = [n for n in range(1, most + 1) if ncn % n == 0 or n % ncn == 0]
+    return ", ".join(map(str, fits[:12])) + (f", ... {fits[-1]}" if len(fits) > 12 else "")
