@@ -879,3 +879,19 @@ def test_eval_scores_own_clips_with_fvd_and_per_frame_clip_score(tmp_path, train
         train(compose_cfg(cheap(tmp_path, moving_shards, "model=latte_debug", "eval.every_n_steps=2",
                                 f"eval.real={real_dir}", f"eval.inception={metric_nets['inception']}", run="refused")))
     assert not (tmp_path / "refused" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("preset, right, wrong", [("latte_debug", "AutoencoderKL", "AutoencoderKLWan"),
+                                                  ("wan_debug", "AutoencoderKLWan", "AutoencoderKL")])
+def test_a_diffusers_export_refuses_a_vae_its_stock_pipeline_cannot_decode_with(preset, right, wrong):
+    """Stock LattePipeline decodes frame by frame with an image VAE, stock WanPipeline with the Wan VAE's latent
+    statistics: the other class is refused, naming both; the right one (or none given) passes."""
+    from framework.models.families import family_of
+
+    cfg = load_preset(preset, **({"learned_sigma": True} if preset == "latte_debug" else {}))
+    fam, vae = family_of(cfg), lambda name: type(name, (), {})()
+    fam.check_pipeline(cfg, vae(right))
+    fam.check_pipeline(cfg, None)
+    with pytest.raises(ValueError, match=rf"stock {fam.pipeline_class} .*{right}.*latents come from an {wrong}\. "
+                                         r"Export format=safetensors for the transformer alone, or "):
+        fam.check_pipeline(cfg, vae(wrong))

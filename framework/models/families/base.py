@@ -171,6 +171,14 @@ class Family:
     def check_pipeline(self, cfg: ModelConfig, vae: Any) -> None:
         """Refuse a model that its stock pipeline would build or sample wrongly (vae: the diffusers VAE or None)."""
 
+    def require_vae(self, vae: Any, expected: str, how: str, otherwise: str) -> None:
+        """Refuse a VAE (None: none given) of another class than `expected`, which the stock pipeline decodes with
+        (`how`: in what way, for the message); `otherwise`: the way out besides exporting the transformer alone."""
+        if vae is not None and type(vae).__name__ != expected:
+            raise ValueError(f"export format=diffusers: stock {self.pipeline_class} {how}; this model's latents come "
+                             f"from an {type(vae).__name__}. Export format=safetensors for the transformer alone, or "
+                             f"{otherwise}")
+
     def pipeline_notes(self, cfg: ModelConfig, info: dict[str, Any], pipeline: str) -> list[str]:
         """What to tell the user about sampling this model with the stock pipeline (info: the dataset's)."""
         return []

@@ -90,10 +90,8 @@ class Latte(TransformerFamily):
                              f"output channels (Latte predicts a variance too), and this model predicts "
                              f"{cfg.in_channels} channels alone (model.learned_sigma=false): its samples would be "
                              "wrong. Export format=safetensors, or train with model.learned_sigma=true")
-        if vae is not None and type(vae).__name__ != "AutoencoderKL":
-            raise ValueError(f"export format=diffusers: stock LattePipeline decodes each frame with an image VAE "
-                             f"(AutoencoderKL); this model's latents come from an {type(vae).__name__}. Export "
-                             "format=safetensors for the transformer alone, or sample with framework.sample")
+        self.require_vae(vae, "AutoencoderKL", "decodes each frame with an image VAE (AutoencoderKL)",
+                         "sample with framework.sample")
 
     def pipeline_notes(self, cfg: ModelConfig, info: dict[str, Any], pipeline: str) -> list[str]:
         return [f"export: stock {pipeline} guides with the empty prompt padded to the prompt's length, padding "

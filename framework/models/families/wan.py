@@ -73,10 +73,8 @@ class Wan(TransformerFamily):
 
     def check_pipeline(self, cfg: ModelConfig, vae: Any) -> None:
         """WanPipeline decodes with an AutoencoderKLWan's latent statistics, which an image VAE has not."""
-        if vae is not None and type(vae).__name__ != "AutoencoderKLWan":
-            raise ValueError(f"export format=diffusers: stock WanPipeline decodes with an AutoencoderKLWan (its latents' "
-                             f"mean and std); this model's latents come from an {type(vae).__name__}. Export "
-                             "format=safetensors for the transformer alone, or encode the clips with the Wan VAE")
+        self.require_vae(vae, "AutoencoderKLWan", "decodes with an AutoencoderKLWan (its latents' mean and std)",
+                         "encode the clips with the Wan VAE")
 
     def pipeline_notes(self, cfg: ModelConfig, info: dict[str, Any], pipeline: str) -> list[str]:
         return [f"export: call stock {pipeline} with max_sequence_length={cfg.text_len} (this model's "
