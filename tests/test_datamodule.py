@@ -494,6 +494,8 @@ def test_failed_shard_preparation_releases_the_shard(digits_shards, tmp_path, mo
     from streaming.base.dataset import _ShardState
 
     copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    for mds in copy.glob("part_*/shard.*.mds"):  # an earlier in-place reader's: shard 0 must still need preparing
+        mds.unlink()
     dm = LatentDataModule(DataConfig(path=str(copy), batch_size=16, shuffle=False), seed=0)
     dm.setup("fit")
     dataset, stream = dm.dataset, dm.dataset.streams[0]
