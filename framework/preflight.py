@@ -75,9 +75,8 @@ def fit_model_to_data(dcfg: DictConfig) -> tuple[Any, tuple[str, ...]]:
             raise ValueError(f"model.{key}={current} does not fit the dataset at data.path={data.path}: {info.path} "
                              f"has {key}={value}. Drop model.{key} (null: the dataset sets it) or point data.path at "
                              "a dataset built for that model")
-        if value is not None:
-            dcfg.model[key] = value
-            from_data.append(f"model.{key}={value}")
+        dcfg.model[key] = value  # null here: the dataset's
+        from_data.append(f"model.{key}={value}")
     return info, tuple(fitted + ([f"{', '.join(from_data)} from {info.path}"] if from_data else []))
 
 
@@ -87,7 +86,8 @@ def fit_model_to_weights(dcfg: DictConfig) -> tuple[dict[str, Path], list[str]]:
     preset's (a preset picks a family and a size; the weights decide which size); a value the experiment file or the
     command line set (other than the preset's) that contradicts the file is refused, naming both. Returns
     ({key: config.json} for the data-decided keys the file fixed, one line per key set)."""
-    from framework.models.released import read_model_fields
+    from framework.models.backbones import DATA_FIELDS
+    from framework.models.released import constructor_default, read_model_fields
 
     found = read_model_fields(dcfg.init_from, dcfg.model.family) if dcfg.get("init_from") else None
     if found is None:
@@ -95,14 +95,13 @@ def fit_model_to_weights(dcfg: DictConfig) -> tuple[dict[str, Path], list[str]]:
     file, fields = found
     family, mine, changed = dcfg.model.family, preset_changes(dcfg), []
 
-    def refuse(key: str, current: Any, value: Any) -> None:
-        raise ValueError(f"init_from={dcfg.init_from}: {file} has {key}={value!r}, but your config (command line or "
-                         f"experiment file) sets model.{key}={current!r}. These weights were trained with {value!r}: "
-                         f"drop model.{key}, or choose the model= preset of these weights{matching_preset(fields, family)}")
-
     def take(key: str, current: Any, value: Any) -> None:
+        """The file's value for model.`key`, refused when the user set another."""
         if key in mine and current is not None:
-            refuse(key, current, value)
+            raise ValueError(f"init_from={dcfg.init_from}: {file} has {key}={value!r}, but your config (command line or "
+                             f"experiment file) sets model.{key}={current!r}. These weights were trained with {value!r}: "
+                             f"drop model.{key}, or choose the model= preset of these weights"
+                             f"{matching_preset(fields, family)}")
         changed.append(f"model.{key}={value}")
 
     kwargs = fields.pop("kwargs")
@@ -111,17 +110,13 @@ def fit_model_to_weights(dcfg: DictConfig) -> tuple[dict[str, Path], list[str]]:
         if current != value:
             take(key, current, value)
             dcfg.model[key] = value
-    from framework.models.released import constructor_default
-
     own = OmegaConf.to_container(dcfg.model.kwargs) if dcfg.model.get("kwargs") else {}
     for key in sorted(set(kwargs) | set(own)):
         value = kwargs.get(key, constructor_default(family, key))
-        if own.get(key, value) != value or key not in own:
+        if key not in own or own[key] != value:
             take(f"kwargs.{key}", own.get(key), value)
             own[key] = value
     dcfg.model.kwargs = own
-    from framework.models.backbones import DATA_FIELDS
-
     return {key: file for key in fields if key in DATA_FIELDS}, [f"{', '.join(changed)} from {file}"] if changed else []
 
 

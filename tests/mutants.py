@@ -831,8 +831,8 @@ MUTANTS = [
            ("tests/test_recipes.py::test_a_diffusers_folder_builds_the_model_its_config_json_describes",)),
     Mutant("released_user_key_not_checked", "init_from= a diffusers folder: a model key the user set that contradicts "
            "its config.json is replaced silently instead of refused",
-           (("framework/preflight.py", "        if key in mine and current is not None:\n            refuse(key, current, value)",
-             "        if False:\n            refuse(key, current, value)"),),
+           (("framework/preflight.py", "        if key in mine and current is not None:\n            raise ValueError(",
+             "        if False:\n            raise ValueError("),),
            ("tests/test_recipes.py::test_a_key_the_user_set_that_contradicts_the_folder_is_refused_naming_both",)),
     Mutant("hflip_ignored", "data.hflip=true trains on the stored latents, never mirrored",
            (("framework/data/datamodule.py", '        if "latents_std" in batch or self.cfg.hflip:',

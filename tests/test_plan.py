@@ -4,7 +4,6 @@ and a training run that reads them without writing to its config."""
 from __future__ import annotations
 
 import math
-import types
 
 import lightning.pytorch as pl
 import pytest
@@ -73,7 +72,7 @@ def test_a_run_reads_its_plan_and_leaves_the_config_as_composed(tmp_path, digits
 
     extra = torch.load(out["checkpoint"], map_location="cpu", weights_only=True)[CKPT_KEY]
     assert (extra["global_batch"], extra["images_seen"]) == (12, 24)
-    assert types.SimpleNamespace(**extra["config"]["data"]).batch_size == 5
+    assert extra["config"]["data"]["batch_size"] == 5
 
 
 def test_the_data_partitions_fit_the_job_s_node_count_or_the_plan_refuses_it():

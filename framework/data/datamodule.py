@@ -448,13 +448,17 @@ CANONICAL_NODES = (15360, 7680, 3840, 1920, 960, 480, 240, 120, 48, 24, 12, 6, 2
 SAMPLES_PER_PARTITION = 4
 
 
+def fitting_nodes(ncn: int, most: int) -> list[int]:
+    """The node counts up to `most` that Streaming can start with `ncn` canonical nodes (one divides the other)."""
+    return [n for n in range(1, most + 1) if ncn % n == 0 or n % ncn == 0]
+
+
 def check_canonical_nodes(setting: Any, ncn: Optional[int], nodes: int, num_samples: int) -> None:
     """Refuse a num_canonical_nodes that a job of `nodes` nodes cannot start with (Streaming needs one of the two to
     divide the other), naming the node counts that can and the key to set."""
     if ncn is None or ncn % nodes == 0 or nodes % ncn == 0:
         return
-    fits = [n for n in range(1, 2 * ncn + 1) if ncn % n == 0 or n % ncn == 0]
-    near = sorted(sorted(fits, key=lambda n: (abs(n - nodes), n))[:4])
+    near = sorted(sorted(fitting_nodes(ncn, 2 * ncn), key=lambda n: (abs(n - nodes), n))[:4])
     how = f"auto chose it for {num_samples} samples" if setting == "auto" else "as set"
     raise ValueError(f"data.num_canonical_nodes={ncn} ({how}) cannot start a job of {nodes} nodes: Streaming needs "
                      f"one of the two to divide the other. Run on {', '.join(map(str, near[:-1]))} or {near[-1]} nodes, or set "

@@ -9,7 +9,7 @@ this file owns the glue they share: one call signature for all families, validat
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +125,7 @@ class ModelConfig:
 
     def filled(self) -> ModelConfig:
         """This config with its unset data-decided fields from `made_for` (a model outside a training run)."""
-        import dataclasses
-
-        return dataclasses.replace(self, **{k: v for k, v in self.made_for.items() if getattr(self, k) is None})
+        return replace(self, **{k: v for k, v in self.made_for.items() if getattr(self, k) is None})
 
     def unset_data_fields(self) -> list[str]:
         """The data-decided fields this model still needs (null: the dataset's, not yet given)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from framework.data.datamodule import (SAMPLES_PER_PARTITION, canonical_nodes, check_canonical_nodes,
+from framework.data.datamodule import (SAMPLES_PER_PARTITION, canonical_nodes, check_canonical_nodes, fitting_nodes,
                                          split_global_batch)
 from framework.training.optim import scaled_lr
 
@@ -62,23 +62,22 @@ def resolve(cfg: Any, world_size: int, fitted: tuple[str, ...] = (), nodes: int 
         micro, accumulation = split_global_batch(asked, data_parallel, cfg.data.batch_size)
         why.append(f"data.global_batch_size={asked} on {data_parallel} data-parallel rank(s): the fewest micro-batches "
                    f"of at most data.batch_size={cfg.data.batch_size}")
-    opt = cfg.optimizer
-    lr = scaled_lr(opt, micro * data_parallel * accumulation)
+    opt, global_batch = cfg.optimizer, micro * data_parallel * accumulation
+    lr = scaled_lr(opt, global_batch)
     if opt.lr_scaling != "none":
         factor = "sqrt" if opt.lr_scaling == "sqrt" else ""
         why.append(f"optimizer.lr_scaling={opt.lr_scaling}: optimizer.lr={opt.lr:g} x {factor}("
-                   f"{micro * data_parallel * accumulation}/{opt.lr_reference_batch}) (optimizer.lr_reference_batch)")
+                   f"{global_batch}/{opt.lr_reference_batch}) (optimizer.lr_reference_batch)")
     if num_samples is not None:
         setting = cfg.data.num_canonical_nodes
         ncn = canonical_nodes(setting, num_samples)
         check_canonical_nodes(setting, ncn, nodes, num_samples)
         if setting == "auto":
             why.append(f"data.num_canonical_nodes=auto: {ncn} for {num_samples} samples (at least "
-                       f"{SAMPLES_PER_PARTITION} a partition); node counts it fits: {fitting_nodes(ncn)}")
+                       f"{SAMPLES_PER_PARTITION} a partition); node counts it fits: {listed(fitting_nodes(ncn, 256))}")
     return RunPlan(world_size, sp, micro, accumulation, lr, tuple(why))
 
 
-def fitting_nodes(ncn: int, most: int = 256) -> str:
-    """The node counts up to `most` that start with `ncn` canonical nodes, as the plan prints them."""
-    fits = [n for n in range(1, most + 1) if ncn % n == 0 or n % ncn == 0]
-    return ", ".join(map(str, fits[:12])) + (f", ... {fits[-1]}" if len(fits) > 12 else "")
+def listed(counts: list[int], first: int = 12) -> str:
+    """`counts` as the plan prints them: the first few, then the last."""
+    return ", ".join(map(str, counts[:first])) + (f", ... {counts[-1]}" if len(counts) > first else "")
