@@ -29,6 +29,12 @@ from typing import Any
 from data_prep.record import write_json_atomic
 
 
+def cache_dir() -> Path:
+    """This machine's cache of things computed once and reused by later runs (`LATENTFORGE_CACHE`, default
+    ~/.cache/latentforge): the evaluation's scorers, the verdicts of shard checks."""
+    return Path(os.environ.get("LATENTFORGE_CACHE") or Path.home() / ".cache" / "latentforge")
+
+
 def is_remote(path: str | None) -> bool:
     """An object-store URL (s3://, gs://, ...) rather than a path on this machine."""
     return path is not None and urllib.parse.urlparse(str(path)).scheme not in ("", "file")

@@ -65,6 +65,12 @@ class TrainerConfig:
     refused otherwise."""
     enable_progress_bar: bool = True
     """Show the progress bar."""
+    hang_timeout_s: float | None = None
+    """A rank that waits longer than this in one training step, one fetch of the data loader or one checkpoint save
+    ends the job, printing its host and every thread's stack (framework/training/watchdog.py), so that the job's
+    failure handling (requeue) takes over instead of every rank idling until strategy.timeout_s; it must be below
+    that. Timed from the end of the first micro-batch; sampling and evaluation are not timed. null: a third of
+    strategy.timeout_s (600 s by default); 0: no watch."""
     memory_limit_gb: float | None = None
     """The memory a rank may use: a run predicted to need more is refused at start-up with the prediction and the keys
     that lower it (framework/training/memory.py); null: the GPU's memory, or the host's RAM on a CPU; 0: no check."""
@@ -77,6 +83,8 @@ class TrainerConfig:
         if self.memory_limit_gb is not None and self.memory_limit_gb < 0:
             raise ValueError(f"trainer.memory_limit_gb={self.memory_limit_gb} must be >= 0 (0: no check; null: the "
                              "device's memory)")
+        if self.hang_timeout_s is not None and self.hang_timeout_s < 0:
+            raise ValueError(f"trainer.hang_timeout_s={self.hang_timeout_s} must be >= 0 (seconds; 0: no watch)")
         if self.keep_checkpoints < 0:
             raise ValueError(f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 "
                              "(how many numbered checkpoints to keep besides last.ckpt; 0 keeps only last.ckpt)")
@@ -277,6 +285,10 @@ def validate(cfg: TrainConfig) -> None:
     check_plugins(cfg.plugins)
     m = cfg.model
     t = cfg.trainer
+    if t.hang_timeout_s is not None and t.hang_timeout_s >= cfg.strategy.timeout_s:
+        raise ValueError(f"trainer.hang_timeout_s={t.hang_timeout_s:g} must be below strategy.timeout_s="
+                         f"{cfg.strategy.timeout_s} (the process group's own timeout, which would end a hung job "
+                         "first, without saying where): lower it, or raise strategy.timeout_s")
     n_devices = len(t.devices) if isinstance(t.devices, (list, tuple)) else t.devices
     if cfg.strategy.name == "single" and ((isinstance(n_devices, int) and n_devices > 1) or t.num_nodes > 1):
         raise ValueError(f"strategy=single runs on one device but trainer.devices={t.devices}, "

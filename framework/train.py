@@ -145,6 +145,11 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
     # failure there cannot lose the run. PruneHpcCheckpoints after it: it compares with the final last.ckpt.
     callbacks = [FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"), PruneHpcCheckpoints(run_dir), *callbacks,
                  *preemption_callbacks(run_dir, t.grace_check)]
+    hang_s = cfg.strategy.timeout_s / 3 if t.hang_timeout_s is None else t.hang_timeout_s
+    if hang_s:  # first: a step is timed from before any other callback's start-of-batch work
+        from framework.training.watchdog import HangWatchdog
+
+        callbacks.insert(0, HangWatchdog(hang_s, run_dir))
     return pl.Trainer(
         strategy=build_strategy(cfg.strategy, default_precision(cfg)),
         plugins=build_plugins(cfg),

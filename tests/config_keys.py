@@ -752,6 +752,10 @@ KEYS: dict[str, dict] = {
     "trainer.grace_check": {"tests": [
         "tests/test_distributed.py::test_grace_check_refuses_a_slurm_run_whose_save_outlasts_kill_wait",
     ], "mutant": "grace_check_key_ignored"},
+    "trainer.hang_timeout_s": {"tests": [
+        "tests/test_large_jobs.py::test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited",
+        "tests/test_large_jobs.py::test_a_hang_timeout_the_process_group_would_outlast_is_refused",
+    ], "mutant": "hang_timeout_ignored"},
     "trainer.keep_checkpoints": {"tests": [
         "tests/test_checkpoints.py::test_async_saves_resume_like_sync_ones",
         "tests/test_checkpoints.py::test_keep_checkpoints_keeps_the_newest_numbered_files_across_a_resume",

@@ -361,3 +361,16 @@ def test_bench_finetune_measures_each_arm_beside_its_predicted_peak(tmp_path):
     assert row["samples_per_s"] > 0 and row["peak_gib"] > 0
     assert row["measured_over_predicted"] == pytest.approx(row["peak_gib"] / row["predicted_gib"], rel=1e-12)
     assert "measured_over_predicted" in proc.stdout
+
+
+def test_bench_startup_times_each_phase_at_each_rank_count(tmp_path):
+    out = tmp_path / "startup.json"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "startup", "ranks=[1,3]", "shards=12", "shard_kib=16",
+                       f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["ranks"] for r in rows] == [1, 3]
+    phases = ("rendezvous", "check_every", "check_once", "check_requeue", "index")
+    assert all(r[p] > 0 for r in rows for p in phases)
+    # The requeue's start reads no shard (the verdict is kept); its first start read every one.
+    assert "shards: 0 files checked (hash)" in proc.stdout and "shards: 13 files checked (hash)" in proc.stdout

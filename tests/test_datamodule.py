@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import textwrap
 import threading
@@ -239,6 +240,43 @@ def test_cache_of_another_dataset_fails(digits_shards, tmp_path):
     (cache / "index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"the cache {cache} \\(data.local\\) holds another dataset.*Delete {cache}"):
         LatentDataModule(DataConfig(path=str(digits_shards), local=str(cache))).setup("fit")
+
+
+def test_a_later_start_checks_only_the_shard_files_changed_since_the_last_check(digits_shards, tmp_path):
+    """A requeue or a resume starts on the shards the job's first start checked: their verdict is kept (per index,
+    host, mode and folders) and only files written since are read again."""
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    files = len(list(copy.glob("part_*/shard.*.mds.zstd")))
+    assert check_shards(copy, None, str(copy), "hash", verdicts=True) == files
+    assert check_shards(copy, None, str(copy), "hash", verdicts=True) == 0
+    assert check_shards(copy, None, str(copy), "size", verdicts=True) == files  # another mode, its own verdict
+    assert check_shards(copy, None, str(copy), "hash") == files  # (without verdicts every file is read)
+    shard = min(copy.glob("part_*/shard.*.mds.zstd"))
+    intact = shard.read_bytes()
+    stat = shard.stat()
+    shard.write_bytes(flip(intact, len(intact) // 2))  # same size, mtime set back: its ctime still moves
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ValueError, match=f"shard {shard} is corrupt: its xxh64 hash differs"):
+        check_shards(copy, None, str(copy), "hash", verdicts=True)
+    shard.write_bytes(intact)
+    assert check_shards(copy, None, str(copy), "hash", verdicts=True) == 1
+    read_batch(copy)  # Streaming decompresses a shard beside its .zstd: the new .mds is checked
+    assert check_shards(copy, None, str(copy), "hash", verdicts=True) == 1
+
+
+def test_the_ranks_of_a_job_receive_rank_0s_shard_verdict(digits_shards, tmp_path):
+    """Rank 0 checks the dataset folder and the others wait for its verdict, so a start of 256 ranks reads the
+    shard files once, and every rank stops with the same error."""
+    copy = Path(shutil.copytree(digits_shards, tmp_path / "copy"))
+    shard = min(copy.glob("part_*/shard.*.mds.zstd"))
+    shard.write_bytes(flip(shard.read_bytes(), 100))
+    out = tmp_path / "ranks"
+    proc = torchrun(2, "-m", "tests.workers.shard_check", str(copy), str(out), tmp=tmp_path, fork=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2))
+    assert r0["read"][-1] == shard.name and r1["read"] == []  # rank 0 read up to the corrupt file, rank 1 none
+    assert r0["error"].startswith(f"ValueError: shard {shard} is corrupt: its xxh64 hash differs")
+    assert r1["error"] == f"{r0['error']} (found by rank 0 on {socket.gethostname()})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ def test_scorer_and_judge_train_on_disjoint_halves_and_the_scorer_is_cached():
     assert len(as_set(xs) & as_set(xj)) <= 2
     assert set(np.unique(ys)) == set(np.unique(yj)) == set(range(10))
 
-    from framework.evaluation.metrics import DigitScorer, cache_dir
+    from data_prep.location import cache_dir
+    from framework.evaluation.metrics import DigitScorer
 
     first = digit_scorer()
     assert len(list(cache_dir().glob("digit_scorer_v*.pt"))) == 1

@@ -241,6 +241,51 @@ def test_sbatch_job_saves_on_each_signal_and_resumes_exactly(tmp_path, digits_sh
                                    torch.tensor([reference[s] for s in range(STEPS)]), **TOL)
 
 
+def training_task(run_dir: Path) -> int:
+    """The pid of the job's training process (the task srun started: python -m framework.train run.dir=RUN_DIR)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (Path(argv[0].decode()).name.startswith("python") and argv[1:3] == [b"-m", b"framework.train"]
+                and f"run.dir={run_dir}".encode() in argv):
+            return int(proc.name)
+    raise AssertionError(f"no training process of {run_dir}")
+
+
+def test_sbatch_job_whose_rank_is_killed_is_requeued_and_continues_exactly(tmp_path, digits_shards, reference):
+    """The drill of a lost rank: SIGKILL to the training task mid-run (no signal to the job, nothing saved). srun ends
+    the step as failed, launch/train.sbatch requeues the job (restart 1 of LATENTFORGE_MAX_RESTARTS), and the rerun
+    continues from the last periodic checkpoint: the steps after it are trained again, and every step's last logged
+    loss is the uninterrupted run's. Prints the time from the SIGKILL to a step trained again."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    job_id = sbatch_train(tmp_path, run_dir, digits_shards, cache, 1)
+    killed = []
+    try:
+        def kill() -> None:
+            wait_for("a step past the first checkpoint", lambda: len(logged_steps(run_dir)) > 11, every=0.05)
+            os.kill(training_task(run_dir), 9)
+            killed.append((time.time(), len(logged_steps(run_dir))))
+
+        when_training(job_id, run_dir, kill)
+        # Trained again: a step logged a second time (the rerun starts at the checkpoint of step 10).
+        wait_for("the rerun to train", lambda: len(set(s := logged_steps(run_dir))) < len(s), every=0.1)
+        again_s = time.time() - killed[0][0]
+        info = wait_done(job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    out = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out[-3000:]
+    assert f"requeueing job {job_id}, restart 1 of 3" in out, out[-3000:]
+    assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'last.ckpt'}" in out, out[-3000:]
+    assert losses(run_dir) == reference  # every step's last logged loss, bit-identical
+    assert sorted(set(logged_steps(run_dir))) == list(range(STEPS))
+    shm = [p.name for p in Path("/dev/shm").glob("*_locals") if str(cache).encode() in _read(p)]
+    assert not shm, f"stale Streaming shared memory for {cache}: {shm}"
+    print(f"drill: SIGKILL at step {killed[0][1]} of {STEPS}; training again {again_s:.1f} s later")
+
+
 # --------------------------------------------------------------------------------------------
 # sbatch launch/precompute.sbatch
 # --------------------------------------------------------------------------------------------

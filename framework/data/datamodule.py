@@ -33,7 +33,7 @@ from data_prep.config import TEXT_STORAGES
 from data_prep.location import is_remote
 from data_prep.record import DATASET_FILE, DatasetRecord, scale_latents
 from framework.models.conditioning import pad_and_stack
-from framework.data.shards import VALIDATE_MODES, check_shards, open_streaming
+from framework.data.shards import VALIDATE_MODES, check_shards_once, open_streaming
 from framework.data.text_storage import decode_captions, decode_text
 
 SHUFFLE_ALGOS = ("py1e", "py1br", "py1s", "py2s", "naive")  # streaming.base.shuffle's algorithms
@@ -493,6 +493,30 @@ def _same_place(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
+def timed_loader() -> type:
+    """StreamingDataLoader whose iterator adds the time each batch took to come to `fetch_s` (per-rank figures,
+    framework/training/figures.py). Made on first use: Streaming is imported only where data is read."""
+    import time
+
+    from streaming import StreamingDataLoader
+
+    class TimedStreamingLoader(StreamingDataLoader):
+        fetch_s = 0.0
+
+        def __iter__(self):  # noqa: ANN204
+            batches = super().__iter__()
+            while True:
+                start = time.perf_counter()
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                self.fetch_s += time.perf_counter() - start
+                yield batch
+
+    return TimedStreamingLoader
+
+
 class LatentDataModule(L.LightningDataModule):
     """StreamingDataset + StreamingDataLoader over precomputed latents, one shard partition per rank."""
 
@@ -508,6 +532,7 @@ class LatentDataModule(L.LightningDataModule):
         self.prepare_data_per_node = False
         self.info: Optional[DatasetInfo] = None
         self.dataset = None
+        self.loader = None  # the last training loader made (its fetch_s: this rank's wait for batches)
         self.num_canonical_nodes: Optional[int] = None  # data.num_canonical_nodes resolved (setup)
         self.buckets: list[dict] = []  # the aspect-ratio buckets read (setup)
 
@@ -583,8 +608,8 @@ class LatentDataModule(L.LightningDataModule):
         subdirs = [b["dir"] for b in self.buckets] or [None]
         join = lambda root, sub: root if sub is None or root is None else f"{str(root).rstrip('/')}/{sub}"
         for sub in subdirs:
-            check_shards(None if dataset is None else Path(join(dataset, sub)),
-                         None if cache is None else Path(join(cache, sub)), cfg.path, cfg.validate)
+            check_shards_once(None if dataset is None else Path(join(dataset, sub)),
+                              None if cache is None else Path(join(cache, sub)), cfg.path, cfg.validate)
         try:
             where: dict[str, Any] = {"remote": remote, "local": str(Path(local).expanduser()) if local else local}
             if self.buckets:
@@ -608,8 +633,6 @@ class LatentDataModule(L.LightningDataModule):
                                f"{type(err).__name__}: {err}") from err
 
     def train_dataloader(self):
-        from streaming import StreamingDataLoader
-
         if self.dataset is None:
             self.setup("fit")
         if self.cfg.num_workers:
@@ -617,13 +640,18 @@ class LatentDataModule(L.LightningDataModule):
         # A StreamingDataLoader has state_dict/load_state_dict, so Lightning's fit loop stores it in
         # checkpoints ("combined_loader") and restores it on resume; because the loader has a
         # length, Lightning does not prefetch a batch ahead, so the saved sample count is exact.
-        return StreamingDataLoader(
+        self.loader = timed_loader()(
             self.dataset, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers,
             collate_fn=LatentCollate(self.info.scaling_factor, self.info.shift_factor, self.info.downsample,
                                      self.info.text_storage, self.info.caption_layout),
             drop_last=self.cfg.drop_last, persistent_workers=self.cfg.persistent_workers,
             pin_memory=torch.cuda.is_available(),  # lets Lightning copy batches to the GPU asynchronously
         )
+        return self.loader
+
+    def fetch_seconds(self) -> float:
+        """The time this rank's training loader has spent producing batches so far (its own wait: not a peer's)."""
+        return self.loader.fetch_s if self.loader is not None else 0.0
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """What is drawn per sample and step, here on the host before the copy to the device, from the run's seed

@@ -158,20 +158,23 @@ def check_same_dataset(index: dict, index_file: Path, cache: Path) -> None:
                          f"copies this dataset into it.")
 
 
-def check_shards(dataset: Optional[Path], cache: Optional[Path], source: str, mode: str = "auto") -> None:
+def check_shards(dataset: Optional[Path], cache: Optional[Path], source: str, mode: str = "auto",
+                 parts: tuple[str, ...] = ("dataset", "cache"), verdicts: bool = False) -> int:
     """Raise one error naming the first missing or corrupt shard file, before Streaming reads any.
 
     dataset: the dataset folder when it is on this machine (None for a remote dataset);
     cache: the data.local folder, if any; source: data.path, named in the advice for cache files.
+    parts: which of the two folders to check (in a job: the dataset once, each node's cache on that node).
+    verdicts: reuse and record the verdict of earlier checks (`Verdicts`). Returns the number of files checked.
     """
     if mode == "none":
-        return
+        return 0
     if dataset is not None:
         # The merged index at the top, which Streaming reads; its basenames are relative to it
         # (part_000000/shard.00000.mds.zstd). The per-part index.json files it was merged from are not read.
         index_file = dataset / INDEX_FILE
         index = read_index(index_file)
-        if cache is not None:
+        if cache is not None and "cache" in parts:
             check_same_dataset(index, index_file, cache)
     elif cache is not None and (cache / INDEX_FILE).is_file():
         # A remote dataset: its cached index.json is what Streaming will read. (Comparing it with the
@@ -179,15 +182,101 @@ def check_shards(dataset: Optional[Path], cache: Optional[Path], source: str, mo
         index_file = cache / INDEX_FILE
         index = read_index(index_file, f"Delete it: Streaming fetches it again from {source}")
     else:
-        return  # nothing on disk yet: Streaming downloads it
-    files = shard_files(index, index_file, dataset, cache, source)
+        return 0  # nothing on disk yet: Streaming downloads it
+    files = shard_files(index, index_file, dataset if "dataset" in parts else None,
+                        cache if "cache" in parts else None, source)
     hash_all = mode == "hash" or (mode == "auto" and sum(f.entry["bytes"] for f in files) <= AUTO_HASH_LIMIT)
+    passed = Verdicts(index_file, mode, parts, [d for d in (dataset, cache) if d is not None]) if verdicts else None
+    checked = 0
     for f in files:
+        if passed is not None and passed.unchanged(f.file):
+            continue
+        checked += 1
         problem = (_size_problem(f, index_file)
                    or (f.samples is not None and _header_problem(f, index_file))
                    or (hash_all and _hash_problem(f, index_file)))
         if problem:
             raise ValueError(f"shard {f.file} is corrupt: {problem}. {f.fix}.")
+    if passed is not None:
+        passed.record([f.file for f in files])
+    return checked
+
+
+class Verdicts:
+    """The shard files that passed a check, each with the size and modification time it had then, so that a later
+    start (a requeue, a resume) of a job on the same shards checks only the files written or changed since.
+
+    Kept in `LATENTFORGE_CACHE`/shard-checks/, one file per index.json (its bytes, where it lies and on which host),
+    per validate mode: a cache folder on a node's own disk has its own verdict on each node. A shard file replaced
+    in place gets a new modification time and is checked again; one whose bytes changed with its size and time kept
+    (a disk fault, not a writer) is what `data.validate` with the cache folder removed would still find.
+    """
+
+    def __init__(self, index_file: Path, mode: str, parts: tuple[str, ...], folders: list[Path]) -> None:
+        import socket
+
+        from data_prep.location import cache_dir
+
+        key = hashlib.sha256(index_file.read_bytes())
+        key.update(f"{socket.gethostname()}|{mode}|{parts}|{[str(d.resolve()) for d in folders]}".encode())
+        self.file = cache_dir() / "shard-checks" / f"{key.hexdigest()[:32]}.json"
+        try:
+            self.files: dict[str, list[int]] = json.loads(self.file.read_text())["files"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            self.files = {}
+
+    @staticmethod
+    def _stamp(file: Path) -> list[int]:
+        st = file.stat()  # a file written again has a new ctime, whatever its mtime was set back to
+        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+    def unchanged(self, file: Path) -> bool:
+        return self.files.get(str(file)) == self._stamp(file)
+
+    def record(self, files: list[Path]) -> None:
+        from data_prep.record import write_json_atomic
+
+        self.files = {str(f): self._stamp(f) for f in files}
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.file, {"checked": time.strftime("%Y-%m-%d %H:%M:%S"), "files": self.files})
+        except OSError:  # a read-only cache folder: the next start checks everything again
+            pass
+
+
+def check_shards_once(dataset: Optional[Path], cache: Optional[Path], source: str, mode: str = "auto") -> None:
+    """check_shards for a job: the dataset folder (on a shared file system) is checked by rank 0 alone and each
+    node's cache folder by that node's first rank; the others wait and receive the verdict, so every rank raises
+    the same error (naming the rank and host that found it) or none. Verdicts of earlier starts are reused
+    (`Verdicts`). Outside a process group (one process, or ranks started without one) this process checks both."""
+    import socket
+
+    import torch.distributed as dist
+
+    if mode == "none":
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        check_shards(dataset, cache, source, mode, verdicts=True)
+        return
+    rank, leader = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")) == 0
+    parts = (("dataset",) if rank == 0 else ()) + (("cache",) if leader else ())
+    found, start = None, time.perf_counter()
+    if parts:
+        try:
+            checked = check_shards(dataset, cache, source, mode, parts, verdicts=True)
+            if rank == 0:
+                print(f"shards: {checked} files checked ({mode}) in {time.perf_counter() - start:.1f} s by rank 0, "
+                      f"unchanged ones skipped since the last check; every node's first rank checks its cache",
+                      flush=True)
+        except (FileNotFoundError, ValueError) as err:
+            found = (type(err).__name__, str(err), rank, socket.gethostname())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    first = next((f for f in everyone if f is not None), None)
+    if first is not None:
+        kind, message, by, host = first
+        error = FileNotFoundError if kind == "FileNotFoundError" else ValueError
+        raise error(message if by == rank else f"{message} (found by rank {by} on {host})")
 
 
 # ---------------------------------------------------------------------------------------------

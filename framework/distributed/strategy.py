@@ -115,10 +115,13 @@ def _job_mesh(strategy: ParallelStrategy, sequence: int, hybrid: bool = False) -
 
 class MeshDDPStrategy(DDPStrategy):
     """Lightning's DDP (frozen parameters skipped by the reducer, so no unused-parameter search) that also
-    builds the job's mesh for sequence parallelism."""
+    builds the job's mesh for sequence parallelism. Buffers are not broadcast before each forward: a diffusion
+    transformer's buffers (position tables, rotary frequencies) are made alike on every rank and never change, and the
+    broadcast would be a collective at every forward's start, making each rank wait there for the slowest (as FSDP2,
+    which never broadcasts buffers)."""
 
     def __init__(self, sequence_parallel: int = 1, timeout_s: int = 1800) -> None:
-        super().__init__(find_unused_parameters=False, timeout=timedelta(seconds=timeout_s))
+        super().__init__(find_unused_parameters=False, broadcast_buffers=False, timeout=timedelta(seconds=timeout_s))
         self.sequence_parallel = sequence_parallel
         self.mesh: Mesh | None = None
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data_prep.location import cache_dir
 from data_prep.sources.digits import MAX_VALUE, load_digits
 
 HALVES_SEED = 20241  # fixed forever: the two halves of the training digits
@@ -106,10 +107,6 @@ def _train_digit_net(images: np.ndarray, labels: np.ndarray, steps: int, seed: i
         opt.step()
         sched.step()
     return net.eval().requires_grad_(False)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LATENTFORGE_CACHE") or Path.home() / ".cache" / "latentforge")
 
 
 class DigitScorer:

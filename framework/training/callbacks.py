@@ -35,11 +35,14 @@ def module_pipeline(pl_module: pl.LightningModule, vae: str | None = None, text_
 def inference_view(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
     """The module as sampling and evaluation during training see it: eval mode, with the averaged weights when a
     plugin keeps them (a WeightAverager, e.g. plugins/ema.py); afterwards the training weights, sharded again under
-    fsdp, and the module's training mode as it was."""
+    fsdp, and the module's training mode as it was. The hang watchdog does not time it (it progresses at its own
+    pace)."""
+    from framework.training.watchdog import paused
+
     was_training = pl_module.training
     pl_module.eval()
     try:
-        with averaged_weights(trainer, pl_module), base_precision(trainer, pl_module):
+        with paused(), averaged_weights(trainer, pl_module), base_precision(trainer, pl_module):
             yield
     finally:
         reshard(pl_module.model)

@@ -68,6 +68,7 @@ class DiffusionModule(pl.LightningModule):
         self.images_seen = 0
         self._interval_loss: torch.Tensor | None = None  # the losses summed since the last logged step, and their count
         self._interval_batches = 0
+        self.arrival_ms = 0.0  # the last logging step's wait for the slowest rank (figures.arrival_wait_ms)
         self.allow_global_batch_change = allow_global_batch_change  # trainer.allow_global_batch_change
         self.plan = plan  # the run's global batch and peak lr (framework/training/plan.py), None outside a run
         self.config = config or {}  # the resolved run config, stored in every checkpoint
@@ -183,6 +184,8 @@ class DiffusionModule(pl.LightningModule):
         self._interval_loss = loss.detach() + (self._interval_loss if self._interval_loss is not None else 0.0)
         self._interval_batches += 1
         if logging_step(self.trainer):
+            if self.trainer.world_size > 1 and figures.logged(self.trainer):
+                self.arrival_ms = figures.arrival_wait_ms(self.device)  # before this step's first collective
             # Only on logging steps (and then to the progress bar too, which refreshes on those steps): the
             # average over ranks and its read on the host are a synchronisation the other steps do without.
             # Averaged over ranks, so the logged loss is the global batch's whatever the world size.

@@ -169,8 +169,9 @@ class ValidationLoss(pl.Callback):
         pl_module.eval()
         try:
             from framework.training.callbacks import base_precision
+            from framework.training.watchdog import paused
 
-            with base_precision(trainer, pl_module):
+            with paused(), base_precision(trainer, pl_module):
                 metrics = validation_loss(pl_module, self.held_out, r, world, self.batch_size, self.seed)
         finally:
             from framework.distributed.fsdp import reshard

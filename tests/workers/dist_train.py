@@ -9,6 +9,9 @@ with it before the model is sharded (a stage that trains only some parameters). 
 per micro-batch, how many gradient reduce-scatters its backward ran, per optimizer step whether
 it was skipped (gradients dropped after a non-finite loss on some rank);
 PROBE_POISON=<rank>:<micro-batch> puts a NaN into that rank's micro-batch (a bad sample on one rank).
+PROBE_SLOW=<rank>:<seconds> makes that rank's loader sleep in the collation of each batch (a slow loader).
+PROBE_BUSY=<rank>:<seconds> makes that rank sleep at the start of each step (a slow device).
+PROBE_STALL=<rank>:<step> stalls that rank at the start of that step (it sleeps ten minutes).
 PROBE_PAUSE_AT=<step> holds each rank after that optimizer step (writing run.dir/paused_rank<r>)
 until run.dir/go exists, so a test can deliver a signal at a known step boundary. A run that starts at
 step 0 writes the weights it starts from to run.dir/init_weights.pt (whole tensors, from rank 0), so tests
@@ -38,6 +41,12 @@ class Probe(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         import torch.distributed as dist
 
+        slow = os.environ.get("PROBE_SLOW")
+        if slow and int(slow.split(":")[0]) == trainer.global_rank:  # this rank's loader takes longer per batch
+            from framework.data import datamodule
+
+            collate = datamodule.LatentCollate.__call__
+            datamodule.LatentCollate.__call__ = lambda *a, **k: time.sleep(float(slow.split(":")[1])) or collate(*a, **k)
         prefix = os.environ.get("PROBE_FREEZE")
         if prefix:
             for name, p in pl_module.model.named_parameters():
@@ -86,6 +95,12 @@ class Probe(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         self.keys[trainer.global_step] = list(batch["key"])
         self._rs_in_backward = 0
+        busy = os.environ.get("PROBE_BUSY")
+        if busy and int(busy.split(":")[0]) == trainer.global_rank:
+            time.sleep(float(busy.split(":")[1]))  # inside the step, before its forward: a slow device
+        stall = os.environ.get("PROBE_STALL")
+        if stall and tuple(map(int, stall.split(":"))) == (trainer.global_rank, trainer.global_step):
+            time.sleep(600)  # a rank stalled (a dead GPU, a stuck file system) while the others go on
         poison = os.environ.get("PROBE_POISON")
         if poison and tuple(map(int, poison.split(":"))) == (trainer.global_rank, self.micro):
             batch["latents"][0, 0, 0, 0] = float("nan")

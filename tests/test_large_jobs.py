@@ -1,0 +1,69 @@
+"""What a job of many ranks needs beyond a small one: a rank that stalls ends the job saying where (the hang watchdog,
+framework/training/watchdog.py), and the logging steps say which rank the others wait for (per-rank figures)."""
+
+from __future__ import annotations
+
+import csv
+import socket
+import time
+
+import pytest
+
+from framework.config import to_object, validate
+from framework.training.watchdog import HANG_EXIT
+from tests import zygote
+from tests.helpers import compose_cfg, run_train, train_args, train_env
+
+
+def test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited(tmp_path, digits_shards):
+    """Rank 1 stops at step 3 (as on a dead GPU); rank 0 waits for it in the step's gradient all-reduce. Within the
+    hang timeout, not the process group's 30 minutes, both end with the watchdog's exit code, each naming its host,
+    what it waited in and every thread's stack, on stderr and in run.dir/hangs/."""
+    run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    args = train_args(run_dir, digits_shards, tmp / "cache", "strategy=ddp", "trainer.devices=2", "data.batch_size=8",
+                      "trainer.max_steps=6", "trainer.hang_timeout_s=4", "strategy.timeout_s=60", "logger=none")
+    start = time.monotonic()
+    ranks = zygote.lightning_ranks("tests.workers.dist_train", args, 2, train_env(tmp, {"PROBE_STALL": "1:2"}), tmp,
+                                   timeout=120)
+    took = time.monotonic() - start
+    out = [r.stdout + r.stderr for r in ranks]
+    assert [r.returncode for r in ranks] == [HANG_EXIT, HANG_EXIT], out
+    host = socket.gethostname()
+    for rank in range(2):  # rank 1 in its stall, rank 0 in the all-reduce waiting for rank 1
+        assert f"hang: rank {rank} on {host} (pid " in out[rank] and " in training step 3 (forward, backward" in out[rank]
+    assert "more than trainer.hang_timeout_s=4;" in out[1]  # (not a third of strategy.timeout_s)
+    assert "in on_train_batch_start" in out[1]  # its stack shows where it stalled: the probe's sleep
+    for rank in range(2):
+        assert (run_dir / "hangs" / f"rank{rank}.txt").read_text().startswith(f"hang: rank {rank} on {host}")
+    assert took < 50  # the process group would have waited 60 s
+
+
+def test_a_hang_timeout_the_process_group_would_outlast_is_refused():
+    with pytest.raises(ValueError, match="trainer.hang_timeout_s=300 must be below strategy.timeout_s=300"):
+        validate(to_object(compose_cfg(["trainer.hang_timeout_s=300", "strategy.timeout_s=300"])))
+    validate(to_object(compose_cfg(["trainer.hang_timeout_s=299", "strategy.timeout_s=300"])))
+
+
+@pytest.mark.parametrize("slow", ["PROBE_SLOW", "PROBE_BUSY"])
+def test_logging_steps_name_the_rank_the_others_wait_for(tmp_path, digits_shards, slow):
+    """Rank 1 is slow, 0.25 s a step, in its loader (PROBE_SLOW) or in its step before the forward (PROBE_BUSY, as a
+    slow device): the gathered figures name rank 1 the slowest, with its loader's wait the maximum in the first case
+    and rank 0's wait for it at the barrier in the second."""
+    run_dir = tmp_path / "run"
+    run_train(run_dir, digits_shards, "strategy=ddp", "trainer.devices=2", "data.batch_size=8", "trainer.max_steps=4",
+              "trainer.log_every_n_steps=2", env={slow: "1:0.25"})
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/slowest_rank")]
+    assert [int(r["step"]) for r in rows] == [1, 3]  # (0-based: the 2nd and 4th steps)
+    # (In the 2nd step's forward DDP rebuilds its gradient buckets once, a collective before the arrival barrier.)
+    for r in rows[1:]:
+        assert float(r["train/slowest_rank"]) == 1
+        if slow == "PROBE_SLOW":
+            assert float(r["train/data_wait_ms_max"]) >= 250 > float(r["train/data_wait_ms_min"])
+        else:
+            assert float(r["train/arrival_wait_ms_max"]) >= 200 > float(r["train/arrival_wait_ms_min"])
+            assert float(r["train/data_wait_ms_max"]) < 200
+        values = [float(r[f"train/step_time_ms_{k}"]) for k in ("min", "median", "max")]
+        assert 0 < values[0] <= values[1] <= values[2]
+    assert not rows[0].get("train/rank_gather_ms") and float(rows[1]["train/rank_gather_ms"]) > 0
