@@ -144,7 +144,7 @@ def run_complete(run: Path) -> bool:
     """Whether a framework.train run reached its last step (its final checkpoint is written)."""
     from omegaconf import OmegaConf
 
-    from framework.training.checkpointing import checkpoint_step
+    from framework.inference.checkpoint import checkpoint_step
 
     last = run / "checkpoints" / "last.ckpt"
     if not last.exists() or not (run / "config.yaml").exists():

@@ -99,8 +99,16 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
 class EvalCommand(EvalSettings, RankSharing, EncoderPaths):
     """Arguments of `python -m framework.eval`."""
 
-    ckpt: str = "???"
-    """Checkpoint to evaluate."""
+    ckpt: str | None = None
+    """Checkpoint to evaluate (or watch=)."""
+    watch: str | None = None
+    """A training run's folder: evaluate each of its numbered checkpoints as it appears, log eval/* into the run's
+    logger at the checkpoint's step, and end once the run has ended (framework/evaluation/watch.py)."""
+    watch_poll_s: float = 30.0
+    """With watch: how often the run's checkpoints folder is looked at."""
+    watch_idle_s: float | None = None
+    """With watch: stop after this many seconds without a new checkpoint (a run that failed and will not come back);
+    null: wait until the run ends."""
     out: str | None = None
     """Folder for the judged grid and metrics.json (default: beside the checkpoint's run dir)."""
     weights: str = "ema"
@@ -124,7 +132,22 @@ def main(cfg: EvalCommand) -> None:
 
 def run(cfg: EvalCommand) -> None:
     """The eval command on its arguments: print (and write) the metrics on rank 0."""
-    pipe = Pipeline.from_checkpoint(cfg.ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
+    if (cfg.ckpt is None) == (cfg.watch is None):
+        raise SystemExit("framework.eval: give ckpt=PATH (one checkpoint) or watch=RUN_DIR (each checkpoint of a "
+                         "training run as it appears), not " + ("both" if cfg.ckpt else "neither"))
+    if cfg.watch is not None:
+        from framework.evaluation.watch import watch
+
+        run_dir = Path(cfg.watch)
+        out = Path(cfg.out) if cfg.out else run_dir / "eval"
+        watch(run_dir, out, lambda ckpt, folder: run_one(cfg, str(ckpt), folder), cfg.watch_poll_s, cfg.watch_idle_s)
+        return
+    run_one(cfg, cfg.ckpt, Path(cfg.out) if cfg.out else Path(cfg.ckpt).resolve().parent.parent / "eval")
+
+
+def run_one(cfg: EvalCommand, ckpt: str, out: Path) -> dict[str, Any]:
+    """One checkpoint evaluated into `out`; its metrics on rank 0 ({} on the others)."""
+    pipe = Pipeline.from_checkpoint(ckpt, device=resolve_device(cfg.device), weights=cfg.weights,
                                     vae=cfg.vae, text_encoder=cfg.text_encoder, lazy=bool(cfg.decode_ranks))
     rank0 = share_ranks(pipe, cfg)
     if dataset_kind(pipe.info) is None and not cfg.real:
@@ -133,22 +156,22 @@ def run(cfg: EvalCommand) -> None:
             " digit_pairs prompt sets have a classifier. For one's own data give real=DIR_OF_HELD_OUT_IMAGES with"
             " inception=FILE and/or clip=DIR (fid, clip_score); framework.sample shows the images."
         )
-    out = Path(cfg.out) if cfg.out else Path(cfg.ckpt).resolve().parent.parent / "eval"
     out.mkdir(parents=True, exist_ok=True)
     if cfg.scaling:
         result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.sharing())
         if rank0:
             print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
             print(json.dumps(result))
-        return
+        return result
     grid = out / ("samples.png" if cfg.real else "judged.png")
     metrics = evaluate(pipe, cfg, grid if rank0 else None, cfg.sharing(), progress=True)
     if not rank0:
-        return
+        return {}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"{'grid' if cfg.real else 'judged grid'}: {grid}")
     print(eval_summary(metrics))
     print(json.dumps(metrics))
+    return metrics
 
 
 if __name__ == "__main__":

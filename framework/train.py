@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import plugins  # noqa: F401  (registers plugin callbacks and optimizers)
 from framework import config as config_lib
+from data_prep.record import write_json_atomic
+from framework.evaluation.watch import ENDED_FILE
 from framework.training.callbacks import LoggedStepThroughput, PeriodicEval, SampleGrid, evaluate_module, module_pipeline
 from framework.training.draws import StepDraws
 from framework.training.figures import StepFigures
@@ -245,6 +247,7 @@ def open_run_dir(cfg: TrainConfig, dcfg: DictConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     if writes_run_dir():  # one writer: every rank of an srun or torchrun job runs this
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
+        (run_dir / ENDED_FILE).unlink(missing_ok=True)  # training again: a watching evaluation waits for the end
     return run_dir
 
 
@@ -305,6 +308,9 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     # weights_only: restoring a checkpoint runs no pickled code (ours hold only tensors and plain values).
     trainer.fit(module, datamodule=dm, ckpt_path=resume_path(cfg, run_dir), weights_only=True)
     written = written_files(run_dir, next(cb for cb in callbacks if isinstance(cb, SampleGrid)))
+    if trainer.global_rank == 0 and not trainer.interrupted and trainer.global_step >= cfg.trainer.max_steps:
+        # its last checkpoint is written (FinalCheckpoint): `framework.eval watch=` ends once it has evaluated it
+        write_json_atomic(run_dir / ENDED_FILE, {"step": trainer.global_step, "checkpoint": written["checkpoint"]})
     if cfg.eval.at_end:
         # Every rank takes part: a sharded model needs all of them in each forward (and they share the work).
         metrics = final_eval(cfg, module, run_dir, trainer)

@@ -4,7 +4,10 @@ framework/training/watchdog.py), and the logging steps say which rank the others
 from __future__ import annotations
 
 import csv
+import json
+import os
 import socket
+import sys
 import time
 
 import pytest
@@ -60,10 +63,42 @@ def test_logging_steps_name_the_rank_the_others_wait_for(tmp_path, digits_shards
     for r in rows[1:]:
         assert float(r["train/slowest_rank"]) == 1
         if slow == "PROBE_SLOW":
-            assert float(r["train/data_wait_ms_max"]) >= 250 > float(r["train/data_wait_ms_min"])
+            assert float(r["train/data_wait_max"]) >= 250 > float(r["train/data_wait_min"])
         else:
-            assert float(r["train/arrival_wait_ms_max"]) >= 200 > float(r["train/arrival_wait_ms_min"])
-            assert float(r["train/data_wait_ms_max"]) < 200
-        values = [float(r[f"train/step_time_ms_{k}"]) for k in ("min", "median", "max")]
+            assert float(r["train/arrival_wait_max"]) >= 200 > float(r["train/arrival_wait_min"])
+            assert float(r["train/data_wait_max"]) < 200
+        values = [float(r[f"train/step_time_{k}"]) for k in ("min", "median", "max")]
         assert 0 < values[0] <= values[1] <= values[2]
     assert not rows[0].get("train/rank_gather_ms") and float(rows[1]["train/rank_gather_ms"]) > 0
+
+
+def test_a_watching_evaluation_scores_each_checkpoint_as_the_run_writes_it(tmp_path, digits_shards):
+    """`framework.eval watch=RUN_DIR`, started before the run: it evaluates checkpoints 2 and 4 as they appear, logs
+    them into the run's TensorBoard at those steps and ends with the run; each checkpoint's metrics are what
+    `framework.eval ckpt=` gives for it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from framework.train import train
+    from tests.helpers import cheap
+
+    run_dir = tmp_path / "run"
+    settings = ["seeds=1", "phrasings=1", "steps=2", "device=cpu"]
+    watcher = zygote.popen([sys.executable, "-m", "framework.eval", f"watch={run_dir}", "watch_poll_s=0.2",
+                            "watch_idle_s=600", *settings], env={**os.environ})
+    train(compose_cfg(cheap(tmp_path, digits_shards, "logger=tensorboard", "trainer.checkpoint_every_n_steps=2",
+                            steps=4)))
+    out, _ = watcher.communicate(timeout=300)
+    assert watcher.returncode == 0, out[-3000:]
+    assert "watch: the run has ended; 2 checkpoints evaluated" in out
+    watched = json.loads((run_dir / "eval" / "watched.json").read_text())
+    assert sorted(watched) == ["2", "4"]
+    alone = zygote.run([sys.executable, "-m", "framework.eval", f"ckpt={run_dir / 'checkpoints' / 'step0000004.ckpt'}",
+                        f"out={tmp_path / 'alone'}", *settings], env={**os.environ}, timeout=300)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    timeless = lambda m: {k: v for k, v in m.items() if k != "images_per_s"}  # noqa: E731
+    assert timeless(watched["4"]) == timeless(json.loads((tmp_path / "alone" / "metrics.json").read_text()))
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    accuracy = events.Scalars("eval/prompt_accuracy")
+    assert [(e.step, round(e.value, 6)) for e in accuracy] == [(s, round(watched[str(s)]["prompt_accuracy"], 6))
+                                                                for s in (2, 4)]

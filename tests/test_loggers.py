@@ -87,3 +87,32 @@ def test_wandb_offline_logs_loss_lr_throughput_and_grids_and_resumes_the_same_ru
         seen = {r["trainer/global_step"]: r["trainer/images_seen"] for r in rows_of_run if "trainer/images_seen" in r}
         assert seen == {s: (s + 1) * batch for s in want_steps}, seen
 
+
+
+@pytest.mark.parametrize("kind", ["csv", "wandb"])
+def test_a_watching_evaluation_logs_into_the_runs_logger(tmp_path, offline_wandb, kind):
+    """framework.eval watch='s metrics of each checkpoint, at its step: csv to its own metrics.csv (the training owns
+    run.dir's), W&B to an offline run of the training run's group named <name>-eval, over trainer/global_step."""
+    import csv
+
+    from framework.evaluation.watch import RunLogger
+
+    run_dir, out = tmp_path / "run", tmp_path / "run" / "eval"
+    out.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"name: digits\nlogger:\n  kind: {kind}\n  mode: offline\n  group: null\n")
+    (run_dir / "wandb_id.txt").write_text("train123")
+    logger = RunLogger(run_dir, out)
+    logger.log({"eval/prompt_accuracy": 0.25, "eval/fd": 3.0}, 2)
+    logger.log({"eval/prompt_accuracy": 0.5, "eval/fd": 2.0}, 4)
+    logger.close()
+    if kind == "csv":
+        rows = list(csv.DictReader((out / "metrics.csv").open(newline="")))
+        assert [(r["step"], r["eval/prompt_accuracy"], r["eval/fd"]) for r in rows] == [("2", "0.25", "3.0"),
+                                                                                        ("4", "0.5", "2.0")]
+        return
+    files = list(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    record = run_record(files[0])
+    assert (record.display_name, record.run_group, record.job_type) == ("digits-eval", "train123", "eval")
+    rows = [r for r in history(files[0]) if "eval/prompt_accuracy" in r]
+    assert [(r["trainer/global_step"], r["eval/prompt_accuracy"]) for r in rows] == [(2, 0.25), (4, 0.5)]

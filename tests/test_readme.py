@@ -23,11 +23,15 @@ NOT_HYDRA = {"pytest"}  # `python -m pytest -q tests`: the suite itself
 def readme_commands(path: Path = ROOT / "README.md") -> list[tuple[str, list[str]]]:
     """(module, arguments) of every `python -m MODULE ...` in the README's bash blocks (continuation lines joined,
     comments dropped, `a && b` split); `sbatch ... launch/NAME.sbatch ARGS` is the module that script runs
-    (`python -m MODULE` in it) with ARGS."""
+    (`python -m MODULE` in it) with ARGS, and `sbatch ... --wrap "COMMAND"` the command it wraps."""
     found = []
     for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            tokens = shlex.split(line, comments=True)
+        lines = block.replace("\\\n", " ").splitlines()
+        while lines:
+            tokens = shlex.split(lines.pop(0), comments=True)
+            if tokens[:1] == ["sbatch"] and "--wrap" in tokens:
+                lines.insert(0, tokens[tokens.index("--wrap") + 1])
+                continue
             while tokens:
                 cut = tokens.index("&&") if "&&" in tokens else len(tokens)
                 part, tokens = tokens[:cut], tokens[cut + 1:]

@@ -24,6 +24,14 @@ METADATA_FILE = "meta.pt"  # what Lightning names the non-tensor part of a shard
 # --------------------------------------------------------------------------------------------
 
 
+def checkpoint_step(path: Path) -> int:
+    """The global step a checkpoint was written at (a folder's meta.pt, or a file read lazily)."""
+    if path.is_dir():
+        return int(torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)["global_step"])
+    # mmap: only the pages holding the small "global_step" entry are read, not the tensors.
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+
+
 def is_sharded(path: str | os.PathLike) -> bool:
     """A DCP checkpoint folder (Lightning's layout)."""
     p = Path(path)

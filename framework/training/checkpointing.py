@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from framework.inference.checkpoint import CKPT_KEY, METADATA_FILE, is_sharded
+from framework.inference.checkpoint import CKPT_KEY, METADATA_FILE, checkpoint_step, is_sharded  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -140,14 +140,6 @@ def _complete(path: Path) -> bool:
 
 def _stamp(path: Path) -> float:
     return (path / METADATA_FILE).stat().st_mtime if path.is_dir() else path.stat().st_mtime
-
-
-def checkpoint_step(path: Path) -> int:
-    """The global step a checkpoint was written at (a folder's meta.pt, or a file read lazily)."""
-    if path.is_dir():
-        return int(torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)["global_step"])
-    # mmap: only the pages holding the small "global_step" entry are read, not the tensors.
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
 def _remove(path: Path) -> None:

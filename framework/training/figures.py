@@ -8,21 +8,21 @@ synchronisation, which the other steps do without.
     train/loss_t0..3      the loss per quarter of the noise-level range (t0: least noise), over the global batch
     train/grad_norm       the global gradient norm (framework/training/finite.py), before clipping
     trainer/images_seen   samples of the whole job trained on so far (DiffusionModule.images_seen)
-and, with more than one rank, each rank's figures gathered (step and wait: its mean per optimizer step since the
-previous logging step):
-    train/step_time_ms_{min,median,max}     a step (its micro-batches) from the batch's start to its end; it holds
-                                            the waits for slower ranks in the step's collectives, so it tells a
-                                            slow job, not a slow rank
-    train/data_wait_ms_{min,median,max}     the time its loader took to produce its batches (its own: not a wait
-                                            for a peer in some callback's collective)
-    train/arrival_wait_ms_{min,median,max}  at the logging step's last micro-batch, after the forward and before the
-                                            step's first collective: how long it waited for the last rank to get
-                                            there (arrival_wait_ms); the slowest rank waits about nothing. Under FSDP
-                                            the forward's all-gathers come first, so only the part of a slow rank's
-                                            forward after its last all-gather shows here
-    train/slowest_rank                      the rank with the largest data wait less arrival wait: a rank slow to load
-                                            or to compute shows as later than its peers in one or the other
-    train/rank_gather_ms                    what the previous logging step's gather of these figures cost
+and, with more than one rank, each rank's figures gathered, in milliseconds (step and wait: its mean per optimizer
+step since the previous logging step):
+    train/step_time_{min,median,max}     a step (its micro-batches) from the batch's start to its end; it holds the
+                                         waits for slower ranks in the step's collectives, so it tells a slow job,
+                                         not a slow rank
+    train/data_wait_{min,median,max}     the time its loader took to produce its batches (its own: not a wait for a
+                                         peer in some callback's collective)
+    train/arrival_wait_{min,median,max}  at the logging step's last micro-batch, after the forward and before the
+                                         step's first collective: how long it waited for the last rank to get there
+                                         (arrival_wait_ms); the slowest rank waits about nothing. Under FSDP the
+                                         forward's all-gathers come first, so only the part of a slow rank's forward
+                                         after its last all-gather shows here
+    train/slowest_rank                   the rank with the largest data wait less arrival wait: a rank slow to load
+                                         or to compute shows as later than its peers in one or the other
+    train/rank_gather_ms                 what the previous logging step's gather of these figures cost
 Under CUDA the step is timed by the device (events, read at the logging step), the data wait by the host; the
 arrival barrier adds one host synchronisation per logging step.
 and the FLOPs of a batch (batch_flops), which Lightning's ThroughputMonitor (framework.training.callbacks.
@@ -146,7 +146,7 @@ class RankTimes:
         return mine
 
 
-RANK_FIGURES = ("step_time_ms", "data_wait_ms", "arrival_wait_ms")
+RANK_FIGURES = ("step_time", "data_wait", "arrival_wait")  # milliseconds
 
 
 def log_rank_figures(trainer: pl.Trainer, pl_module: pl.LightningModule, mine: list[float], gather_ms: float) -> float:
