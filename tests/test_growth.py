@@ -392,3 +392,23 @@ def test_growth_study_gives_grown_only_overrides_to_tagged_grown_arms(tmp_path):
     assert study.report_path(study.GrowthStudy(out=str(tmp_path))) == tmp_path / "growth"
     with pytest.raises(ValueError, match="need a grown_tag"):
         study.GrowthStudy(grown_overrides=["plugins.growth.new_lr_scale=4"])
+
+
+def test_a_studys_flops_per_step_count_the_global_batch_of_the_job(tmp_path):
+    """The FLOPs of a step are the job's: a run of 4 ranks x 16 per device x 2 micro-batches took 128 samples a step,
+    whatever data.batch_size says."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from framework.inference.checkpoint import CKPT_KEY
+    from framework.studies import growth as study
+    from tests.helpers import compose_cfg
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = compose_cfg(["model.in_channels=1", "model.sample_size=8", "model.text_dim=384", "data.batch_size=16"])
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    torch.save({"global_step": 4, CKPT_KEY: {"global_batch": 16}}, run / "checkpoints" / "last.ckpt")
+    one = study.flops_per_step(run)
+    torch.save({"global_step": 4, CKPT_KEY: {"global_batch": 128}}, run / "checkpoints" / "last.ckpt")
+    assert study.flops_per_step(run) == pytest.approx(8 * one) and one > 0

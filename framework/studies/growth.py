@@ -119,9 +119,12 @@ def train_arm(cmd: GrowthStudy, arm: str, seed: int) -> Path:
 
 
 def flops_per_step(run: Path) -> float:
-    """Training FLOPs of one optimizer step of the run's model (counted on a batch shaped like its data)."""
+    """Training FLOPs of one optimizer step of the run's model (counted on a batch shaped like its data) over the
+    whole job: per sample, times the global batch its checkpoint records (micro-batch x data-parallel ranks x
+    accumulation, as the run plan decided it)."""
     import torch
 
+    from framework.inference.checkpoint import CKPT_KEY, METADATA_FILE
     from framework.models.backbones import build_denoiser, to_model_config
     from framework.models.flops import count_train_flops_per_sample
 
@@ -133,7 +136,10 @@ def flops_per_step(run: Path) -> float:
     if m.num_classes is not None:
         batch["label"] = torch.zeros(2, dtype=torch.long)
     per_sample = count_train_flops_per_sample(build_denoiser(m), batch)
-    return float(per_sample * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches)
+    last = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(last / METADATA_FILE if last.is_dir() else last, map_location="cpu", weights_only=True,
+                       mmap=not last.is_dir())
+    return float(per_sample * saved[CKPT_KEY]["global_batch"])
 
 
 def evaluations(run: Path) -> dict[int, dict[str, float]]:
