@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -3,15 +3,16 @@ every GPU of the allocation until the process group's own timeout (strategy.time
 
 A thread of each rank watches what the training loop is doing, from Lightning's hooks:
     a training step     from a batch's start to its end: forward, backward, the gradient collectives, the optimizer
-    the data loader     from a step's end to the next batch's start: the other callbacks' end-of-step work (those
-                        that sample or save are timed on their own), the fetch and the transfer of the next batch
+    the data loader     from a step's end to the next batch's start: the other callbacks' end-of-step work (a save
+                        is timed on its own, sampling and evaluation not at all), the fetch and the transfer of the next batch
     a checkpoint save   around trainer.save_checkpoint (periodic, preemption and final saves)
 When one of them has lasted longer than the timeout, the thread prints which rank on which host waited how long in
 what, and every thread's Python stack (faulthandler), writes the same into run.dir/hangs/rank<r>.txt, and ends the
 process with exit code HANG_EXIT. A rank waiting on a stalled peer and the stalled rank itself both report; the
 launcher (torchrun, srun --kill-on-bad-exit) then ends the job as failed, and launch/train.sbatch's requeue of failed
-jobs takes over. The watch starts once the process's first micro-batch has ended (a resumed run's too) (compilation, autotuning and the first fetch take
-as long as they take) and pauses while the run samples or evaluates, which progresses at its own pace.
+jobs takes over. The watch starts once the process's first micro-batch has ended, a resumed run's too (compilation,
+autotuning and the first fetch take as long as they take), and pauses while the run samples or evaluates, which
+progresses at its own pace.
 """
 
 from __future__ import annotations
