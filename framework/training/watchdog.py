@@ -7,7 +7,7 @@ A thread of each rank watches what the training loop is doing, from Lightning's 
                         is timed on its own, sampling and evaluation not at all), the fetch and the transfer of the next batch
     a checkpoint save   around trainer.save_checkpoint (periodic, preemption and final saves)
 When one of them has lasted longer than the timeout, the thread prints which rank on which host waited how long in
-what, and every thread's Python stack (faulthandler), writes the same into run.dir/hangs/rank<r>.txt, and ends the
+what, and every thread's Python stack, writes the same into run.dir/hangs/rank<r>.txt, and ends the
 process with exit code HANG_EXIT. A rank waiting on a stalled peer and the stalled rank itself both report; the
 launcher (torchrun, srun --kill-on-bad-exit) then ends the job as failed, and launch/train.sbatch's requeue of failed
 jobs takes over. The watch starts once the process's first micro-batch has ended, a resumed run's too (compilation,
@@ -17,7 +17,6 @@ progresses at its own pace.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import socket
 import sys
@@ -126,19 +125,29 @@ class HangWatchdog(pl.Callback):
         host = socket.gethostname()
         head = (f"hang: rank {self._rank} on {host} (pid {os.getpid()}) waited {waited:.0f} s in {what}, more than "
                 f"trainer.hang_timeout_s={self.timeout_s:g}; ending the job (exit {HANG_EXIT}). Every thread's stack:")
-        print(head, file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        report = f"{head}\n{stacks()}"
+        print(report, file=sys.stderr, flush=True)
         try:
             folder = self.run_dir / "hangs"
             folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / f"rank{self._rank}.txt", "w") as f:
-                f.write(head + "\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
+            (folder / f"rank{self._rank}.txt").write_text(report)
         except OSError:
             pass
         sys.stderr.flush()
         os._exit(HANG_EXIT)
+
+
+def stacks() -> str:
+    """Every thread's Python stack, innermost call last (as faulthandler prints them, but as text that any stream
+    takes, a notebook's too)."""
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                   + "".join(traceback.format_stack(frame)))
+    return "\n".join(out)
 
 
 def _watch(dog: Callable[[], HangWatchdog | None], stop: threading.Event, poll_s: float) -> None:
