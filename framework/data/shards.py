@@ -203,13 +203,14 @@ def check_shards(dataset: Optional[Path], cache: Optional[Path], source: str, mo
 
 
 class Verdicts:
-    """The shard files that passed a check, each with the size and modification time it had then, so that a later
-    start (a requeue, a resume) of a job on the same shards checks only the files written or changed since.
+    """The shard files that passed a check, each with the size, modification and change times and inode it had then,
+    so that a later start (a requeue, a resume) of a job on the same shards checks only the files written or changed
+    since.
 
     Kept in `LATENTFORGE_CACHE`/shard-checks/, one file per index.json (its bytes, where it lies and on which host),
-    per validate mode: a cache folder on a node's own disk has its own verdict on each node. A shard file replaced
-    in place gets a new modification time and is checked again; one whose bytes changed with its size and time kept
-    (a disk fault, not a writer) is what `data.validate` with the cache folder removed would still find.
+    per validate mode and parts: a cache folder on a node's own disk has its own verdict on each node. A shard file
+    written again gets a new change time (whatever its modification time is set back to) and is checked again; bytes
+    changed by a disk fault, with no write, are found again once LATENTFORGE_CACHE/shard-checks/ is emptied.
     """
 
     def __init__(self, index_file: Path, mode: str, parts: tuple[str, ...], folders: list[Path]) -> None:

@@ -30,17 +30,14 @@ WATCHED_FILE = "watched.json"
 def numbered_checkpoints(run_dir: Path) -> dict[int, Path]:
     """The complete checkpoints of a run, by step: the numbered ones (ModelCheckpoint names them by step), and
     last.ckpt when it is a file of its own (trainer.keep_checkpoints=0), not a link to one of them."""
-    from framework.inference.checkpoint import checkpoint_step, is_sharded
-
-    def complete(path: Path) -> bool:
-        return is_sharded(path) or (path.is_file() and path.stat().st_size > 0)
+    from framework.inference.checkpoint import checkpoint_step, is_complete
 
     found = {}
     for path in (run_dir / "checkpoints").glob("step*.ckpt"):
-        if not path.is_symlink() and path.name[4:-5].isdigit() and complete(path):
+        if not path.is_symlink() and path.name[4:-5].isdigit() and is_complete(path):
             found[int(path.name[4:-5])] = path
     last = run_dir / "checkpoints" / "last.ckpt"
-    if last.exists() and not last.is_symlink() and complete(last):
+    if last.exists() and not last.is_symlink() and is_complete(last):
         found.setdefault(checkpoint_step(last), last)
     return dict(sorted(found.items()))
 

@@ -24,12 +24,23 @@ METADATA_FILE = "meta.pt"  # what Lightning names the non-tensor part of a shard
 # --------------------------------------------------------------------------------------------
 
 
-def checkpoint_step(path: Path) -> int:
-    """The global step a checkpoint was written at (a folder's meta.pt, or a file read lazily)."""
+def checkpoint_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's entries for reading its small ones (global_step, CKPT_KEY): a folder's meta.pt, or a file
+    memory-mapped, so that only the pages the entries read are, not the tensors."""
     if path.is_dir():
-        return int(torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)["global_step"])
-    # mmap: only the pages holding the small "global_step" entry are read, not the tensors.
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+        return torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The global step a checkpoint was written at."""
+    return int(checkpoint_meta(path)["global_step"])
+
+
+def is_complete(path: Path) -> bool:
+    """Whether a checkpoint is all there: a sharded folder with its metadata, or a non-empty file (files are written
+    whole and renamed into place)."""
+    return is_sharded(path) or (path.is_file() and path.stat().st_size > 0)
 
 
 def is_sharded(path: str | os.PathLike) -> bool:

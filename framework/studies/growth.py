@@ -124,7 +124,7 @@ def flops_per_step(run: Path) -> float:
     accumulation, as the run plan decided it)."""
     import torch
 
-    from framework.inference.checkpoint import CKPT_KEY, METADATA_FILE
+    from framework.inference.checkpoint import CKPT_KEY, checkpoint_meta
     from framework.models.backbones import build_denoiser, to_model_config
     from framework.models.flops import count_train_flops_per_sample
 
@@ -136,10 +136,7 @@ def flops_per_step(run: Path) -> float:
     if m.num_classes is not None:
         batch["label"] = torch.zeros(2, dtype=torch.long)
     per_sample = count_train_flops_per_sample(build_denoiser(m), batch)
-    last = run / "checkpoints" / "last.ckpt"
-    saved = torch.load(last / METADATA_FILE if last.is_dir() else last, map_location="cpu", weights_only=True,
-                       mmap=not last.is_dir())
-    return float(per_sample * saved[CKPT_KEY]["global_batch"])
+    return float(per_sample * checkpoint_meta(run / "checkpoints" / "last.ckpt")[CKPT_KEY]["global_batch"])
 
 
 def evaluations(run: Path) -> dict[int, dict[str, float]]:

@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from framework.inference.checkpoint import CKPT_KEY, METADATA_FILE, checkpoint_step, is_sharded  # noqa: F401
+from framework.inference.checkpoint import CKPT_KEY, METADATA_FILE, checkpoint_step, is_complete
 
 # --------------------------------------------------------------------------------------------
 # Writing
@@ -70,7 +70,7 @@ class FinalCheckpoint(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         finish_saves(trainer)  # strategy.async_save: this step's save may still be in flight
         mc = trainer.checkpoint_callback
-        if mc is not None and getattr(mc, "_last_global_step_saved", -1) == trainer.global_step and _complete(self.path):
+        if mc is not None and getattr(mc, "_last_global_step_saved", -1) == trainer.global_step and is_complete(self.path):
             return
         # last.ckpt links an older numbered checkpoint: write beside it, not into it. Rank 0 decides for all (a rank
         # that looked after rank 0 unlinked it would skip the barrier the others wait in).
@@ -134,10 +134,6 @@ def save_derived(path: str | os.PathLike, weights: dict[str, torch.Tensor], sour
 # --------------------------------------------------------------------------------------------
 
 
-def _complete(path: Path) -> bool:
-    return is_sharded(path) or (path.is_file() and path.stat().st_size > 0)
-
-
 def _stamp(path: Path) -> float:
     return (path / METADATA_FILE).stat().st_mtime if path.is_dir() else path.stat().st_mtime
 
@@ -156,7 +152,7 @@ def find_resumable(run_dir: Path) -> Path | None:
     # The numbered ones too: last.ckpt links one of them, and points at nothing while an asynchronous save of
     # that step is still being written when a job dies.
     candidates += sorted((run_dir / "checkpoints").glob("step*.ckpt"))
-    found = [p for p in candidates if _complete(p)]
+    found = [p for p in candidates if is_complete(p)]
     return max(found, key=_stamp) if found else None
 
 
@@ -186,7 +182,7 @@ class PruneHpcCheckpoints(pl.Callback):
         # No save is in flight here: the previous job is gone and this one saves at batch ends only.
         for leftover in [*self.run_dir.glob("hpc_ckpt_*.ckpt.tmp"), *self.last.parent.glob("*.ckpt.tmp")]:
             _remove(leftover)
-        self.pending = {p: checkpoint_step(p) for p in self.run_dir.glob("hpc_ckpt_*.ckpt") if _complete(p)}
+        self.pending = {p: checkpoint_step(p) for p in self.run_dir.glob("hpc_ckpt_*.ckpt") if is_complete(p)}
         self._prune()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -198,7 +194,7 @@ class PruneHpcCheckpoints(pl.Callback):
             self._prune()  # build_trainer puts this callback after FinalCheckpoint
 
     def _prune(self) -> None:
-        if not self.pending or not _complete(self.last) or _stamp(self.last) == self._seen:
+        if not self.pending or not is_complete(self.last) or _stamp(self.last) == self._seen:
             return
         self._seen = _stamp(self.last)
         step = checkpoint_step(self.last)

@@ -101,7 +101,7 @@ class RankTimes:
 
     def __init__(self) -> None:
         self.wait_s = 0.0
-        self._fetch_s: float | None = None  # the loader's own fetch time when last read
+        self._fetch_s = 0.0  # the loader's own fetch time when last read
         self.spans: list[tuple[Any, Any]] = []  # (start, end) of each micro-batch
         self._start: Any = None
 
@@ -125,7 +125,7 @@ class RankTimes:
             self.wait_s += gap_s or 0.0
             return
         now = seconds()
-        self.wait_s += now - (self._fetch_s or 0.0)
+        self.wait_s += now - self._fetch_s
         self._fetch_s = now
 
     def start(self, device: torch.device) -> None:

@@ -133,13 +133,12 @@ class HangWatchdog(pl.Callback):
             (folder / f"rank{self._rank}.txt").write_text(report)
         except OSError:
             pass
-        sys.stderr.flush()
         os._exit(HANG_EXIT)
 
 
 def stacks() -> str:
-    """Every thread's Python stack, innermost call last (as faulthandler prints them, but as text that any stream
-    takes, a notebook's too)."""
+    """Every thread's Python stack, innermost call last as a traceback prints it: text, which any stream takes (a
+    notebook's stderr has no file descriptor for faulthandler)."""
     import traceback
 
     names = {t.ident: t.name for t in threading.enumerate()}
