@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import sys
-import time
 
 import pytest
 
@@ -19,17 +18,16 @@ from tests.helpers import compose_cfg, run_train, train_args, train_env
 
 
 def test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited(tmp_path, digits_shards):
-    """Rank 1 stops at step 3 (as on a dead GPU); rank 0 waits for it in the step's gradient all-reduce. Within the
-    hang timeout, not the process group's 30 minutes, both end with the watchdog's exit code, each naming its host,
-    what it waited in and every thread's stack, on stderr and in run.dir/hangs/."""
+    """Rank 1 stops at step 3 (as on a dead GPU); rank 0 waits for it in the step's gradient all-reduce. After the
+    hang timeout (4 s) both end with the watchdog's exit code, each naming its host, what it waited in and every
+    thread's stack, on stderr and in run.dir/hangs/; the exit code says the process group's own timeout (60 s here)
+    did not end them first."""
     run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
     args = train_args(run_dir, digits_shards, tmp / "cache", "strategy=ddp", "trainer.devices=2", "data.batch_size=8",
                       "trainer.max_steps=6", "trainer.hang_timeout_s=4", "strategy.timeout_s=60", "logger=none")
-    start = time.monotonic()
     ranks = zygote.lightning_ranks("tests.workers.dist_train", args, 2, train_env(tmp, {"PROBE_STALL": "1:2"}), tmp,
                                    timeout=120)
-    took = time.monotonic() - start
     out = [r.stdout + r.stderr for r in ranks]
     assert [r.returncode for r in ranks] == [HANG_EXIT, HANG_EXIT], out
     host = socket.gethostname()
@@ -39,7 +37,6 @@ def test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited(
     assert "in on_train_batch_start" in out[1]  # its stack shows where it stalled: the probe's sleep
     for rank in range(2):
         assert (run_dir / "hangs" / f"rank{rank}.txt").read_text().startswith(f"hang: rank {rank} on {host}")
-    assert took < 50  # the process group would have waited 60 s
 
 
 def test_a_hang_timeout_the_process_group_would_outlast_is_refused():
