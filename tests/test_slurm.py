@@ -258,7 +258,8 @@ def test_sbatch_job_whose_rank_is_killed_is_requeued_and_continues_exactly(tmp_p
     """The drill of a lost rank: SIGKILL to the training task mid-run (no signal to the job, nothing saved). srun ends
     the step as failed, launch/train.sbatch requeues the job (restart 1 of LATENTFORGE_MAX_RESTARTS), and the rerun
     continues from the last periodic checkpoint: the steps after it are trained again, and every step's last logged
-    loss is the uninterrupted run's. Prints the time from the SIGKILL to a step trained again."""
+    loss is the uninterrupted run's. Prints the time from the SIGKILL to a step trained again. Leaving out the node
+    (launch/requeue.py) is refused here, the cluster's only one; tests/test_requeue.py has the exclusions."""
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     job_id = sbatch_train(tmp_path, run_dir, digits_shards, cache, 1)
     killed = []
@@ -278,6 +279,9 @@ def test_sbatch_job_whose_rank_is_killed_is_requeued_and_continues_exactly(tmp_p
     out = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out[-3000:]
     assert f"requeueing job {job_id}, restart 1 of 3" in out, out[-3000:]
+    # launch/requeue.py read srun's report of the killed task; the cluster's one node cannot be left out.
+    assert (f"requeued job {job_id}; srun's first failure: srun: error: localhost: task 0: Killed; not leaving out "
+            "localhost: the job's partitions would keep 0 usable nodes for the 1 it needs") in out, out[-3000:]
     assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'last.ckpt'}" in out, out[-3000:]
     assert losses(run_dir) == reference  # every step's last logged loss, bit-identical
     assert sorted(set(logged_steps(run_dir))) == list(range(STEPS))
