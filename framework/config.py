@@ -27,6 +27,16 @@ from framework.training.optim import OptimizerConfig
 # --------------------------------------------------------------------------------------------
 
 
+def check_checkpoint_url(url: str) -> None:
+    """trainer.checkpoint_dir must be an object-store URL (framework/training/remote.py)."""
+    import urllib.parse
+
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"trainer.checkpoint_dir={url!r}: give an object-store URL, s3://bucket/prefix (checkpoints "
+                         "are in run.dir/checkpoints in any case; null keeps them there only)")
+
+
 @dataclass
 class TrainerConfig:
     """Lightning Trainer arguments plus the run's checkpoint and safety settings."""
@@ -54,6 +64,11 @@ class TrainerConfig:
     """Write checkpoints/last.ckpt (and a numbered copy) every this many steps, and at the end."""
     keep_checkpoints: int = 3
     """Numbered checkpoints (checkpoints/stepNNNNNNN.ckpt) kept besides last.ckpt: the newest N (0: none)."""
+    checkpoint_dir: str | None = None
+    """Object storage for the checkpoints besides run.dir/checkpoints, s3://bucket/prefix: each one is uploaded once
+    complete (global rank 0, in the background; the end of training waits for the last), the newest keep_checkpoints
+    stay there, and resume=auto continues from there when it holds a newer one than run.dir
+    (framework/training/remote.py). null: run.dir only."""
     grace_check: bool = True
     """Under Slurm (sbatch / srun): time a step and a probe save at each job's second step and refuse the run when
     they do not fit in Slurm's KillWait, the time SIGTERM (scancel, preemption) leaves before SIGKILL. false: train
@@ -85,6 +100,8 @@ class TrainerConfig:
                              "device's memory)")
         if self.hang_timeout_s is not None and self.hang_timeout_s < 0:
             raise ValueError(f"trainer.hang_timeout_s={self.hang_timeout_s} must be >= 0 (seconds; 0: no watch)")
+        if self.checkpoint_dir:
+            check_checkpoint_url(self.checkpoint_dir)
         if self.keep_checkpoints < 0:
             raise ValueError(f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 "
                              "(how many numbered checkpoints to keep besides last.ckpt; 0 keeps only last.ckpt)")

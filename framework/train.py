@@ -147,6 +147,10 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, callbacks: list[pl.Callback])
     # failure there cannot lose the run. PruneHpcCheckpoints after it: it compares with the final last.ckpt.
     callbacks = [FinalCheckpoint(run_dir / "checkpoints" / "last.ckpt"), PruneHpcCheckpoints(run_dir), *callbacks,
                  *preemption_callbacks(run_dir, t.grace_check)]
+    if t.checkpoint_dir:  # after FinalCheckpoint: the end of training uploads the final state too
+        from framework.training.remote import UploadCheckpoints
+
+        callbacks.insert(1, UploadCheckpoints(t.checkpoint_dir, run_dir / "checkpoints", t.keep_checkpoints))
     hang_s = cfg.strategy.timeout_s / 3 if t.hang_timeout_s is None else t.hang_timeout_s
     if hang_s:  # first: a step is timed from before any other callback's start-of-batch work
         from framework.training.watchdog import HangWatchdog
@@ -202,6 +206,13 @@ def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
 
     if cfg.resume == "auto":
         found = find_resumable(run_dir)  # newest of checkpoints/last.ckpt and Slurm's hpc_ckpt_*.ckpt
+        if cfg.trainer.checkpoint_dir:  # or object storage's, where newer (downloaded into run.dir/checkpoints)
+            from framework.inference.checkpoint import checkpoint_step
+            from framework.training.remote import fetch_newer
+
+            fetched = fetch_newer(cfg.trainer.checkpoint_dir, run_dir / "checkpoints",
+                                  checkpoint_step(found) if found else None, writes_run_dir(), cfg.strategy.timeout_s)
+            found = fetched or found
         path = str(found) if found else None
     elif not Path(cfg.resume).exists():
         raise FileNotFoundError(f"resume={cfg.resume} does not exist; give a checkpoint path, auto or null")

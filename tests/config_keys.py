@@ -749,6 +749,10 @@ KEYS: dict[str, dict] = {
         "tests/test_train.py::test_quickstart_learns_the_prompts",
         "tests/test_train.py::test_resume_auto_continues_like_an_uninterrupted_run",
     ], "mutant": None},
+    "trainer.checkpoint_dir": {"tests": [
+        "tests/test_remote.py::test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterrupted_run",
+        "tests/test_remote.py::test_a_checkpoint_dir_that_is_no_object_store_url_is_refused",
+    ], "mutant": "remote_checkpoint_never_fetched"},
     "trainer.grace_check": {"tests": [
         "tests/test_distributed.py::test_grace_check_refuses_a_slurm_run_whose_save_outlasts_kill_wait",
     ], "mutant": "grace_check_key_ignored"},

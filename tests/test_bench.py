@@ -50,31 +50,41 @@ def test_bench_rejects_an_unknown_suite():
 
 
 @pytest.mark.slow
-def test_bench_checkpoint_saves_the_same_bytes_both_ways(tmp_path):
-    """Two CPU ranks save their shards synchronously and with async_save: the same checkpoint size, and an
-    asynchronous save is complete on disk only after the loop was released. Without the EMA (ema=false) a save is
-    smaller by the fp32 weights (4 bytes a parameter); modes=[sync] saves only synchronously."""
+def test_bench_checkpoint_saves_the_same_bytes_every_way(tmp_path):
+    """Two CPU ranks save their shards synchronously, from a thread and from a process of their own: the same
+    checkpoint size, and an asynchronous save is complete on disk only after the loop was released. Without the
+    EMA (ema=false) a save is smaller by the fp32 weights (4 bytes a parameter); modes=[sync] saves only
+    synchronously. shard_of=4 writes rank 0's part of a 4-rank job: each parameter's first quarter of rows with its
+    two AdamW moments and EMA, 16 bytes a value."""
+    import math
+
+    from framework.distributed.fsdp import build_meta
     from framework.models.backbones import build_denoiser, load_preset
 
     def bench(name: str, *args: str) -> dict[str, dict]:
         out = tmp_path / f"{name}.json"
         proc = zygote.run([sys.executable, "-m", "framework.bench", "checkpoint", "model=pixart_debug", "world_size=2",
-                           "saves=1", f"dir={tmp_path}", f"out={out}", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+                           "saves=1", "step_s=0.2", f"dir={tmp_path}", f"out={out}", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return {r["mode"]: r for r in json.loads(out.read_text())}
 
-    rows = bench("ema")
-    # the same shards; DCP's .metadata names its folder (sync_0 vs async_0), so a few bytes may differ
-    assert set(rows) == {"sync", "async"} and rows["sync"]["bytes"] > 1e6
-    assert abs(rows["sync"]["bytes"] - rows["async"]["bytes"]) < 1024
-    assert rows["async"]["complete_s"] >= rows["async"]["blocked_s"] > 0
+    rows = bench("ema")  # every mode, as by default
+    # the same shards; DCP's .metadata names its folder (sync_0 vs process_0), so a few bytes may differ
+    assert set(rows) == {"sync", "thread", "process"} and rows["sync"]["bytes"] > 1e6
+    for mode in ("thread", "process"):
+        assert abs(rows["sync"]["bytes"] - rows[mode]["bytes"]) < 1024
+        assert rows[mode]["complete_s"] >= rows[mode]["blocked_s"] >= rows[mode]["returned_s"] > 0
     plain = bench("plain", "ema=false", "modes=[sync]")
     assert set(plain) == {"sync"}
     params = sum(p.numel() for p in build_denoiser(load_preset("pixart_debug")).parameters())
     ema_bytes = rows["sync"]["bytes"] - plain["sync"]["bytes"]
     # plus DCP's index of the EMA's tensors in .metadata (about 5% at this tiny size)
     assert 4 * params <= ema_bytes < 1.1 * 4 * params, (ema_bytes, params)
+    part = bench("part", "shard_of=4", "world_size=1", "modes=[sync]")["sync"]
+    values = sum(math.ceil(p.shape[0] / 4) * p[0].numel() if p.dim() else 1
+                 for p in build_meta(load_preset("pixart_debug")).parameters())
+    assert 16 * values <= part["bytes"] < 1.15 * 16 * values, (part["bytes"], values)
     assert not any(p.name.startswith("bench_ckpt_") for p in tmp_path.iterdir())  # nothing left behind
 
 

@@ -3,6 +3,7 @@ for single files and sharded folders, across a resume; leftovers of a killed job
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,8 @@ def test_sharded_last_checkpoint_is_a_link_to_the_numbered_folder(tmp_path, digi
 
 @pytest.mark.slow  # 4 launches of 2 fsdp ranks: 23 s in a full run
 def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
-    """strategy.async_save=true on 2 fsdp ranks: a run saved in the background, stopped and resumed, ends with the
+    """strategy.async_save=true on 2 fsdp ranks (process-based: staged while the next step runs, written by a process
+    per rank): a run saved in the background, stopped and resumed, ends with the
     weights and losses of the same run saved synchronously, bit for bit; no temporary folder is left, and the
     numbered checkpoint an older save would have removed early stays until the newer one is complete."""
     from tests.helpers import losses
@@ -109,9 +111,39 @@ def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
         assert names(ckpts) == ["last.ckpt", "step0000006.ckpt"], names(ckpts)
         assert (ckpts / "last.ckpt").is_symlink() and checkpoint_step(ckpts / "last.ckpt") == 6
     assert losses(runs["true"]) == losses(runs["false"]) and sorted(losses(runs["true"])) == list(range(6))
+    # each optimizer step after a save waited for its copy to host memory (FSDPStrategy.optimizer_step)
+    for rank in range(2):
+        probe = json.loads((runs["true"] / f"probe_rank{rank}.json").read_text())
+        assert probe["staging_at_step"] == [False] * 3, probe["staging_at_step"]
     sync, background = (weights(runs[m] / "checkpoints" / "last.ckpt") for m in ("false", "true"))
     for k in sync:
         torch.testing.assert_close(background[k], sync[k], rtol=0, atol=0)
+
+
+def test_a_process_based_async_save_holds_the_values_of_the_moment_it_was_asked_for(tmp_path):
+    """Two ranks save through ShardedSaver's process-based async save and change the saved tensor in place as soon
+    as wait_staged() returns, as the optimizer step does: what is loaded back is the tensor as it was at the save,
+    twice (the second save reuses the staging buffers and the writing processes)."""
+    from tests.helpers import torchrun
+
+    out = tmp_path / "staged"
+    proc = torchrun(2, "-m", "tests.workers.staged_save", str(tmp_path), str(out), tmp=tmp_path, fork=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        saves = json.loads(Path(f"{out}.{rank}.json").read_text())
+        assert [s["holds_the_saved_values"] for s in saves] == [True, True], saves
+
+
+@pytest.mark.parametrize("strategy,saves", [("single", 1), ("ddp", 1), ("fsdp", 1), ("fsdp_async", 2)])
+def test_the_grace_check_counts_the_saves_a_sigterm_may_wait_for(strategy, saves):
+    """The save on SIGTERM waits for a periodic save still being written (strategy.async_save) before its own: the
+    grace check then counts two saves, with each strategy the trainer builds."""
+    from framework.distributed.config import StrategyConfig
+    from framework.distributed.strategy import build_strategy
+    from framework.training.checkpointing import emergency_saves
+
+    name, _, mode = strategy.partition("_")
+    assert emergency_saves(build_strategy(StrategyConfig(name=name, async_save=mode == "async"), "32-true")) == saves
 
 
 @pytest.mark.parametrize("answers,preempted,asked", [

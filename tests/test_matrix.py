@@ -50,8 +50,10 @@ MATRIX = [
     ("ddp-2-wandb-cache_router", "ddp", 2, "wandb",
      ["experiment=cache_router", "init_from={growth_source}", "plugins.cache_router.steps=2"]),
     # Shards on S3-compatible storage ({s3}: the loopback server of tests/conftest.py) through a node-local cache,
-    # hybrid sharding (one node: the replicate dim has size 1) and a process-group timeout.
-    ("fsdp-2-csv-s3-hybrid", "fsdp", 2, "csv", ["{s3}", "strategy.sharding=HYBRID_SHARD", "strategy.timeout_s=300"]),
+    # checkpoints uploaded to it as well, hybrid sharding (one node: the replicate dim has size 1) and a process-group
+    # timeout.
+    ("fsdp-2-csv-s3-hybrid", "fsdp", 2, "csv", ["{s3}", "strategy.sharding=HYBRID_SHARD", "strategy.timeout_s=300",
+                                                f"trainer.checkpoint_dir=s3://{S3_BUCKET}/matrix-checkpoints"]),
     # One's own RGB data ({own}: tests/test_own_data.py's images, VAE and text encoder, the encoders moved to
     # another folder) evaluated at the end against held-out images (FID, CLIP score) on both ranks; mirrored latents.
     ("ddp-2-csv-own_data-real", "ddp", 2, "csv", ["{own}", "data.batch_size=4", "eval.bootstrap=10", "data.hflip=true"]),
@@ -323,6 +325,16 @@ def test_combination_trains_samples_and_ends_with_the_evaluation(tmp_path, reque
         from framework.training.checkpointing import checkpoint_step
 
         assert checkpoint_step(last_ckpt) == STEPS and not list(run_dir.rglob("*.tmp"))
+    if any(e.startswith("trainer.checkpoint_dir=") for e in extra):  # the final checkpoint, file for file, on S3
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=env_extra["S3_ENDPOINT_URL"], region_name="us-east-1",
+                              aws_access_key_id=env_extra["AWS_ACCESS_KEY_ID"],
+                              aws_secret_access_key=env_extra["AWS_SECRET_ACCESS_KEY"])
+        name = client.get_object(Bucket=S3_BUCKET, Key="matrix-checkpoints/latest")["Body"].read().decode()
+        listed = client.list_objects_v2(Bucket=S3_BUCKET, Prefix=f"matrix-checkpoints/{name}/")["Contents"]
+        local = {str(f.relative_to(last_ckpt)): f.stat().st_size for f in last_ckpt.rglob("*") if f.is_file()}
+        assert name == f"step{STEPS:07d}.ckpt" and {o["Key"].split("/", 2)[2]: o["Size"] for o in listed} == local
     if m_id(request) in EXPORTED:  # the checkpoint this combination wrote exports to the weights it holds
         check_export(last_ckpt, tmp_path / "exported.safetensors")
     if "adapter=lora" in extra:  # by hand: each exported target is the fp32 source's W + B A (alpha = rank: scale 1)

@@ -5,6 +5,7 @@ by the `s3` fixture of tests/conftest.py), the digits shards uploaded to it, and
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 
@@ -88,3 +89,45 @@ def test_training_from_s3_killed_and_resumed_follows_the_uninterrupted_local_run
     wl = torch.load(local / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     for k in wl:
         torch.testing.assert_close(wg[k], wl[k], rtol=0, atol=0)
+
+
+def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterrupted_run(s3, tmp_path, digits_shards):
+    """trainer.checkpoint_dir=s3://... on 2 fsdp ranks: each sharded checkpoint is uploaded once complete, `latest`
+    names the newest, keep_checkpoints=1 leaves one remote. The run folder is then deleted; the same command with
+    resume=auto downloads the remote checkpoint (global rank 0; rank 1 waits for it) and trains on with the losses
+    and final weights of a run never stopped."""
+    import boto3
+
+    from tests.helpers import fsdp, weights
+
+    url = f"s3://{BUCKET}/ckpt"
+    common = [*fsdp(devices=2, batch=8), "trainer.keep_checkpoints=1"]
+    client = boto3.client("s3", endpoint_url=s3["S3_ENDPOINT_URL"], aws_access_key_id=s3["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=s3["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+
+    def remote() -> tuple[str, list[str]]:
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="ckpt/").get("Contents", [])]
+        latest = client.get_object(Bucket=BUCKET, Key="ckpt/latest")["Body"].read().decode()
+        return latest, sorted({k.split("/")[1] for k in keys if k.split("/")[1] != "latest"})
+
+    run = tmp_path / "run"
+    run_train(run, digits_shards, *common, f"trainer.checkpoint_dir={url}", "trainer.max_steps=3", env=s3)
+    assert remote() == ("step0000003.ckpt", ["step0000003.ckpt"])  # step 2 was uploaded, then pruned
+    shutil.rmtree(run)
+    out = run_train(run, digits_shards, *common, f"trainer.checkpoint_dir={url}", "trainer.max_steps=6", env=s3)
+    assert f"resume=auto: {url}/step0000003.ckpt is newer than run.dir's checkpoints" in out.stdout, out.stdout[-3000:]
+    assert remote() == ("step0000006.ckpt", ["step0000006.ckpt"])
+    ref = tmp_path / "ref"
+    run_train(ref, digits_shards, *common, "trainer.max_steps=6")
+    got, want = losses(run), losses(ref)
+    assert sorted(got) == [3, 4, 5] and all(got[s] == want[s] for s in got), (got, want)
+    resumed, uninterrupted = (weights(r / "checkpoints" / "last.ckpt") for r in (run, ref))
+    for k in uninterrupted:
+        torch.testing.assert_close(resumed[k], uninterrupted[k], rtol=0, atol=0)
+
+
+def test_a_checkpoint_dir_that_is_no_object_store_url_is_refused():
+    from framework.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="trainer.checkpoint_dir='/data/ckpt': give an object-store URL"):
+        TrainerConfig(checkpoint_dir="/data/ckpt")

@@ -34,7 +34,9 @@ class StrategyConfig:
     spatial block's per-token tail and the temporal block run slice by slice."""
     async_save: bool = False
     """fsdp with sharded_checkpoint: write checkpoints in the background (torch.distributed.checkpoint's
-    async_save); training waits only for the copy to host memory, and each save waits for the previous one."""
+    process-based async_save): each rank's state is copied to shared (on a GPU pinned) host memory while the next
+    step's forward and backward run, its optimizer step waits for that copy, and a process of its own writes the
+    files; each save waits for the previous one."""
     timeout_s: int = 1800
     """ddp/fsdp: how long a collective may wait for the other ranks before the job fails (the process group's
     timeout); raise it when one rank may be busy much longer (a large checkpoint on a slow filesystem)."""

@@ -47,16 +47,27 @@ class ShardedSaver:
     """Writes a sharded checkpoint (a torch.distributed.checkpoint folder + meta.pt) under `<name>.tmp` and
     swaps it in, so a job killed mid-save keeps its last good checkpoint.
 
-    async_save: `dcp.async_save` copies this rank's shards to host memory, returns, and writes them in a
-    background thread over its own gloo group (the training collectives keep theirs); the swap happens when
-    the write is done, at the next save (each save waits for the previous one) or at `finish()`. Removals of
-    older checkpoints asked for meanwhile wait for that swap too: until then the previous one is the newest
-    complete checkpoint on disk. Torch's async checkpointing fills the gap; the swap and the ordering are ours.
+    async_save="process" (strategy.async_save=true): DCP's process-based async save. Each rank's shards are copied
+    in a background thread into shared host memory (pinned, on a GPU, for fast device-to-host copies) while the next
+    step's forward and backward run; `wait_staged()` holds the optimizer step until that copy is done, so the step
+    never changes what is being saved. A process of its own per rank (spawned at the first save, with its own gloo
+    group) then writes the files, off the training process's interpreter. "thread": the older thread-based
+    async_save, staging into ordinary memory before it returns (kept for `framework.bench checkpoint`'s comparison).
+    The swap happens when the write is done, at the next save (each save waits for the previous one) or at
+    `finish()`; removals of older checkpoints asked for meanwhile wait for that swap too: until then the previous
+    one is the newest complete checkpoint on disk. Torch's async checkpointing fills the gap; the staging wait, the
+    swap and the ordering are ours.
     """
 
-    def __init__(self, rank: int, barrier: Any, async_save: bool = False) -> None:
+    MODES = (None, "thread", "process")
+
+    def __init__(self, rank: int, barrier: Any, async_save: str | None = None) -> None:
+        if async_save not in self.MODES:
+            raise ValueError(f"async_save={async_save!r}: expected one of {self.MODES}")
         self.rank, self.barrier, self.async_save = rank, barrier, async_save
         self._pending: tuple[Any, Path, Path, Path] | None = None  # (future or None, tmp, path, old)
+        self._staging: Any = None  # the copy of the save in flight to host memory (process mode)
+        self._stager: Any = None
         self._removals: list[Path] = []
         self._group: Any = None
 
@@ -72,16 +83,55 @@ class ShardedSaver:
             tmp.mkdir(parents=True)
             torch.save(meta, tmp / _METADATA_FILENAME)
         self.barrier()
-        if not self.async_save:
+        if self.async_save is None:
             dcp.save(state, checkpoint_id=str(tmp))
             self._pending = (None, tmp, path, old)
             self.finish()
             return
+        if self.async_save == "thread":
+            self._pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group), tmp, path, old)
+            return
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self.start_writer()
+        response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
+        self._staging = response.staging_completion
+        self._pending = (response.upload_completion, tmp, path, old)
+
+    @property
+    def group(self) -> Any:
+        """The background write's gloo group, apart from training's collectives (created on first use: collective)."""
         if self._group is None:
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")  # the background write's collectives, apart from training's
-        self._pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group), tmp, path, old)
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def start_writer(self) -> None:
+        """Start this rank's writing process now (collective; framework/distributed/writer.py), rather than in the
+        background at the first save."""
+        from framework.distributed.writer import start_writer
+
+        start_writer(self.group)
+
+    @property
+    def stager(self) -> Any:
+        """Stages into shared memory (handed to the writing process without a copy), pinned on a GPU; reused by
+        every save of the run, so the host buffers are allocated once."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=True,
+                                                        use_async_staging=True, use_non_blocking_copy=gpu))
+        return self._stager
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight holds its own copy of the state: before anything changes the weights."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
 
     def remove(self, path: Path) -> bool:
         """Delete an older checkpoint after the save in flight is swapped in; False: none is, the caller deletes."""
@@ -92,6 +142,7 @@ class ShardedSaver:
 
     def finish(self) -> None:
         """Wait for the save in flight (if any), swap it in on rank 0, then do the removals it held back."""
+        self.wait_staged()
         if self._pending is None:
             return
         future, tmp, path, old = self._pending
@@ -105,6 +156,13 @@ class ShardedSaver:
                 _remove_entry(stale)
         self._removals = []
         self.barrier()
+
+    def close(self) -> None:
+        """finish(), then free the staging buffers."""
+        self.finish()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def _job_mesh(strategy: ParallelStrategy, sequence: int, hybrid: bool = False) -> Mesh:
@@ -182,7 +240,7 @@ class FSDPStrategy(ModelParallelStrategy):
     @property
     def saver(self) -> ShardedSaver:
         if self._saver is None:
-            self._saver = ShardedSaver(self.global_rank, self.barrier, self.async_save)
+            self._saver = ShardedSaver(self.global_rank, self.barrier, "process" if self.async_save else None)
         return self._saver
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -204,8 +262,25 @@ class FSDPStrategy(ModelParallelStrategy):
         if self._saver is not None:
             self._saver.finish()
 
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.async_save and self._save_distributed_checkpoint:
+            self.saver.start_writer()  # its start-up overlaps nothing here, rather than the first saves
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # The closure runs this step's forward and backward, which only read the weights: an asynchronous save's copy
+        # to host memory overlaps them, and the update waits for it.
+        def closure_then_wait() -> Any:
+            result = closure()
+            if self._saver is not None:
+                self._saver.wait_staged()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_wait, model, **kwargs)
+
     def teardown(self) -> None:
-        self.finish_saves()
+        if self._saver is not None:
+            self._saver.close()
         super().teardown()
 
 

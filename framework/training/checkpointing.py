@@ -422,8 +422,9 @@ class GraceCheck(pl.Callback):
     (a preemption has GraceTime + KillWait, the time limit USR1's lead + KillWait: KillWait is the shortest). The
     checkpoint holds only what cannot be rebuilt (the trained weights, the EMA, the optimizer's state, the loop and
     data-loader counters), so what it needs is measured: at the second optimizer step of each job the step is timed
-    and a probe save is written, timed until it is complete on every rank, and removed. When step + save, with a fifth
-    more for a busier file system, exceed KillWait, every rank stops with an error naming the KillWait it needs."""
+    and a probe save is written, timed until it is complete on every rank, and removed. When step + save (two saves
+    under strategy.async_save, whose periodic save may still be in flight at the signal), with a fifth more for a
+    busier file system, exceed KillWait, every rank stops with an error naming the KillWait it needs."""
 
     MARGIN = 1.2
 
@@ -453,18 +454,27 @@ class GraceCheck(pl.Callback):
             size = checkpoint_bytes(self.probe)
             _remove(self.probe)
         step_s, save_s = trainer.strategy.broadcast((step_s, save_s))
-        need = math.ceil(self.MARGIN * (step_s + save_s))
+        saves = emergency_saves(trainer.strategy)
+        need = math.ceil(self.MARGIN * (step_s + saves * save_s))
+        what = "a save" if saves == 1 else "two saves (strategy.async_save: the periodic save in flight finishes first)"
         if need > kill_wait:
             raise RuntimeError(
                 f"trainer.grace_check: a step takes {step_s:.1f} s and a save {save_s:.1f} s here, so the save on "
-                f"SIGTERM (scancel, preemption, the time limit) needs KillWait >= {need} s with a fifth to spare; this "
+                f"SIGTERM (scancel, preemption, the time limit), a step and {what}, "
+                f"needs KillWait >= {need} s with a fifth to spare; this "
                 f"cluster's KillWait is {kill_wait} s, after which SIGKILL would cut the save and the run would fall back "
                 f"to its last periodic checkpoint. Ask the administrators for KillWait={need} (slurm.conf), spread the "
                 f"save over more ranks (strategy=fsdp) or write run.dir to a faster file system; or set "
                 f"trainer.grace_check=false to train anyway.")
         if trainer.is_global_zero:
-            rank_zero_info(f"trainer.grace_check: a step {step_s:.1f} s + a save {save_s:.1f} s ({size / 2**30:.2f} GiB) "
-                           f"fit in Slurm's KillWait of {kill_wait} s")
+            rank_zero_info(f"trainer.grace_check: a step {step_s:.1f} s + {saves} x a save {save_s:.1f} s "
+                           f"({size / 2**30:.2f} GiB) fit in Slurm's KillWait of {kill_wait} s")
+
+
+def emergency_saves(strategy: Any) -> int:
+    """How many saves the save on SIGTERM may wait for: its own, and under strategy.async_save the periodic one that
+    may still be in flight (a save waits for the previous one)."""
+    return 2 if getattr(strategy, "async_save", False) and getattr(strategy, "_save_distributed_checkpoint", False) else 1
 
 
 def preemption_callbacks(run_dir: Path, grace_check: bool = True) -> list[pl.Callback]:

@@ -7,7 +7,8 @@ gradient and has optimizer state; the dtypes the first linear layer's weight had
 the dtypes of the stored (master) parameters. PROBE_FREEZE=<prefix> freezes the parameters whose name starts
 with it before the model is sharded (a stage that trains only some parameters). It also records,
 per micro-batch, how many gradient reduce-scatters its backward ran, per optimizer step whether
-it was skipped (gradients dropped after a non-finite loss on some rank);
+it was skipped (gradients dropped after a non-finite loss on some rank) and whether an asynchronous save's
+copy to host memory was still in flight at it;
 PROBE_POISON=<rank>:<micro-batch> puts a NaN into that rank's micro-batch (a bad sample on one rank).
 PROBE_SLOW=<rank>:<seconds> makes that rank's loader sleep in the collation of each batch (a slow loader).
 PROBE_BUSY=<rank>:<seconds> makes that rank sleep at the start of each step (a slow device).
@@ -35,7 +36,7 @@ from framework.training.callbacks import SampleGrid
 class Probe(pl.Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.keys = run_dir, {}
-        self.micro, self.reduce_scatters, self.skipped = 0, [], []
+        self.micro, self.reduce_scatters, self.skipped, self.staging_at_step = 0, [], [], []
         self._rs_calls = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -127,6 +128,9 @@ class Probe(pl.Callback):
         from torch.distributed.tensor import DTensor
 
         state = optimizer.state
+        # An asynchronous save's copy to host memory still in flight when the weights are about to change?
+        saver = getattr(trainer.strategy, "_saver", None)
+        self.staging_at_step.append(getattr(saver, "_staging", None) is not None)
         self.params = {
             name: {"dtensor": isinstance(p, DTensor),
                    "local_shape": list(p.to_local().shape if isinstance(p, DTensor) else p.shape),
@@ -137,7 +141,7 @@ class Probe(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         out = {"world_size": trainer.world_size, "mesh": self.mesh, "keys": self.keys, "params": getattr(self, "params", {}),
-               "reduce_scatters": self.reduce_scatters, "skipped": self.skipped,
+               "reduce_scatters": self.reduce_scatters, "skipped": self.skipped, "staging_at_step": self.staging_at_step,
                "forward_dtypes": sorted(self.forward_dtypes),
                # whether this rank's grid pipeline loaded the image codec (the final grid ran just before this)
                "grid_codec_loaded": next(cb for cb in trainer.callbacks if isinstance(cb, SampleGrid))._pipe._codec is not None,
