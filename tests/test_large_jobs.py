@@ -99,3 +99,28 @@ def test_a_watching_evaluation_scores_each_checkpoint_as_the_run_writes_it(tmp_p
     accuracy = events.Scalars("eval/prompt_accuracy")
     assert [(e.step, round(e.value, 6)) for e in accuracy] == [(s, round(watched[str(s)]["prompt_accuracy"], 6))
                                                                 for s in (2, 4)]
+
+
+@pytest.mark.slow  # 16 + 8 simulated nodes and the one-process reference: about a minute on 2 cores
+def test_a_16_node_job_starts_and_continues_on_8_nodes_like_one_process(tmp_path, digits_shards):
+    """16 simulated nodes of one rank each (forked, each with its own /dev/shm and local cache, as hosts have) start
+    the shipped shard config (num_canonical_nodes=auto), train 2 DDP steps of 1 sample a rank and save; the run
+    continues on 8 nodes of 2 samples a rank. Every step's loss is the one-process run's of the same global batch of
+    16: the 16-node start and the change of node count keep the sample order."""
+    import torch
+
+    from tests.helpers import TOL, losses, run_nodes
+
+    common = ["strategy=ddp", "data.num_workers=0", "trainer.checkpoint_every_n_steps=2", "logger=csv"]
+    run = tmp_path / "n"
+    out = run_nodes(run, digits_shards, 16, 1, *common, "data.batch_size=1", "trainer.max_steps=2", timeout=600)
+    assert out.stdout.count("--- launch") == 16
+    out = run_nodes(run, digits_shards, 8, 1, *common, "data.batch_size=2", "trainer.max_steps=4", timeout=600)
+    assert f"Restoring states from the checkpoint path at {run / 'checkpoints' / 'last.ckpt'}" in out.stdout
+    ref = tmp_path / "r"
+    run_train(ref, digits_shards, "data.batch_size=16", "trainer.checkpoint_every_n_steps=2", "trainer.max_steps=4")
+    got, want = losses(run), losses(ref)
+    with open(run / "metrics.csv", newline="") as f:  # each step logged once: 0-1 on 16 nodes, 2-3 on 8
+        assert [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")] == [0, 1, 2, 3]
+    torch.testing.assert_close(torch.tensor([got[s] for s in range(4)]), torch.tensor([want[s] for s in range(4)]),
+                               **TOL)

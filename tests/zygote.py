@@ -33,6 +33,23 @@ ROOT = Path(__file__).resolve().parents[1]
 # The server
 # --------------------------------------------------------------------------------------------------
 
+NODE_NAMESPACE = "LATENTFORGE_TEST_NODE_NAMESPACE"  # in a request's env: the child is a simulated node of its own
+
+
+def _private_shm() -> None:
+    """Give this process a mount namespace of its own with a fresh /dev/shm, as `unshare --mount` and a tmpfs
+    mount do (root): Streaming names its shared memory per host, so simulated nodes must not share one."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x00020000, 0x4000, 0x40000
+    for ok, what in ((lambda: libc.unshare(clone_newns), "unshare(CLONE_NEWNS)"),
+                     (lambda: libc.mount(b"none", b"/", None, ms_rec | ms_private, None), "mount --make-rprivate /"),
+                     (lambda: libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, None), "mount tmpfs /dev/shm")):
+        if ok() != 0:
+            raise OSError(ctypes.get_errno(), f"a simulated node's namespace: {what} failed (needs root)")
+
+
 def _child(request: dict) -> None:
     """In the forked child: become `python -m MODULE ARGS` and exit with its status."""
     import runpy
@@ -43,6 +60,8 @@ def _child(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if os.environ.pop(NODE_NAMESPACE, None):
+        _private_shm()
     tempfile.tempdir = None  # TMPDIR is per test: forget the parent's
     out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err = os.open(request["log"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -351,6 +370,19 @@ def lightning_ranks(module: str, args: list[str], devices: int, env: dict[str, s
                       LOCAL_RANK=str(r), RANK=str(r)) for r in range(devices)]
     return shared().run([(module, list(args), {**env, **rank_env}, folder / f"rank{r}.log")
                          for r, rank_env in enumerate(ranks)], timeout)
+
+
+def forked_nodes(module: str, args_per_node: list[list[str]], env: dict[str, str], folder: Path,
+                 timeout: float = 600) -> list[Result]:
+    """A Lightning training command as a job of one rank per node, every node forked from the zygote into a mount
+    namespace of its own with a fresh /dev/shm (as separate hosts have), meeting at one MASTER_ADDR / MASTER_PORT:
+    node_launches' job without an interpreter start per node, so that 16 or more nodes fit a test."""
+    port, n = str(free_port()), len(args_per_node)
+    jobs = [(module, list(args), {**env, NODE_NAMESPACE: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                  "WORLD_SIZE": str(n), "NODE_RANK": str(r), "RANK": str(r), "LOCAL_RANK": "0",
+                                  "LOCAL_WORLD_SIZE": "1"}, folder / f"node{r}.log")
+            for r, args in enumerate(args_per_node)]
+    return shared().run(jobs, timeout)
 
 
 def node_launches(module: str, args_per_node: list[list[str]], env: dict[str, str], folder: Path,
