@@ -27,16 +27,6 @@ from framework.training.optim import OptimizerConfig
 # --------------------------------------------------------------------------------------------
 
 
-def check_checkpoint_url(url: str) -> None:
-    """trainer.checkpoint_dir must be an object-store URL (framework/training/remote.py)."""
-    import urllib.parse
-
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ValueError(f"trainer.checkpoint_dir={url!r}: give an object-store URL, s3://bucket/prefix (checkpoints "
-                         "are in run.dir/checkpoints in any case; null keeps them there only)")
-
-
 @dataclass
 class TrainerConfig:
     """Lightning Trainer arguments plus the run's checkpoint and safety settings."""
@@ -101,7 +91,9 @@ class TrainerConfig:
         if self.hang_timeout_s is not None and self.hang_timeout_s < 0:
             raise ValueError(f"trainer.hang_timeout_s={self.hang_timeout_s} must be >= 0 (seconds; 0: no watch)")
         if self.checkpoint_dir:
-            check_checkpoint_url(self.checkpoint_dir)
+            from framework.training.remote import check_url
+
+            check_url(self.checkpoint_dir)
         if self.keep_checkpoints < 0:
             raise ValueError(f"trainer.keep_checkpoints={self.keep_checkpoints} must be >= 0 "
                              "(how many numbered checkpoints to keep besides last.ckpt; 0 keeps only last.ckpt)")

@@ -120,7 +120,7 @@ def moving_shards(tmp_path_factory) -> Path:
 # first) left the Slurm module, with few but long tests, for the end, where one worker ran it alone for minutes.
 # `--no-loadscope-reorder` (pyproject.toml) keeps this order.
 LONGEST_FIRST = ("test_train.py", "test_distributed.py", "test_slurm.py", "test_matrix.py", "test_video.py",
-                 "test_decoupled.py", "test_checkpoints.py", "test_bench.py")
+                 "test_decoupled.py", "test_checkpoints.py", "test_bench.py", "test_large_jobs.py", "test_remote.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

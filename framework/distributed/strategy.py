@@ -50,8 +50,9 @@ class ShardedSaver:
     async_save="process" (strategy.async_save=true): DCP's process-based async save. Each rank's shards are copied
     in a background thread into shared host memory (pinned, on a GPU, for fast device-to-host copies) while the next
     step's forward and backward run; `wait_staged()` holds the optimizer step until that copy is done, so the step
-    never changes what is being saved. A process of its own per rank (spawned at the first save, with its own gloo
-    group) then writes the files, off the training process's interpreter. "thread": the older thread-based
+    never changes what is being saved. A process of its own per rank (started with the run by FSDPStrategy.setup,
+    framework/distributed/writer.py, with its own gloo group) then writes the files, off the training process's
+    interpreter. "thread": the older thread-based
     async_save, staging into ordinary memory before it returns (kept for `framework.bench checkpoint`'s comparison).
     The swap happens when the write is done, at the next save (each save waits for the previous one) or at
     `finish()`; removals of older checkpoints asked for meanwhile wait for that swap too: until then the previous

@@ -22,9 +22,16 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from framework.config import check_checkpoint_url
 
 LATEST = "latest"
+
+
+def check_url(url: str) -> None:
+    """trainer.checkpoint_dir must be an object-store URL."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"trainer.checkpoint_dir={url!r}: give an object-store URL, s3://bucket/prefix (checkpoints "
+                         "are in run.dir/checkpoints in any case; null keeps them there only)")
 
 
 def remote_name(step: int) -> str:
@@ -37,7 +44,7 @@ class Remote:
     def __init__(self, url: str, local: Path) -> None:
         from streaming.base.storage.upload import CloudUploader
 
-        check_checkpoint_url(url)
+        check_url(url)
         self.url, self.local = url.rstrip("/"), local
         local.mkdir(parents=True, exist_ok=True)
         try:
