@@ -39,7 +39,8 @@ def remote_name(step: int) -> str:
 
 
 class Remote:
-    """One checkpoint prefix on object storage (Streaming's S3Uploader: its client, endpoint and retries)."""
+    """One checkpoint prefix on object storage, through the boto3 client Streaming's S3Uploader builds (its endpoint
+    and credentials) and its listing."""
 
     def __init__(self, url: str, local: Path) -> None:
         from streaming.base.storage.upload import CloudUploader
@@ -84,12 +85,15 @@ class Remote:
         start = len(self.prefix) + 1 if self.prefix else 0
         return sorted({k[start:].split("/")[0] for k in keys if k[start:].startswith("step")})
 
+    def keys_of(self, name: str) -> list[str]:
+        """The objects of checkpoint `name`: the file itself, or every file under its folder (not step1.ckpt.x)."""
+        key = self._key(name)
+        return [k for k in self.uploader.list_objects(name) or [] if k == key or k.startswith(key + "/")]
+
     def delete(self, name: str) -> None:
-        keys = self.uploader.list_objects(name) or []
+        keys = self.keys_of(name)
         for i in range(0, len(keys), 1000):  # DeleteObjects takes up to 1,000 keys a call
-            self.uploader.s3.delete_objects(Bucket=self.bucket, Delete={
-                "Objects": [{"Key": k} for k in keys[i:i + 1000] if k == self._key(name) or
-                            k.startswith(self._key(name) + "/")]})
+            self.uploader.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
 
     def download(self, name: str) -> Path:
         """`name` into run.dir/checkpoints (under a temporary name, then renamed: whole or not at all)."""
@@ -98,8 +102,7 @@ class Remote:
         target, tmp = self.local / name, self.local / f"{name}.download"
         for leftover in (tmp, target):  # an earlier download cut off, or an older copy of the same name
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-        keys = self.uploader.list_objects(name) or []
-        keys = [k for k in keys if k == self._key(name) or k.startswith(self._key(name) + "/")]
+        keys = self.keys_of(name)
         if not keys:
             raise FileNotFoundError(f"{self.url}/{LATEST} names {name}, which is not there")
         for key in keys:
