@@ -301,7 +301,7 @@ def train(dcfg: DictConfig, extra_callbacks: Sequence[pl.Callback] = ()) -> dict
     check_memory(cfg, trainer, plan)  # before the model is built: a run that cannot fit is refused, not killed
     # Every rank of a sequence-parallel group reads the same samples (Streaming's replication).
     dm = LatentDataModule(dataclasses.replace(cfg.data, batch_size=plan.micro_batch), seed=cfg.seed,
-                          replication=cfg.strategy.sequence_parallel, draws=StepDraws.of)
+                          replication=plan.sequence_parallel, draws=StepDraws.of, plan=plan)
     module = DiffusionModule(
         cfg.model,
         cfg.objective,

@@ -842,6 +842,11 @@ MUTANTS = [
            "data.num_canonical_nodes starts, to fail in every rank's data loader",
            (("framework/training/plan.py", "        check_canonical_nodes(setting, ncn, nodes, num_samples)\n", ""),),
            ("tests/test_plan.py::test_the_data_partitions_fit_the_job_s_node_count_or_the_plan_refuses_it",)),
+    Mutant("data_ignores_the_planned_partitions", "the data module resolves data.num_canonical_nodes again from the "
+           "config instead of reading the run plan's",
+           (("framework/data/datamodule.py", "self.plan.data_parallel, self.plan.num_canonical_nodes",
+             "self.plan.data_parallel, self.cfg.num_canonical_nodes"),),
+           ("tests/test_plan.py::test_a_run_reads_its_plan_and_leaves_the_config_as_composed",)),
     Mutant("shards_checked_on_every_rank", "every rank of a job reads every shard file at start-up",
            (("framework/data/shards.py",
              '    parts = (("dataset",) if rank == 0 else ()) + (("cache",) if leader else ())\n',

@@ -51,19 +51,27 @@ def test_a_global_batch_the_job_cannot_split_is_refused_naming_the_key():
 
 def test_a_run_reads_its_plan_and_leaves_the_config_as_composed(tmp_path, digits_shards, monkeypatch, capsys):
     """data.global_batch_size=12 with data.batch_size=5 on one device: the loader yields batches of 4, the trainer
-    accumulates 3, each step counts 12 samples, the plan is printed once, and the config keeps data.batch_size=5."""
+    accumulates 3, each step counts 12 samples, the plan is printed once, and the config keeps data.batch_size=5.
+    The data module takes Streaming's partitions from the plan (here changed to 6), not from the config."""
+    import dataclasses
+
+    import framework.train as train_mod
+
     seen: dict = {}
 
     class Probe(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             seen.setdefault("rows", set()).add(batch["latents"].shape[0])
             seen["accumulate"] = trainer.accumulate_grad_batches
+            seen["partitions"] = trainer.datamodule.dataset.num_canonical_nodes
 
     with_callback(monkeypatch, Probe())
+    planned = train_mod.resolve
+    monkeypatch.setattr(train_mod, "resolve", lambda *a, **k: dataclasses.replace(planned(*a, **k), num_canonical_nodes=6))
     dcfg = compose_cfg(cheap(tmp_path, digits_shards, "data.global_batch_size=12", "data.batch_size=5", steps=2))
     out = train(dcfg)
     printed = capsys.readouterr().out
-    assert seen == {"rows": {4}, "accumulate": 3}
+    assert seen == {"rows": {4}, "accumulate": 3, "partitions": 6}
     assert dcfg.data.batch_size == 5 and dcfg.trainer.accumulate_grad_batches == 1
     assert printed.count("run: 1 rank(s)") == 1 and "global batch 12 = 4 per device x 1 x 3" in printed
     import torch

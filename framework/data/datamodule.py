@@ -521,12 +521,15 @@ class LatentDataModule(L.LightningDataModule):
     """StreamingDataset + StreamingDataLoader over precomputed latents, one shard partition per rank."""
 
     def __init__(self, cfg: DataConfig, seed: int = 0, replication: int = 1,
-                 draws: Callable[[L.Trainer, int], Any] | None = None) -> None:
+                 draws: Callable[[L.Trainer, int], Any] | None = None, plan: Any = None) -> None:
         super().__init__()
         # draws(trainer, seed): the step's per-sample draws (framework.training.draws.StepDraws.of), given by the
         # training so that this layer never imports it
         self.cfg, self.seed, self.draws = cfg, seed, draws
         self.replication = replication  # consecutive ranks that read the same samples (sequence parallelism)
+        # plan: the run's (framework.training.plan.RunPlan): its data-parallel size and partitions are read, not
+        # recomputed; without one (a data module on its own) they follow from the trainer and the config
+        self.plan = plan
         # Build a missing dataset once, on global rank 0 only: on a shared filesystem two nodes'
         # local rank 0 would otherwise write the same folder at once.
         self.prepare_data_per_node = False
@@ -549,8 +552,12 @@ class LatentDataModule(L.LightningDataModule):
             os.environ.update(RANK=str(t.global_rank), WORLD_SIZE=str(t.world_size),
                               LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.num_devices))
         self.info = read_dataset_info(self.cfg.path, self.cfg.local)
-        world = self.trainer.world_size if self.trainer is not None else 1
-        global_batch = self.cfg.batch_size * max(world // self.replication, 1)
+        if self.plan is not None:
+            data_parallel, setting = self.plan.data_parallel, self.plan.num_canonical_nodes
+        else:
+            world = self.trainer.world_size if self.trainer is not None else 1
+            data_parallel, setting = max(world // self.replication, 1), self.cfg.num_canonical_nodes
+        global_batch = self.cfg.batch_size * data_parallel
         if self.info.buckets:
             self.buckets = self._usable_buckets(global_batch)
             self.info.buckets = self.buckets  # what the checkpoint records as the sizes the model was trained at
@@ -559,8 +566,8 @@ class LatentDataModule(L.LightningDataModule):
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, fewer than "
                              f"one global batch ({self.cfg.batch_size} per rank x {global_batch // self.cfg.batch_size}"
                              f" data-parallel ranks = {global_batch}); lower data.batch_size")
-        # auto: the run plan printed the choice and checked it against the job's node count
-        ncn = self.num_canonical_nodes = canonical_nodes(self.cfg.num_canonical_nodes, self.info.num_samples)
+        # auto: the run plan resolved it, printed the choice and checked it against the job's node count
+        ncn = self.num_canonical_nodes = canonical_nodes(setting, self.info.num_samples)
         if ncn is not None and self.info.num_samples <= ncn:
             raise ValueError(f"the dataset at data.path={self.cfg.path} has {self.info.num_samples} samples, not more "
                              f"than data.num_canonical_nodes={ncn} (Streaming's partitions): lower "

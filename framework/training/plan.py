@@ -3,8 +3,8 @@ weights set.
 
 framework.train resolves the typed config and the job's size into a `RunPlan` after the trainer knows its ranks and
 before the data module and the model are built; it is printed once (rank 0) and then only read: the data module takes
-its micro-batch, the trainer its accumulation, the step its global batch (images_seen, checkpoints) and the optimizer
-its peak lr. The config stays as the user composed it.
+its micro-batch, data-parallel size and partitions, the trainer its accumulation, the step its global batch
+(images_seen, checkpoints) and the optimizer its peak lr. The config stays as the user composed it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class RunPlan:
     accumulation: int  # micro-batches per optimizer step
     lr: float  # peak lr, after optimizer.lr_scaling
     why: tuple[str, ...] = ()  # how each figure was chosen, one line each (describe)
+    # Streaming's partitions: data.num_canonical_nodes with auto resolved (still "auto" if the dataset's size was unknown)
+    num_canonical_nodes: Any = None
 
     @property
     def data_parallel(self) -> int:
@@ -68,14 +70,14 @@ def resolve(cfg: Any, world_size: int, fitted: tuple[str, ...] = (), nodes: int 
         factor = "sqrt" if opt.lr_scaling == "sqrt" else ""
         why.append(f"optimizer.lr_scaling={opt.lr_scaling}: optimizer.lr={opt.lr:g} x {factor}("
                    f"{global_batch}/{opt.lr_reference_batch}) (optimizer.lr_reference_batch)")
+    setting = ncn = cfg.data.num_canonical_nodes
     if num_samples is not None:
-        setting = cfg.data.num_canonical_nodes
         ncn = canonical_nodes(setting, num_samples)
         check_canonical_nodes(setting, ncn, nodes, num_samples)
         if setting == "auto":
             why.append(f"data.num_canonical_nodes=auto: {ncn} for {num_samples} samples (at least "
                        f"{SAMPLES_PER_PARTITION} a partition); node counts it fits: {listed(fitting_nodes(ncn, 256))}")
-    return RunPlan(world_size, sp, micro, accumulation, lr, tuple(why))
+    return RunPlan(world_size, sp, micro, accumulation, lr, tuple(why), ncn)
 
 
 def listed(counts: list[int], first: int = 12) -> str:
