@@ -66,7 +66,8 @@ MUTANTS = [
              "            opt.state.clear()\n"
              "        return out\n\n"
              "    def finish_saves(self) -> None:"),),
-           (DIST + "test_sharded_checkpoint_resumes_on_another_world_size",)),
+           (DIST + "test_sharded_checkpoint_resumes_on_another_world_size",
+            "tests/test_large_jobs.py::test_a_16_node_job_starts_and_continues_on_8_nodes_like_one_process")),
     Mutant("ema_not_used_for_grids", "sample grids drawn with the training weights instead of the EMA",
            (("framework/training/callbacks.py", "            with inference_view(trainer, pl_module):",
              "            with __import__('contextlib').nullcontext():"),),

@@ -101,20 +101,23 @@ def test_a_watching_evaluation_scores_each_checkpoint_as_the_run_writes_it(tmp_p
                                                                 for s in (2, 4)]
 
 
-@pytest.mark.slow  # 16 + 8 simulated nodes and the one-process reference: about a minute on 2 cores
+@pytest.mark.slow  # 16 + 8 simulated nodes and the one-process reference: about 45 s on 2 cores
 def test_a_16_node_job_starts_and_continues_on_8_nodes_like_one_process(tmp_path, digits_shards):
     """16 simulated nodes of one rank each (forked, each with its own /dev/shm and local cache, as hosts have) start
-    the shipped shard config (num_canonical_nodes=auto), train 2 DDP steps of 1 sample a rank and save; the run
-    continues on 8 nodes of 2 samples a rank. Every step's loss is the one-process run's of the same global batch of
-    16: the 16-node start and the change of node count keep the sample order."""
+    the shipped shard config (num_canonical_nodes=auto), train 2 FSDP2 steps of 1 sample a rank (weights and AdamW
+    moments sharded 16 ways) and save; the run continues on 8 nodes of 2 samples a rank from that checkpoint, re-split
+    8 ways. Every step's loss is the one-process run's of the same global batch of 16: the 16-node start and the change
+    of node count keep the sample order and the optimizer's state."""
     import torch
 
     from tests.helpers import TOL, losses, run_nodes
 
-    common = ["strategy=ddp", "data.num_workers=0", "trainer.checkpoint_every_n_steps=2", "logger=csv"]
+    common = ["strategy=fsdp", "data.num_workers=0", "trainer.checkpoint_every_n_steps=2", "logger=csv"]
     run = tmp_path / "n"
     out = run_nodes(run, digits_shards, 16, 1, *common, "data.batch_size=1", "trainer.max_steps=2", timeout=600)
     assert out.stdout.count("--- launch") == 16
+    # FSDP2 over the 16 nodes: each rank writes its own part of the sharded checkpoint
+    assert len({p.name for p in (run / "checkpoints").rglob("*.distcp")}) == 16
     out = run_nodes(run, digits_shards, 8, 1, *common, "data.batch_size=2", "trainer.max_steps=4", timeout=600)
     assert f"Restoring states from the checkpoint path at {run / 'checkpoints' / 'last.ckpt'}" in out.stdout
     ref = tmp_path / "r"
