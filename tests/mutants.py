@@ -866,6 +866,10 @@ MUTANTS = [
            (("framework/training/watchdog.py", "        if self._started:\n            self._set(",
              "        if False:\n            self._set("),),
            ("tests/test_large_jobs.py::test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited",)),
+    Mutant("arrival_every_micro_batch", "under gradient accumulation the arrival barrier runs at every micro-batch "
+           "of a logged step, not once",
+           (("framework/training/figures.py", "and (batch_idx + 1) % trainer.accumulate_grad_batches == 0)", ")"),),
+           (DIST + "test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step",)),
     Mutant("arrival_untimed", "the logging step's arrival barrier is skipped: a rank slow in its step goes unseen",
            (("framework/training/module.py", "                self.arrival_ms = figures.arrival_wait_ms(self.device)",
              "                self.arrival_ms = 0.0"),),

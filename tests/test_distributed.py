@@ -571,7 +571,8 @@ def fsdp_runs(tmp_path_factory, digits_shards) -> dict[str, Path]:
 
 def test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step(fsdp_runs):
     """2 ranks given data.global_batch_size=16 and at most 5 samples per micro-batch accumulate 2 micro-batches of
-    4 each per step: the losses and updates of one process's 2 x 8, one reduce-scatter per step."""
+    4 each per step: the losses and updates of one process's 2 x 8, one reduce-scatter per step, and on each logged
+    step (every step here) one arrival barrier (per-rank figures), at the micro-batch that takes the step."""
     ref, got = losses(fsdp_runs["acc_ref"]), losses(fsdp_runs["acc"])
     assert sorted(got) == list(range(STEPS))
     torch.testing.assert_close(torch.tensor([got[s] for s in range(STEPS)]),
@@ -582,6 +583,7 @@ def test_fsdp_gradient_accumulation_follows_one_process_and_syncs_once_per_step(
         assert len(rs) == 2 * STEPS
         assert rs[0::2] == [0] * STEPS, f"rank {rank} reduce-scattered on an accumulating micro-batch: {rs}"
         assert all(n > 0 for n in rs[1::2]), rs
+        assert probe(fsdp_runs["acc"], rank)["arrivals"] == list(range(1, 2 * STEPS, 2))
 
 
 def test_a_nonfinite_loss_on_one_rank_skips_the_step_on_every_rank(fsdp_runs):

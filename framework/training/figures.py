@@ -47,6 +47,13 @@ def logged(trainer: pl.Trainer, stepped: bool = False) -> bool:
     return bool(trainer.loggers) and logging_step(trainer, stepped)
 
 
+def times_arrival(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether this micro-batch waits at the arrival barrier (arrival_wait_ms): with more than one rank, on a logged
+    step, at the micro-batch that takes the optimizer step (Lightning's rule, an epoch's short last step aside)."""
+    return (trainer.world_size > 1 and logged(trainer)
+            and (batch_idx + 1) % trainer.accumulate_grad_batches == 0)
+
+
 def sample_losses(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """(B,) each sample's mean squared error, detached: what train/loss_t0..3 average."""
     return (pred.detach().float() - target.float()).pow(2).flatten(1).mean(1)

@@ -179,16 +179,14 @@ class DiffusionModule(pl.LightningModule):
                 extra = {"sample_loss": figures.sample_losses(pred, target), "t": t}
 
         self.finite.add_loss(loss)  # checked with this step's gradient norm before the optimizer step
-        # train/loss is the mean over every micro-batch since the last logged step, not one batch's loss: summed on
-        # the device (no synchronisation), reset once a logged step has taken its optimizer step.
+        # train/loss: the mean over the micro-batches since the last logged step, summed on the device (no sync)
         self._interval_loss = loss.detach() + (self._interval_loss if self._interval_loss is not None else 0.0)
         self._interval_batches += 1
         if logging_step(self.trainer):
-            if self.trainer.world_size > 1 and figures.logged(self.trainer):
+            if figures.times_arrival(self.trainer, batch_idx):
                 self.arrival_ms = figures.arrival_wait_ms(self.device)  # before this step's first collective
-            # Only on logging steps (and then to the progress bar too, which refreshes on those steps): the
-            # average over ranks and its read on the host are a synchronisation the other steps do without.
-            # Averaged over ranks, so the logged loss is the global batch's whatever the world size.
+            # Only on logging steps (the progress bar refreshes on those): averaged over ranks (the global batch's
+            # loss whatever the world size), a synchronisation the other steps do without.
             self.log("train/loss", self._interval_loss / self._interval_batches, prog_bar=True, on_step=True,
                      batch_size=x0.shape[0], sync_dist=self.trainer.world_size > 1)
         return {"loss": loss, **extra} if extra else loss

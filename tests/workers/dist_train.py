@@ -61,6 +61,11 @@ class Probe(pl.Callback):
             return original(*args, **kwargs)
 
         dist.reduce_scatter_single = counted
+        # the micro-batches that ran the logging step's arrival barrier
+        from framework.training import figures
+
+        barrier, self.arrivals = figures.arrival_wait_ms, []
+        figures.arrival_wait_ms = lambda *a, **k: self.arrivals.append(self.micro) or barrier(*a, **k)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         import torch
@@ -142,6 +147,7 @@ class Probe(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         out = {"world_size": trainer.world_size, "mesh": self.mesh, "keys": self.keys, "params": getattr(self, "params", {}),
                "reduce_scatters": self.reduce_scatters, "skipped": self.skipped, "staging_at_step": self.staging_at_step,
+               "arrivals": self.arrivals,
                "forward_dtypes": sorted(self.forward_dtypes),
                # whether this rank's grid pipeline loaded the image codec (the final grid ran just before this)
                "grid_codec_loaded": next(cb for cb in trainer.callbacks if isinstance(cb, SampleGrid))._pipe._codec is not None,
