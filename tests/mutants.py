@@ -866,6 +866,10 @@ MUTANTS = [
            (("framework/training/watchdog.py", "        if self._started:\n            self._set(",
              "        if False:\n            self._set("),),
            ("tests/test_large_jobs.py::test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited",)),
+    Mutant("lokr_alpha_ignored", "adapter.alpha never reaches LoKr: peft's default alpha scales the update",
+           (("framework/models/adapters.py", "LoKrConfig(r=self.rank, alpha=alpha, module_dropout",
+             "LoKrConfig(r=self.rank, module_dropout"),),
+           ("tests/test_adapters.py::test_lokr_and_loha_compute_what_stock_peft_computes_with_the_trained_tensors",)),
     Mutant("arrival_every_micro_batch", "under gradient accumulation the arrival barrier runs at every micro-batch "
            "of a logged step, not once",
            (("framework/training/figures.py", "and (batch_idx + 1) % trainer.accumulate_grad_batches == 0)", ")"),),

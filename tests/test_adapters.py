@@ -107,6 +107,31 @@ def test_only_the_adapter_trains_and_the_checkpoint_holds_it_alone(tuned, base, 
         torch.testing.assert_close(merged(*_inputs()), adapted(*_inputs()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lokr_and_loha_compute_what_stock_peft_computes_with_the_trained_tensors(tuned, base, kind):
+    """The trained LoKr / LoHa tensors loaded into the base through peft's own config, written here (rank 4, alpha
+    = rank: scale 1, the four attention projections): every stored tensor has its place, and the merged model that
+    sample, eval and export read computes what that stock peft model computes. adapter.dropout is peft's module
+    dropout."""
+    from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model
+
+    stock_config = {"lokr": LoKrConfig, "loha": LoHaConfig}[kind]
+    stock = _base_model(base)
+    inject_adapter_in_model(stock_config(r=4, alpha=4.0, target_modules=["to_q", "to_k", "to_v", "to_out.0"]),
+                            stock.net)
+    stored = {k[len("model."):]: v for k, v in read_checkpoint(tuned(kind))["state_dict"].items()}
+    assert all(f".{kind}_" in k or f".hada_" in k for k in stored)  # lokr_w1 ... / hada_w1_a ...
+    missing, unexpected = stock.load_state_dict(stored, strict=False)
+    assert unexpected == [] and set(stored) <= set(stock.state_dict())
+    merged = build_model(read_checkpoint(tuned(kind)), "train").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(*_inputs()), stock.eval()(*_inputs()), rtol=1e-5, atol=1e-5)
+    dropped = _base_model(base)
+    add_adapter(dropped, AdapterConfig(kind=kind, rank=4, dropout=0.25))
+    layer = next(m for m in dropped.net.modules() if hasattr(m, "module_dropout"))
+    assert layer.module_dropout["default"] == 0.25
+
+
 def test_lora_update_is_alpha_over_rank_times_b_a_on_the_chosen_layers(tuned, base):
     """adapter.rank, adapter.alpha and adapter.targets as LoRA defines them: only to_q layers carry an adapter of rank
     2, and the merged weight is W + (alpha / r) B A with alpha 6 (scale 3), computed here from the stored A and B."""

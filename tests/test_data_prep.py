@@ -533,7 +533,8 @@ def test_a_ranks_peak_memory_stays_flat_over_100k_distinct_captions(text_storage
 
 def test_precompute_bounds_its_caption_cache_by_caption_cache_mb(tmp_path, tiny_text_encoder_dir, monkeypatch):
     """caption_cache_mb reaches the rank's cache: 8 images with 2 distinct captions are 2 encoder inputs by default
-    and 8 at caption_cache_mb=0 (nothing kept)."""
+    and 8 at caption_cache_mb=0 (nothing kept); the rows written from the cache are the rows encoded afresh, byte for
+    byte (a cached embedding handed out and then trimmed or changed in place would differ)."""
     import data_prep.precompute as pre
 
     src = make_image_folder(tmp_path / "imgs", n=8)
@@ -552,6 +553,9 @@ def test_precompute_bounds_its_caption_cache_by_caption_cache_mb(tmp_path, tiny_
     kept, none = caches
     assert (kept.max_bytes, none.max_bytes) == (1024 * 2**20, 0)
     assert (kept.encoded, none.encoded) == (2, 8) and len(read_rows(tmp_path / "none")) == 8
+    as_bytes = lambda rows: [{k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in r.items()}  # noqa: E731
+                             for r in rows]
+    assert as_bytes(read_rows(tmp_path / "kept")) == as_bytes(read_rows(tmp_path / "none"))
 
 
 # ---------------------------------------------------------------------------------------------

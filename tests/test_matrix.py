@@ -16,10 +16,11 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests import zygote
-from tests.helpers import S3_BUCKET, history, losses, run_ids, run_record, wait_for_exit
+from tests.helpers import S3_BUCKET, history, losses, read_rows, run_ids, run_record, wait_for_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -404,6 +405,15 @@ def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards, stora
     per_part = [(b.split("/")[0], n) for b, n in parts(out)]
     assert per_part == [(b.split("/")[0], n // 3 if per_image else n) for b, n in parts(digits_shards)]
     assert {b for b, _ in per_part} == {"part_000000", "part_000001"}
+    rows, reference = read_rows(out), read_rows(digits_shards)
+    if per_image:  # every image once, its pixels those of the one-process dataset's rows of that image
+        assert sorted(r["latents"].tobytes() for r in rows) == sorted({r["latents"].tobytes() for r in reference})
+    else:  # the one-process dataset, row for row (text to fp16 rounding: another process's encoder threads)
+        assert [(r["key"], r["latents"].tobytes(), r["caption"]) for r in rows] == \
+            [(r["key"], r["latents"].tobytes(), r["caption"]) for r in reference]
+        for got_row, want_row in zip(rows, reference):
+            np.testing.assert_allclose(got_row["text_embeds"].astype(np.float32),
+                                       want_row["text_embeds"].astype(np.float32), rtol=0, atol=2e-3)
 
     run_dir = tmp_path / "run"
     run_command(run_dir, out, "single", 1, "csv", ["trainer.max_steps=2", "eval.at_end=false", "sample.every_n_steps=0"])

@@ -41,13 +41,14 @@ def run_sbatch(tmp_path: Path, srun_err: str, job: str = "", sinfo: str = "", re
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
     for name, text in {"scontrol": SCONTROL, "srun": '#!/bin/sh\nprintf "%s\\n" "$STUB_SRUN_ERR" >&2\nexit 137\n',
-                       "sinfo": '#!/bin/sh\nprintf "%s\\n" "$STUB_SINFO"\n'}.items():
+                       "sinfo": '#!/bin/sh\necho "$@" >> "$STUB_LOG.sinfo"\nprintf "%s\\n" "$STUB_SINFO"\n'}.items():
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
     (stubs / "python3").unlink(missing_ok=True)
     (stubs / "python3").symlink_to(sys.executable)  # the site set-up's python
     log = tmp_path / "scontrol.log"
     log.unlink(missing_ok=True)
+    Path(f"{log}.sinfo").unlink(missing_ok=True)
     sinfo = sinfo or "\n".join(f"n{i} idle" for i in range(1, 5))
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), "STUB_LOG": str(log),
            "STUB_SRUN_ERR": srun_err, "STUB_SINFO": sinfo,
@@ -73,6 +74,8 @@ def test_a_task_killed_by_a_signal_requeues_the_job_without_its_node(tmp_path):
     calls, err = run_sbatch(tmp_path, KILLED)
     assert calls == ["show job -o 7", "requeue 7", "update JobId=7 ExcNodeList=n3"]
     assert "leaving out n3 (3 usable nodes remain for the 2 it needs)" in err
+    # the usable nodes are counted in the job's own partition, not over the whole cluster
+    assert (tmp_path / "scontrol.log.sinfo").read_text().split() == ["-h", "-N", "-p", "gpu", "-o", "%N", "%t"]
 
 
 def test_a_lost_node_is_left_out_beside_the_nodes_left_out_before(tmp_path):
@@ -95,10 +98,12 @@ def test_a_node_is_not_left_out_when_too_few_would_remain_for_the_job(tmp_path, 
     assert "not leaving out n3: the job's partitions would keep 1 usable nodes for the 2 it needs" in err
 
 
-def test_a_program_error_requeues_the_job_without_leaving_out_a_node(tmp_path):
-    calls, err = run_sbatch(tmp_path, "srun: error: n3: task 17: Exited with exit code 86\n" + KILLED)
+@pytest.mark.parametrize("failure", ["Exited with exit code 86", "Out Of Memory"])
+def test_a_program_error_requeues_the_job_without_leaving_out_a_node(tmp_path, failure):
+    """An exception (the watchdog's exit code) or the program's own out-of-memory kill is the job's, not the node's."""
+    calls, err = run_sbatch(tmp_path, f"srun: error: n3: task 17: {failure}\n" + KILLED)
     assert calls == ["show job -o 7", "requeue 7"]
-    assert "first failure: srun: error: n3: task 17: Exited with exit code 86; no node is left out" in err
+    assert f"first failure: srun: error: n3: task 17: {failure}; no node is left out" in err
 
 
 def test_an_update_slurmctld_drops_is_sent_again(tmp_path):
@@ -107,6 +112,9 @@ def test_an_update_slurmctld_drops_is_sent_again(tmp_path):
 
 
 def test_a_job_out_of_restarts_is_not_requeued(tmp_path):
+    """LATENTFORGE_MAX_RESTARTS=3 (the default): the third restart is still made, a fourth is not."""
+    calls, err = run_sbatch(tmp_path, KILLED, restarts=2)
+    assert calls[:2] == ["show job -o 7", "requeue 7"] and "restart 3 of 3 (LATENTFORGE_MAX_RESTARTS)" in err
     calls, err = run_sbatch(tmp_path, KILLED, restarts=3)
     assert calls == []
     assert "not requeued: the job has restarted 3 times (LATENTFORGE_MAX_RESTARTS=3)" in err
