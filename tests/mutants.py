@@ -870,6 +870,11 @@ MUTANTS = [
            (("framework/models/adapters.py", "LoKrConfig(r=self.rank, alpha=alpha, module_dropout",
              "LoKrConfig(r=self.rank, module_dropout"),),
            ("tests/test_adapters.py::test_lokr_and_loha_compute_what_stock_peft_computes_with_the_trained_tensors",)),
+    Mutant("validation_on_ema_weights", "val/loss measures the EMA's weights instead of the weights being trained",
+           (("framework/training/validation.py", "            with paused(), base_precision(trainer, pl_module):",
+             "            from framework.training.registry import averaged_weights\n"
+             "            with paused(), averaged_weights(trainer, pl_module), base_precision(trainer, pl_module):"),),
+           ("tests/test_validation.py::test_the_validation_loss_measures_the_weights_being_trained",)),
     Mutant("arrival_every_micro_batch", "under gradient accumulation the arrival barrier runs at every micro-batch "
            "of a logged step, not once",
            (("framework/training/figures.py", "and (batch_idx + 1) % trainer.accumulate_grad_batches == 0)", ")"),),

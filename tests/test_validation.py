@@ -86,6 +86,37 @@ def test_the_validation_loss_of_unchanged_weights_is_the_same_at_every_evaluatio
     assert len(set(train_losses)) == len(train_losses) == 4
 
 
+def test_the_validation_loss_measures_the_weights_being_trained(tmp_path, digits_shards, digits_val):
+    """At the ordinary lr the weights move, and with an EMA beside them (decay 0.5, far from the weights after 4
+    steps) val/loss at step 4 is the loss of the final training weights computed again from the checkpoint, not the
+    EMA's and not step 0's."""
+    from types import SimpleNamespace
+
+    from framework.inference.checkpoint import build_model, read_checkpoint
+    from framework.models.objectives import Objective, ObjectiveConfig
+    from framework.train import train
+    from framework.training.validation import validation_loss
+
+    run = train(compose_cfg(cheap(tmp_path, digits_shards, *FIT, "logger=csv", "optimizer.lr=1e-3",
+                                  "optimizer.warmup_steps=0", f"data.val_path={digits_val}", "eval.val_every_n_steps=4",
+                                  "sample.every_n_steps=0", "plugins=[ema]", "plugins.ema.decay=0.5", steps=4)))
+    rows = _val_rows(Path(run["run_dir"]))
+    assert sorted(rows) == [0, 4]
+    ckpt = read_checkpoint(run["checkpoint"])
+    config = ckpt["latentforge"]["config"]
+
+    def again(kind: str) -> dict[str, float]:
+        model = build_model(ckpt, kind).eval()
+        module = SimpleNamespace(model=model, model_cfg=model.cfg, device=torch.device("cpu"),
+                                 objective=Objective(ObjectiveConfig(**config["objective"])),
+                                 trainer=SimpleNamespace(world_size=1))
+        return validation_loss(module, HeldOut(str(digits_val)), 0, 1, 16, config["seed"])
+
+    trained, ema = again("train"), again("ema")
+    assert rows[4] == pytest.approx(trained, rel=1e-6)
+    assert abs(ema["val/loss"] - trained["val/loss"]) > 1e-4 and abs(rows[4]["val/loss"] - rows[0]["val/loss"]) > 1e-4
+
+
 def test_a_validation_loss_without_held_out_latents_is_refused(tmp_path, digits_shards):
     from framework.train import train
 
