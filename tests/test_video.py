@@ -859,6 +859,13 @@ def test_eval_scores_own_clips_with_fvd_and_per_frame_clip_score(tmp_path, train
     pipe = Pipeline.from_checkpoint(ckpt)
     real, captions = real_clips(real_dir, 8, None, 16, 16)
     assert real.shape == (8, 8, 3, 16, 16) and captions[3] == "a 3 drifting to the right"
+    # the reference clips are the videos' first 8 frames as written (lossless), by _heldout_videos' own formula
+    expected = torch.full((8, 8, 3, 16, 16), -1.0)
+    for k in range(8):
+        for i in range(8):
+            top, left = (3 * k) % 9, (k + i) % 9
+            expected[k, i, :, top:top + 7, left:left + 7] = (200 + 5 * k) / 127.5 - 1
+    torch.testing.assert_close(real, expected, rtol=0, atol=2 / 127.5)
     drawn = [c for c in captions for _ in range(2)]
     clips = pipe.generate(drawn, SamplingPlan(2, 4.0, None, seed=0))  # (16, 8, 1, 16, 16)
     i3d = VideoFeatures(tmp_path / "i3d.pt")
