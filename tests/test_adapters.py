@@ -192,6 +192,13 @@ def test_an_adapter_run_with_ema_resumes_exactly(tmp_path, digits_shards, base, 
         assert any(not torch.equal(ema[k], ckpt["state_dict"][f"model.{k}"]) for k in ema)
     a, b = read_checkpoint(full["checkpoint"]), read_checkpoint(resumed["checkpoint"])
     assert all(torch.equal(a[CKPT_KEY]["ema_state"][k], b[CKPT_KEY]["ema_state"][k]) for k in a[CKPT_KEY]["ema_state"])
+    # what sample reads (weights=ema): the base's W plus the EMA's B A (alpha = rank: scale 1), by hand
+    ema, base_w = a[CKPT_KEY]["ema_state"], _base_model(base).state_dict()
+    layer = "net.transformer_blocks.0.attn1.to_q"
+    by_hand = base_w[f"{layer}.weight"] + ema[f"{layer}.lora_B.default.weight"] @ ema[f"{layer}.lora_A.default.weight"]
+    sampled, trained = (build_model(a, kind).state_dict()[f"{layer}.weight"] for kind in ("ema", "train"))
+    torch.testing.assert_close(sampled, by_hand, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(sampled, trained, rtol=0, atol=1e-7)
 
 
 def test_resuming_with_another_adapter_is_refused(tmp_path, digits_shards, base, tuned):
