@@ -268,6 +268,18 @@ def test_latte_trains_on_clips_and_samples_mp4_gif_and_a_frame_grid(tmp_path, tr
         assert error < 4.0, error  # H.264 at crf 12: a few levels of 255
     with Image.open(paths[-2]) as grid:  # one row a clip
         assert grid.size == (STRIP_WIDTH, 2 * (96 + 28))
+    # without fps=, the clips play at the rate the dataset recorded its frames at (12 here)
+    from framework.inference.checkpoint import CKPT_KEY, read_checkpoint
+
+    recorded = read_checkpoint(ckpt)
+    recorded[CKPT_KEY]["dataset"]["fps"] = 12.0
+    torch.save(recorded, tmp_path / "at12.ckpt")
+    at12 = sample(SampleCommand(ckpt=str(tmp_path / "at12.ckpt"), out=str(tmp_path / "at12"), prompts=prompts[:1],
+                                steps=1, device="cpu"))
+    with av.open(str(at12[0])) as container:
+        assert float(container.streams.video[0].average_rate) == 12.0
+    with Image.open(at12[1]) as im:
+        assert im.info["duration"] == 80  # 1000 / 12 ms, in the GIF format's hundredths of a second
     with Image.open(paths[-1]) as both:  # both clips side by side, frame by frame, 8 times their 16 pixels
         assert (both.n_frames, both.size) == (8, (8 * (2 * 17 - 1), 8 * 16))
         both.seek(3)
