@@ -199,6 +199,16 @@ def check_memory(cfg: TrainConfig, trainer: pl.Trainer, plan: RunPlan) -> None:
 
 
 def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
+    path = _resume_path(cfg, run_dir)
+    if cfg.trainer.checkpoint_dir:
+        from framework.inference.checkpoint import checkpoint_step
+        from framework.training.remote import check_start
+
+        check_start(cfg.trainer.checkpoint_dir, run_dir / "checkpoints", checkpoint_step(Path(path)) if path else 0)
+    return path
+
+
+def _resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     if cfg.resume in (None, "", "null"):
         return None
     from framework.inference.checkpoint import is_sharded

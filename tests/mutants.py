@@ -875,6 +875,11 @@ MUTANTS = [
              "            from framework.training.registry import averaged_weights\n"
              "            with paused(), averaged_weights(trainer, pl_module), base_precision(trainer, pl_module):"),),
            ("tests/test_validation.py::test_the_validation_loss_measures_the_weights_being_trained",)),
+    Mutant("fresh_run_behind_remote_latest", "a run that starts behind the checkpoint prefix's `latest` goes on, "
+           "uploading nothing until it passes that step",
+           (("framework/training/remote.py", "    if name is not None and step_of(name) > start_step:",
+             "    if False:"),),
+           ("tests/test_remote.py::test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterrupted_run",)),
     Mutant("arrival_every_micro_batch", "under gradient accumulation the arrival barrier runs at every micro-batch "
            "of a logged step, not once",
            (("framework/training/figures.py", "and (batch_idx + 1) % trainer.accumulate_grad_batches == 0)", ")"),),

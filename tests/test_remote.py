@@ -91,7 +91,8 @@ def test_training_from_s3_killed_and_resumed_follows_the_uninterrupted_local_run
         torch.testing.assert_close(wg[k], wl[k], rtol=0, atol=0)
 
 
-def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterrupted_run(s3, tmp_path, digits_shards):
+def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterrupted_run(s3, tmp_path, digits_shards,
+                                                                                         monkeypatch):
     """trainer.checkpoint_dir=s3://... on 2 fsdp ranks: each sharded checkpoint is uploaded once complete, `latest`
     names the newest, keep_checkpoints=1 leaves one remote. The run folder is then deleted; the same command with
     resume=auto downloads the remote checkpoint (global rank 0; rank 1 waits for it) and trains on with the losses
@@ -124,6 +125,16 @@ def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterru
     resumed, uninterrupted = (weights(r / "checkpoints" / "last.ckpt") for r in (run, ref))
     for k in uninterrupted:
         torch.testing.assert_close(resumed[k], uninterrupted[k], rtol=0, atol=0)
+    # a run started afresh on that prefix (resume=null) is refused before it trains: its checkpoints would not be
+    # uploaded until step 6, and `latest` would name the other run's
+    from framework.train import train
+
+    for k, v in s3.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=rf"trainer.checkpoint_dir={url} holds a run's checkpoints up to step 6 "
+                                         r"\(latest: step0000006.ckpt\) and this run starts at step 0: resume=auto"):
+        train(compose_cfg(cheap(tmp_path, digits_shards, f"trainer.checkpoint_dir={url}", "resume=null", run="fresh")))
+    assert remote() == ("step0000006.ckpt", ["step0000006.ckpt"])
 
 
 def test_a_checkpoint_dir_that_is_no_object_store_url_is_refused():

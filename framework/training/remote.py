@@ -215,6 +215,16 @@ class UploadCheckpoints(pl.Callback):
 # --------------------------------------------------------------------------------------------
 
 
+def check_start(url: str, local: Path, start_step: int) -> None:
+    """Refuse a run that starts behind the prefix's `latest` (a fresh run, or a resume from an older checkpoint): its
+    checkpoints would not be uploaded until it passed that step, and `latest` would go on naming the other run's."""
+    name = Remote(url, local).latest()
+    if name is not None and step_of(name) > start_step:
+        raise ValueError(f"trainer.checkpoint_dir={url} holds a run's checkpoints up to step {step_of(name)} (latest: "
+                         f"{name}) and this run starts at step {start_step}: resume=auto continues that run; to start "
+                         "another, give it a prefix of its own")
+
+
 def fetch_newer(url: str, local: Path, local_step: int | None, writer: bool, timeout_s: float = 1800) -> Path | None:
     """resume=auto: the remote `latest` in run.dir/checkpoints when it is newer than `local_step` (the newest local
     checkpoint's step; None: there is none), else None. The run.dir writer downloads it; the other ranks wait."""
