@@ -420,6 +420,26 @@ def test_precompute_on_two_slurm_tasks_then_train(tmp_path, digits_shards, stora
     assert sorted(losses(run_dir)) == [0, 1]
 
 
+def test_a_watching_evaluation_follows_a_sharded_two_rank_run(tmp_path, digits_shards):
+    """`framework.eval watch=RUN_DIR` beside a 2-rank FSDP2 run whose checkpoints are sharded folders: it scores steps
+    2 and 4 as they are completed and ends with the run; step 4's metrics are what `framework.eval ckpt=` gives for
+    that folder afterwards."""
+    run_dir, settings = tmp_path / "run", ["seeds=1", "phrasings=1", "steps=2", "device=cpu"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    watcher = zygote.popen([sys.executable, "-m", "framework.eval", f"watch={run_dir}", "watch_poll_s=0.2",
+                            "watch_idle_s=600", *settings], env={**env, "TMPDIR": str(tmp_path)})
+    run_command(run_dir, digits_shards, "fsdp", 2, "csv", ["eval.at_end=false"])
+    out, _ = watcher.communicate(timeout=300)
+    assert watcher.returncode == 0, out[-3000:]
+    watched = json.loads((run_dir / "eval" / "watched.json").read_text())
+    assert sorted(watched) == ["2", "4"], out[-3000:]
+    alone = zygote.run([sys.executable, "-m", "framework.eval", f"ckpt={run_dir / 'checkpoints' / 'step0000004.ckpt'}",
+                        f"out={tmp_path / 'alone'}", *settings], env={**env, "TMPDIR": str(tmp_path)}, timeout=300)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    timeless = lambda m: {k: v for k, v in m.items() if k != "images_per_s"}  # noqa: E731
+    assert timeless(watched["4"]) == timeless(json.loads((tmp_path / "alone" / "metrics.json").read_text()))
+
+
 @pytest.mark.parametrize("codes,expected", [([0, 0], 0), ([0, -9], -9), ([1, 0], 1), ([-15, 2], -15)])
 def test_a_job_fails_when_any_rank_fails_a_signal_included(codes, expected):
     assert zygote.job_code(codes) == expected
