@@ -200,7 +200,7 @@ def check_memory(cfg: TrainConfig, trainer: pl.Trainer, plan: RunPlan) -> None:
 
 def resume_path(cfg: TrainConfig, run_dir: Path) -> str | None:
     path = _resume_path(cfg, run_dir)
-    if cfg.trainer.checkpoint_dir:
+    if cfg.trainer.checkpoint_dir and cfg.resume != "auto":  # auto starts at the newer of run.dir's and `latest`
         from framework.inference.checkpoint import checkpoint_step
         from framework.training.remote import check_start
 

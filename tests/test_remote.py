@@ -91,8 +91,8 @@ def test_training_from_s3_killed_and_resumed_follows_the_uninterrupted_local_run
         torch.testing.assert_close(wg[k], wl[k], rtol=0, atol=0)
 
 
-def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterrupted_run(s3, tmp_path, digits_shards,
-                                                                                         monkeypatch):
+def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterrupted_run(s3_env, tmp_path,
+                                                                                         digits_shards):
     """trainer.checkpoint_dir=s3://... on 2 fsdp ranks: each sharded checkpoint is uploaded once complete, `latest`
     names the newest, keep_checkpoints=1 leaves one remote. The run folder is then deleted; the same command with
     resume=auto downloads the remote checkpoint (global rank 0; rank 1 waits for it) and trains on with the losses
@@ -101,6 +101,7 @@ def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterru
 
     from tests.helpers import fsdp, weights
 
+    s3 = s3_env  # (set in this process too, for the in-process run at the end)
     url = f"s3://{BUCKET}/ckpt"
     common = [*fsdp(devices=2, batch=8), "trainer.keep_checkpoints=1"]
     client = boto3.client("s3", endpoint_url=s3["S3_ENDPOINT_URL"], aws_access_key_id=s3["AWS_ACCESS_KEY_ID"],
@@ -129,8 +130,6 @@ def test_checkpoints_on_s3_resume_a_run_whose_run_dir_is_gone_like_the_uninterru
     # uploaded until step 6, and `latest` would name the other run's
     from framework.train import train
 
-    for k, v in s3.items():
-        monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=rf"trainer.checkpoint_dir={url} holds a run's checkpoints up to step 6 "
                                          r"\(latest: step0000006.ckpt\) and this run starts at step 0: resume=auto"):
         train(compose_cfg(cheap(tmp_path, digits_shards, f"trainer.checkpoint_dir={url}", "resume=null", run="fresh")))
