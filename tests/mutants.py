@@ -863,9 +863,14 @@ MUTANTS = [
            ("tests/test_large_jobs.py::test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited",)),
     Mutant("hang_step_unnamed", "the hang watchdog does not mark a step's start: a rank stalled in a step is reported "
            "as waiting in the data loader",
-           (("framework/training/watchdog.py", "        if self._started:\n            self._set(",
-             "        if False:\n            self._set("),),
+           (("framework/training/watchdog.py", "        self._set(f\"training step {trainer",
+             "        (f\"training step {trainer"),),
            ("tests/test_large_jobs.py::test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited",)),
+    Mutant("first_batch_unwatched", "the hang watchdog starts only after the first micro-batch: a loader that never "
+           "delivers the first batch (a resumed job's too) idles the job forever",
+           (("framework/training/watchdog.py", "        self._set(f\"the data loader's first batch",
+             "        (f\"the data loader's first batch"),),
+           ("tests/test_large_jobs.py::test_a_loader_that_never_delivers_the_first_batch_ends_the_run",)),
     Mutant("lokr_alpha_ignored", "adapter.alpha never reaches LoKr: peft's default alpha scales the update",
            (("framework/models/adapters.py", "LoKrConfig(r=self.rank, alpha=alpha, module_dropout",
              "LoKrConfig(r=self.rank, module_dropout"),),

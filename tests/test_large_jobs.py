@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -37,6 +38,25 @@ def test_a_stalled_rank_ends_the_job_naming_its_host_and_where_each_rank_waited(
     assert "in on_train_batch_start" in out[1]  # its stack shows where it stalled: the probe's sleep
     for rank in range(2):
         assert (run_dir / "hangs" / f"rank{rank}.txt").read_text().startswith(f"hang: rank {rank} on {host}")
+
+
+def test_a_loader_that_never_delivers_the_first_batch_ends_the_run(tmp_path, digits_shards):
+    """The first batch never comes (the loader sleeps ten minutes in its collation, as a worker waiting on a dead
+    job's shared memory would): the watchdog ends the run after the hang timeout, naming the first batch's wait,
+    though no step has run yet. (It was once unwatched until the first micro-batch ended.)"""
+    run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    args = train_args(run_dir, digits_shards, tmp / "cache", "trainer.max_steps=2", "trainer.hang_timeout_s=4",
+                      "strategy.timeout_s=60", "logger=none")
+    try:
+        done, = zygote.lightning_ranks("tests.workers.dist_train", args, 1, train_env(tmp, {"PROBE_SLOW": "0:600"}),
+                                       tmp, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the run still waited for its first batch after 90 s: nothing timed the wait")
+    out = done.stdout + done.stderr
+    assert done.returncode == HANG_EXIT, out[-3000:]
+    assert " in the data loader's first batch (of step 1: " in out, out[-3000:]
+    assert "in <lambda>\n    datamodule.LatentCollate.__call__" in (run_dir / "hangs" / "rank0.txt").read_text()
 
 
 def test_a_hang_timeout_the_process_group_would_outlast_is_refused():

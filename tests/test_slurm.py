@@ -70,7 +70,15 @@ def tiny(run_dir: Path | str, data: Path, cache: str, paced: bool = False) -> li
         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "eval.at_end=false",
         *grids, "sample.per_prompt=1", "sample.prompts=[a handwritten 3]",
         "data.batch_size=16", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every_n_steps=10", "resume=auto",
+        # A stall (once: a requeued job at its first batch) ends the task with every thread's stack in
+        # run.dir/hangs/ after a minute, rather than holding the test until it times out saying nothing.
+        "trainer.hang_timeout_s=60",
     ]
+
+
+def hangs(run_dir: Path) -> str:
+    """What the hang watchdog wrote, for a failing assertion's message."""
+    return "".join(p.read_text()[-4000:] for p in sorted((run_dir / "hangs").glob("*.txt")))
 
 
 def activate() -> str:
@@ -223,7 +231,7 @@ def test_sbatch_job_saves_on_each_signal_and_resumes_exactly(tmp_path, digits_sh
             out += (tmp_path / f"slurm-{again}.out").read_text()
             assert info["JobState"] == "COMPLETED", out[-3000:]
         else:
-            assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out[-3000:]
+            assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out[-3000:] + hangs(run_dir)
             assert f"requeued Slurm job {job_id}" in out, out[-3000:]
         if case == "preempt":
             assert "came with Slurm's preemption" in out, out[-3000:]

@@ -10,9 +10,9 @@ When one of them has lasted longer than the timeout, the thread prints which ran
 what, and every thread's Python stack, writes the same into run.dir/hangs/rank<r>.txt, and ends the
 process with exit code HANG_EXIT. A rank waiting on a stalled peer and the stalled rank itself both report; the
 launcher (torchrun, srun --kill-on-bad-exit) then ends the job as failed, and launch/train.sbatch's requeue of failed
-jobs takes over. The watch starts once the process's first micro-batch has ended, a resumed run's too (compilation,
-autotuning and the first fetch take as long as they take), and pauses while the run samples or evaluates, which
-progresses at its own pace.
+jobs takes over. A process's first batch is watched from the start of training (a resumed run's: once its checkpoint
+is restored) to its arrival, as the data loader's; its first step is not (compilation and autotuning take as long
+as they take), and the watch pauses while the run samples or evaluates, which progresses at its own pace.
 """
 
 from __future__ import annotations
@@ -100,10 +100,18 @@ class HangWatchdog(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")  # (Lightning's teardown hooks do not run after a failure)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The loader's workers start, open their shards and collate the first batch: a stall there (a worker
+        # waiting on a dead peer's shared memory, a stuck mount) would otherwise go unwatched forever.
+        self._set(f"the data loader's first batch (of step {trainer.global_step + 1}: workers starting, shards "
+                  "opening)")
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._started:
-            self._set(f"training step {trainer.global_step + 1} (forward, backward, gradient collectives, optimizer)")
+        if not self._started:
+            self._set(None)  # the first step compiles and autotunes: not timed
+            return
+        self._set(f"training step {trainer.global_step + 1} (forward, backward, gradient collectives, optimizer)")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._started = True
