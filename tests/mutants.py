@@ -871,6 +871,12 @@ MUTANTS = [
            (("framework/training/watchdog.py", "        self._set(f\"the data loader's first batch",
              "        (f\"the data loader's first batch"),),
            ("tests/test_large_jobs.py::test_a_loader_that_never_delivers_the_first_batch_ends_the_run",)),
+    Mutant("sharded_save_copies_to_host_first", "a sharded save takes the model's shards through Lightning's "
+           "cpu_offload=True: on a GPU the training thread copies the whole state to host memory at every save",
+           (("framework/distributed/strategy.py",
+             "        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))",
+             "        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=True))"),),
+           ("tests/test_checkpoints.py::test_async_saves_resume_like_sync_ones",)),
     Mutant("lokr_alpha_ignored", "adapter.alpha never reaches LoKr: peft's default alpha scales the update",
            (("framework/models/adapters.py", "LoKrConfig(r=self.rank, alpha=alpha, module_dropout",
              "LoKrConfig(r=self.rank, module_dropout"),),

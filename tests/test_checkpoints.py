@@ -110,6 +110,10 @@ def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
         ckpts = run_dir / "checkpoints"
         assert names(ckpts) == ["last.ckpt", "step0000006.ckpt"], names(ckpts)
         assert (ckpts / "last.ckpt").is_symlink() and checkpoint_step(ckpts / "last.ckpt") == 6
+        # the saves took each rank's shards where they were: no copy of the whole state to host memory first, which
+        # on a GPU the training thread would wait for at every save (the async one's staging does it in its thread)
+        offloads = [json.loads((run_dir / f"probe_rank{r}.json").read_text())["offloads"] for r in range(2)]
+        assert all(o and not any(o) for o in offloads), offloads
     assert losses(runs["true"]) == losses(runs["false"]) and sorted(losses(runs["true"])) == list(range(6))
     # each optimizer step after a save waited for its copy to host memory (FSDPStrategy.optimizer_step)
     for rank in range(2):

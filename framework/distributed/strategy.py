@@ -244,6 +244,25 @@ class FSDPStrategy(ModelParallelStrategy):
             self._saver = ShardedSaver(self.global_rank, self.barrier, "process" if self.async_save else None)
         return self._saver
 
+    # A sharded save takes each rank's shards where they are, on their device: DCP's writer, or the async stager in its
+    # thread (into pinned shared memory), copies them to host memory itself. Lightning asks for cpu_offload=True,
+    # which first copies every shard into pageable host memory in the training thread: a synchronous device-to-host
+    # copy of the whole state at every save, async ones included (a no-op on a CPU, where no bench could see it).
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # (a LightningOptimizer wraps it)
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=False))
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)

@@ -37,6 +37,7 @@ class Probe(pl.Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.keys = run_dir, {}
         self.micro, self.reduce_scatters, self.skipped, self.staging_at_step = 0, [], [], []
+        self.offloads: list[bool] = []  # per state dict taken for a save: copied to host memory first?
         self._rs_calls = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -61,6 +62,19 @@ class Probe(pl.Callback):
             return original(*args, **kwargs)
 
         dist.reduce_scatter_single = counted
+        # Whether the state dicts taken for a save asked torch to copy every tensor to host memory first (on a GPU a
+        # synchronous device-to-host copy in the training thread; on a CPU a no-op, so it is read off the request).
+        from torch.distributed.checkpoint import state_dict as sd
+
+        for fn in ("get_model_state_dict", "get_optimizer_state_dict"):
+            original_fn = getattr(sd, fn)
+
+            def recorded(*args: Any, _fn: Any = original_fn, **kwargs: Any) -> Any:
+                options = kwargs.get("options")
+                self.offloads.append(bool(options is not None and options.cpu_offload))
+                return _fn(*args, **kwargs)
+
+            setattr(sd, fn, recorded)
         # the micro-batches that ran the logging step's arrival barrier
         from framework.training import figures
 
@@ -147,6 +161,7 @@ class Probe(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         out = {"world_size": trainer.world_size, "mesh": self.mesh, "keys": self.keys, "params": getattr(self, "params", {}),
                "reduce_scatters": self.reduce_scatters, "skipped": self.skipped, "staging_at_step": self.staging_at_step,
+               "offloads": self.offloads,
                "arrivals": self.arrivals,
                "forward_dtypes": sorted(self.forward_dtypes),
                # whether this rank's grid pipeline loaded the image codec (the final grid ran just before this)
