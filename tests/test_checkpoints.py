@@ -127,7 +127,8 @@ def test_async_saves_resume_like_sync_ones(tmp_path, digits_shards):
 def test_a_process_based_async_save_holds_the_values_of_the_moment_it_was_asked_for(tmp_path):
     """Two ranks save through ShardedSaver's process-based async save and change the saved tensor in place as soon
     as wait_staged() returns, as the optimizer step does: what is loaded back is the tensor as it was at the save,
-    twice (the second save reuses the staging buffers and the writing processes)."""
+    twice; both copy into staging buffers that a prestage (as after a run's first optimizer step) filled with older
+    values, and the second reuses the writing processes."""
     from tests.helpers import torchrun
 
     out = tmp_path / "staged"

@@ -69,6 +69,7 @@ class ShardedSaver:
         self._pending: tuple[Any, Path, Path, Path] | None = None  # (future or None, tmp, path, old)
         self._staging: Any = None  # the copy of the save in flight to host memory (process mode)
         self._stager: Any = None
+        self._prestaged = False
         self._removals: list[Path] = []
         self._group: Any = None
 
@@ -127,6 +128,17 @@ class ShardedSaver:
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=True,
                                                         use_async_staging=True, use_non_blocking_copy=gpu))
         return self._stager
+
+    def prestage(self, state: dict[str, Any]) -> None:
+        """Process mode: copy `state` into the staging buffers once now, in the background, so that the run's first save
+        finds them allocated. Allocating them (shared memory, pinned on a GPU) is most of a first save's staging, and
+        it waited for in the step after that save where a step is too short to hide it. Called after the run's first
+        optimizer step, when the optimizer's state exists; the next optimizer step waits for the copy, as after a
+        save. Later saves copy into the same buffers (the stager keeps them per source tensor)."""
+        if self.async_save != "process" or self._prestaged:
+            return
+        self._prestaged = True
+        self._staging = self.stager.stage(state)
 
     def wait_staged(self) -> None:
         """Block until the save in flight holds its own copy of the state: before anything changes the weights."""
@@ -296,7 +308,11 @@ class FSDPStrategy(ModelParallelStrategy):
                 self._saver.wait_staged()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_wait, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_wait, model, **kwargs)
+        if self.async_save and self._save_distributed_checkpoint and not self.saver._prestaged:
+            self.saver.prestage({"state_dict": self.lightning_module_state_dict(),
+                                 "optimizer_0": self.optimizer_state(optimizer)})
+        return result
 
     def teardown(self) -> None:
         if self._saver is not None:
