@@ -136,7 +136,7 @@ def _rank(rank: int, cfg: CheckpointBench, port: int, folder: str, results: Any)
         if mode == "process":
             saver.start_writer()  # as FSDPStrategy.setup does, at the start of the run
             # as FSDPStrategy.optimizer_step does after the run's first optimizer step: the buffers allocated
-            saver.prestage({"state_dict": model_state, "optimizer_0": optim_state})
+            saver.prestage(lambda: {"state_dict": model_state, "optimizer_0": optim_state})
             _busy(cfg.step_s)
             t1 = time.perf_counter()
             saver.wait_staged()

@@ -28,7 +28,7 @@ import shutil
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
@@ -129,16 +129,16 @@ class ShardedSaver:
                                                         use_async_staging=True, use_non_blocking_copy=gpu))
         return self._stager
 
-    def prestage(self, state: dict[str, Any]) -> None:
-        """Process mode: copy `state` into the staging buffers once now, in the background, so that the run's first save
-        finds them allocated. Allocating them (shared memory, pinned on a GPU) is most of a first save's staging, and
-        it waited for in the step after that save where a step is too short to hide it. Called after the run's first
-        optimizer step, when the optimizer's state exists; the next optimizer step waits for the copy, as after a
-        save. Later saves copy into the same buffers (the stager keeps them per source tensor)."""
+    def prestage(self, state: Callable[[], dict[str, Any]]) -> None:
+        """Process mode, the first call only: copy `state()` into the staging buffers now, in the background, so that
+        the run's first save finds them allocated. Allocating them (shared memory, pinned on a GPU) is most of a first
+        save's staging, and it was waited for in the step after that save where a step is too short to hide it. Called
+        after each optimizer step (the first has created the optimizer's state); the next optimizer step waits for the
+        copy, as after a save. Later saves copy into the same buffers (the stager keeps them per source tensor)."""
         if self.async_save != "process" or self._prestaged:
             return
         self._prestaged = True
-        self._staging = self.stager.stage(state)
+        self._staging = self.stager.stage(state())
 
     def wait_staged(self) -> None:
         """Block until the save in flight holds its own copy of the state: before anything changes the weights."""
@@ -309,9 +309,9 @@ class FSDPStrategy(ModelParallelStrategy):
             return result
 
         result = super().optimizer_step(optimizer, closure_then_wait, model, **kwargs)
-        if self.async_save and self._save_distributed_checkpoint and not self.saver._prestaged:
-            self.saver.prestage({"state_dict": self.lightning_module_state_dict(),
-                                 "optimizer_0": self.optimizer_state(optimizer)})
+        if self.async_save and self._save_distributed_checkpoint:  # (the state dicts are built once, at the first)
+            self.saver.prestage(lambda: {"state_dict": self.lightning_module_state_dict(),
+                                         "optimizer_0": self.optimizer_state(optimizer)})
         return result
 
     def teardown(self) -> None:

@@ -24,11 +24,10 @@ def main(folder: str, out: str) -> None:
 
     rank = dist.get_rank()
     weight = torch.arange(16 * 2**20, dtype=torch.float32) + rank  # 64 MiB
-    saved = weight.clone()
     saver = ShardedSaver(rank, dist.barrier, async_save="process")
     path = Path(folder) / "step.ckpt"
     # As after the run's first optimizer step: the buffers filled once with values no save asks for.
-    saver.prestage({"state_dict": {f"w{rank}": weight}})
+    saver.prestage(lambda: {"state_dict": {f"w{rank}": weight}})
     saver.wait_staged()
     weight.add_(1.0)
     saved = weight.clone()
