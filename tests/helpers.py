@@ -39,9 +39,10 @@ TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "spec
 
 
 class CompiledBlocks(pl.Callback):
-    """Which of the model's blocks ran inside a torch.compile trace: a forward hook on each block's first linear
-    layer adds torch.compiler.is_compiling() (public API: Dynamo's counters are internals another torch version
-    keeps elsewhere) to a counter of its block. After the run, `compiled` holds one bool per block.
+    """Which of the model's blocks ran inside a torch.compile trace, and which ran eagerly: a forward hook on each
+    block's first linear layer adds torch.compiler.is_compiling() (public API: Dynamo's counters are internals another
+    torch version keeps elsewhere) to a counter of its block, and counts its calls. After the run, `compiled` holds one
+    bool per block, `eager` whether the block ever ran outside a trace.
 
     The counters are tensors, which Dynamo guards on by shape and dtype only: a hook that added to a Python set made
     each block's graph guard on the set's contents, so every block compiled again once the set had changed, twice the
@@ -52,18 +53,22 @@ class CompiledBlocks(pl.Callback):
 
         self.model = pl_module.model
         units = shard_units(pl_module.model)
-        self.counts = [torch.zeros(()) for _ in units]  # compiled calls of each block
+        self.counts = [torch.zeros(2) for _ in units]  # each block's (compiled calls, calls)
         for count, unit in zip(self.counts, units):
             layer = next(m for m in unit.modules() if isinstance(m, torch.nn.Linear))
             layer.register_forward_hook(functools.partial(_count_compiled, count))
 
     @property
     def compiled(self) -> list[bool]:
-        return [bool(count > 0) for count in self.counts]
+        return [bool(count[0] > 0) for count in self.counts]
+
+    @property
+    def eager(self) -> list[bool]:
+        return [bool(count[1] > count[0]) for count in self.counts]
 
 
 def _count_compiled(count: torch.Tensor, *_: Any) -> None:  # a forward hook's return value would replace the output
-    count.add_(float(torch.compiler.is_compiling()))
+    count.add_(torch.tensor([float(torch.compiler.is_compiling()), 1.0]))
 
 
 def make_tiny_vae(root: Path, scaling_factor: float = 0.5, shift_factor: float = 0.1, seed: int = 0) -> Path:

@@ -294,6 +294,42 @@ def test_train_flops_are_counted_on_a_meta_replica_as_on_the_model_itself(name, 
     assert flops.meta_replica(net) is None
 
 
+def test_a_replicas_count_is_reused_for_the_same_model_and_inputs_only(monkeypatch):
+    """A process counts a meta replica's FLOPs once per config, trainable set, adapters and input shapes (a study's
+    arms, a sweep): the same model again is not counted again; a frozen block, a longer caption or another width is,
+    each to what a process that never counted before gets."""
+    from framework.models import flops
+
+    net = _built("pixart_debug")
+    inp = _inputs(net.cfg)
+    batch = {"latents": inp["x"], "text_embeds": inp["text"], "text_mask": torch.ones(2, 5, dtype=torch.bool)}
+    first = count_train_flops_per_sample(net, batch)
+
+    class Refuse:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("counted again")
+
+    with monkeypatch.context() as m:
+        m.setattr(flops.flop_counter, "FlopCounterMode", Refuse)
+        assert count_train_flops_per_sample(_built("pixart_debug", seed=1), batch) == first  # other weights, same count
+
+    def fresh(model, b):
+        saved = dict(flops._ON_REPLICAS)
+        flops._ON_REPLICAS.clear()
+        try:
+            return count_train_flops_per_sample(model, b)
+        finally:
+            flops._ON_REPLICAS.update(saved)
+
+    frozen = _built("pixart_debug")
+    frozen.net.transformer_blocks[0].requires_grad_(False)
+    longer = {**batch, "text_embeds": torch.randn(2, 9, net.cfg.text_dim), "text_mask": torch.ones(2, 9, dtype=torch.bool)}
+    wider = _built("pixart_debug", num_heads=2, width=64)
+    for model, b in ((frozen, batch), (net, longer), (wider, batch)):
+        expected = fresh(model, b)
+        assert expected != first and count_train_flops_per_sample(model, b) == expected
+
+
 @pytest.mark.parametrize("groups", [1, 4, 16])
 def test_a_grouped_convolutions_backward_counts_twice_its_forward(groups):
     """Input gradient and weight gradient each cost what the forward does, grouped or not (torch's own formula

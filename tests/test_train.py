@@ -521,8 +521,9 @@ def test_activation_checkpointing_recomputes_the_blocks_and_keeps_the_losses(tmp
 
 @pytest.mark.slow
 def test_compiled_blocks_run_compiled_and_follow_the_eager_losses(tmp_path, digits_shards, extra_callback):
-    """strategy.compile=true: every block runs inside a torch.compile trace (none does without it) and the losses
-    follow the eager run's."""
+    """strategy.compile=true: every block runs inside a torch.compile trace in training (none does without it), the
+    losses follow the eager run's, and the final grid draws through the eager blocks (compiling their no-grad graphs
+    cost more than the grid)."""
     from tests.helpers import CompiledBlocks
 
     torch.compiler.reset()  # no compiled frames of an earlier test in this worker count towards the recompile limit
@@ -531,6 +532,7 @@ def test_compiled_blocks_run_compiled_and_follow_the_eager_losses(tmp_path, digi
     probe = extra_callback(CompiledBlocks())
     compiled = train(compose_cfg(cheap(tmp_path, digits_shards, "strategy.compile=true", steps=3, run="compiled")))
     assert not any(eager_probe.compiled) and all(probe.compiled), (eager_probe.compiled, probe.compiled)
+    assert all(probe.eager), probe.counts  # the grid's calls
     le, lc = losses(Path(eager["run_dir"])), losses(Path(compiled["run_dir"]))
     # Inductor fuses and reorders fp32 arithmetic: equal up to float round-off.
     torch.testing.assert_close(torch.tensor(list(lc.values())), torch.tensor(list(le.values())), rtol=1e-4, atol=1e-5)

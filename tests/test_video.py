@@ -330,6 +330,7 @@ def test_compiled_video_blocks_run_compiled_and_follow_the_eager_losses(tmp_path
         runs[name] = (probe, train(compose_cfg(cheap(tmp_path, moving_shards, "model=latte_debug", *extra, steps=3,
                                                      run=name))))
     assert not any(runs["eager"][0].compiled) and all(runs["compiled"][0].compiled)
+    assert all(runs["compiled"][0].eager)  # the final grid's calls
     assert len(runs["compiled"][0].compiled) == 2 * load_preset("latte_debug").num_layers
     le, lc = (losses(Path(r[1]["run_dir"])) for r in runs.values())
     torch.testing.assert_close(torch.tensor(list(lc.values())), torch.tensor(list(le.values())), rtol=1e-4, atol=1e-5)
