@@ -446,14 +446,17 @@ def run_train(run_dir: Path, data: Path, *overrides: str, timeout: int = 300, en
 
 def run_nodes(run_dir: Path, data: Path, nodes: int, devices: int, *overrides: str, timeout: int = 400) -> Result:
     """tests.workers.dist_train as a job of `nodes` x `devices` ranks on this machine, one launch per node with the node's
-    own local cache folder (data.local) and /dev/shm, as on hosts that share the run folder but not their disks. One
-    device per node: every node forked from the test zygote (zygote.forked_nodes), so that many nodes fit a test."""
+    own local cache folder (data.local) and /dev/shm, as on hosts that share the run folder but not their disks. Every
+    rank forked from the test zygote (zygote.forked_nodes), so that many nodes fit a test; LATENTFORGE_TEST_FORK=0:
+    a fresh launch per node (zygote.node_launches)."""
     tmp = run_dir.parent / f"{run_dir.name}_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     per_node = [train_args(run_dir, data, tmp / f"node{n}_cache", f"trainer.num_nodes={nodes}",
                             f"trainer.devices={devices}", *overrides) for n in range(nodes)]
-    launch = zygote.forked_nodes if devices == 1 and zygote.enabled() else zygote.node_launches
-    results = launch("tests.workers.dist_train", per_node, train_env(tmp, None), tmp, timeout)
+    if zygote.enabled():
+        results = zygote.forked_nodes("tests.workers.dist_train", per_node, train_env(tmp, None), tmp, timeout, devices)
+    else:
+        results = zygote.node_launches("tests.workers.dist_train", per_node, train_env(tmp, None), tmp, timeout)
     out = "".join(f"--- launch {r} ---\n{res.stdout}{res.stderr}" for r, res in enumerate(results))
     assert all(res.returncode == 0 for res in results), f"{[res.returncode for res in results]}\n{out[-6000:]}"
     return Result(0, out)

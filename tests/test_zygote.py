@@ -71,3 +71,18 @@ def test_a_command_that_hangs_at_exit_times_out_instead_of_passing(tmp_path):
     hang = "import threading, time; threading.Thread(target=time.sleep, args=(3600,)).start()"
     with pytest.raises(subprocess.TimeoutExpired):
         zygote.run_module("-c", hang, env=dict(os.environ), timeout=5)
+
+
+def test_forked_nodes_share_a_dev_shm_within_a_node_and_not_across(tmp_path):
+    """2 simulated nodes x 2 ranks, forked: a node's ranks see each other's files in /dev/shm and not the other
+    node's, and the machine's own /dev/shm sees none (Streaming names its shared memory per host)."""
+    import json
+    import uuid
+
+    tag = f"lf_zygote_{uuid.uuid4().hex[:8]}"
+    results = zygote.forked_nodes("tests.workers.shm_probe", [[str(tmp_path), tag]] * 2, dict(os.environ), tmp_path,
+                                  timeout=60, devices=2)
+    assert [r.returncode for r in results] == [0] * 4, [r.stderr for r in results]
+    seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(4)]
+    assert seen == [[0, 1], [0, 1], [2, 3], [2, 3]], seen
+    assert not list(Path("/dev/shm").glob(f"{tag}_*"))

@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # --------------------------------------------------------------------------------------------------
 
 NODE_NAMESPACE = "LATENTFORGE_TEST_NODE_NAMESPACE"  # in a request's env: the child is a simulated node of its own
+# A simulated node of several ranks: its first rank makes the namespace and writes its pid to the file NODE_READY
+# names; the node's other ranks (NODE_JOIN: that file) enter the same namespace.
+NODE_READY, NODE_JOIN = "LATENTFORGE_TEST_NODE_READY", "LATENTFORGE_TEST_NODE_JOIN"
 
 
 def _private_shm() -> None:
@@ -50,6 +53,26 @@ def _private_shm() -> None:
             raise OSError(ctypes.get_errno(), f"a simulated node's namespace: {what} failed (needs root)")
 
 
+def _join_shm(ready: str, timeout: float = 60) -> None:
+    """Enter the mount namespace (and so the /dev/shm) of the node's first rank, once it has made it: the ranks of
+    one simulated node share their host's shared memory, as on a real host."""
+    import ctypes
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(ready) or not Path(ready).read_text().endswith("\n"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a simulated node's first rank never made its namespace ({ready})")
+        time.sleep(0.01)
+    pid = int(Path(ready).read_text())
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
+            raise OSError(ctypes.get_errno(), f"setns into rank pid {pid}'s mount namespace failed (needs root)")
+    finally:
+        os.close(fd)
+
+
 def _child(request: dict) -> None:
     """In the forked child: become `python -m MODULE ARGS` and exit with its status."""
     import runpy
@@ -62,6 +85,13 @@ def _child(request: dict) -> None:
     os.environ.update(request["env"])
     if os.environ.pop(NODE_NAMESPACE, None):
         _private_shm()
+        ready = os.environ.pop(NODE_READY, None)
+        if ready:  # the node's other ranks join this namespace
+            with open(f"{ready}.tmp", "w") as f:
+                f.write(f"{os.getpid()}\n")
+            os.replace(f"{ready}.tmp", ready)
+    elif os.environ.get(NODE_JOIN):
+        _join_shm(os.environ.pop(NODE_JOIN))
     tempfile.tempdir = None  # TMPDIR is per test: forget the parent's
     out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err = os.open(request["log"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -373,15 +403,23 @@ def lightning_ranks(module: str, args: list[str], devices: int, env: dict[str, s
 
 
 def forked_nodes(module: str, args_per_node: list[list[str]], env: dict[str, str], folder: Path,
-                 timeout: float = 600) -> list[Result]:
-    """A Lightning training command as a job of one rank per node, every node forked from the zygote into a mount
-    namespace of its own with a fresh /dev/shm (as separate hosts have), meeting at one MASTER_ADDR / MASTER_PORT:
-    node_launches' job without an interpreter start per node, so that 16 or more nodes fit a test."""
+                 timeout: float = 600, devices: int = 1) -> list[Result]:
+    """A Lightning training command as a job of `devices` ranks per node, every rank forked from the zygote, each
+    node's ranks in a mount namespace of their own with a fresh /dev/shm (as separate hosts have), meeting at one
+    MASTER_ADDR / MASTER_PORT: node_launches' job without an interpreter start per rank, so that 16 or more nodes fit
+    a test. The results in global rank order."""
     port, n = str(free_port()), len(args_per_node)
-    jobs = [(module, list(args), {**env, NODE_NAMESPACE: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                  "WORLD_SIZE": str(n), "NODE_RANK": str(r), "RANK": str(r), "LOCAL_RANK": "0",
-                                  "LOCAL_WORLD_SIZE": "1"}, folder / f"node{r}.log")
-            for r, args in enumerate(args_per_node)]
+    jobs = []
+    for node, args in enumerate(args_per_node):
+        ready = folder / f"node{node}.ns"
+        ready.unlink(missing_ok=True)
+        for local in range(devices):
+            rank = node * devices + local
+            shm = {NODE_NAMESPACE: "1", NODE_READY: str(ready)} if local == 0 else {NODE_JOIN: str(ready)}
+            jobs.append((module, list(args), {**env, **shm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                              "WORLD_SIZE": str(n * devices), "NODE_RANK": str(node), "RANK": str(rank),
+                                              "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(devices)},
+                         folder / (f"node{node}.log" if devices == 1 else f"node{node}_rank{local}.log")))
     return shared().run(jobs, timeout)
 
 
