@@ -67,7 +67,7 @@ MUTANTS = [
              "        return out\n\n"
              "    def finish_saves(self) -> None:"),),
            (DIST + "test_sharded_checkpoint_resumes_on_another_world_size",
-            "tests/test_large_jobs.py::test_a_16_node_job_starts_and_continues_on_8_nodes_like_one_process")),
+            "tests/test_large_jobs.py::test_a_16_node_job_starts_and_continues_hybrid_sharded_on_4_nodes_like_one_process")),
     Mutant("ema_not_used_for_grids", "sample grids drawn with the training weights instead of the EMA",
            (("framework/training/callbacks.py", 'with inference_view(trainer, pl_module), torch.compiler.set_stance("force_eager"):',
              'with __import__(\'contextlib\').nullcontext(), torch.compiler.set_stance("force_eager"):'),),
@@ -653,7 +653,7 @@ MUTANTS = [
              "    return next((c for c in CANONICAL_NODES if num_samples >= SAMPLES_PER_PARTITION * c), 1)",
              "    return 840"),),
            ("tests/test_datamodule.py::test_the_shipped_canonical_node_count_partitions_cleanly_on_other_node_counts",
-            "tests/test_large_jobs.py::test_a_16_node_job_starts_and_continues_on_8_nodes_like_one_process")),
+            "tests/test_large_jobs.py::test_a_16_node_job_starts_and_continues_hybrid_sharded_on_4_nodes_like_one_process")),
     Mutant("caption_cache_unbounded", "precompute ignores caption_cache_mb: its caption cache grows without bound",
            (("data_prep/precompute.py", "CaptionCache(text, cfg.batch_size, cfg.caption_cache_mb * 2**20)",
              "CaptionCache(text, cfg.batch_size)"),),

@@ -121,16 +121,17 @@ def test_a_watching_evaluation_scores_each_checkpoint_as_the_run_writes_it(tmp_p
                                                                 for s in (2, 4)]
 
 
-@pytest.mark.slow  # 16 + 8 simulated nodes and the one-process reference: about 45 s on 2 cores
-def test_a_16_node_job_starts_and_continues_on_8_nodes_like_one_process(tmp_path, digits_shards):
+@pytest.mark.slow  # 16 + 4 x 2 simulated ranks and the one-process reference: 87 s alone on 2 cores
+def test_a_16_node_job_starts_and_continues_hybrid_sharded_on_4_nodes_like_one_process(tmp_path, digits_shards):
     """16 simulated nodes of one rank each (forked, each with its own /dev/shm and local cache, as hosts have) start
     the shipped shard config (num_canonical_nodes=auto), train 2 FSDP2 steps of 1 sample a rank (weights and AdamW
-    moments sharded 16 ways) and save; the run continues on 8 nodes of 2 samples a rank from that checkpoint, re-split
-    8 ways. Every step's loss is the one-process run's of the same global batch of 16: the 16-node start and the change
-    of node count keep the sample order and the optimizer's state."""
+    moments sharded 16 ways) and save; the run continues on 4 nodes of 2 ranks under HYBRID_SHARD (sharded within a
+    node, replicated across the 4), 2 samples a rank, from that checkpoint re-split. Every step's loss is the
+    one-process run's of the same global batch of 16: the 16-node start and the change of node count and of sharding
+    keep the sample order and the optimizer's state."""
     import torch
 
-    from tests.helpers import TOL, losses, run_nodes
+    from tests.helpers import TOL, losses, probe, run_nodes
 
     common = ["strategy=fsdp", "data.num_workers=0", "trainer.checkpoint_every_n_steps=2", "logger=csv"]
     run = tmp_path / "n"
@@ -138,12 +139,16 @@ def test_a_16_node_job_starts_and_continues_on_8_nodes_like_one_process(tmp_path
     assert out.stdout.count("--- launch") == 16
     # FSDP2 over the 16 nodes: each rank writes its own part of the sharded checkpoint
     assert len({p.name for p in (run / "checkpoints").rglob("*.distcp")}) == 16
-    out = run_nodes(run, digits_shards, 8, 1, *common, "data.batch_size=2", "trainer.max_steps=4", timeout=600)
+    out = run_nodes(run, digits_shards, 4, 2, *common, "strategy.sharding=HYBRID_SHARD", "data.batch_size=2",
+                    "trainer.max_steps=4", timeout=600)
     assert f"Restoring states from the checkpoint path at {run / 'checkpoints' / 'last.ckpt'}" in out.stdout
+    for rank in range(8):  # the node is the replicate dimension, its 2 ranks the shard one
+        mesh = probe(run, rank)["mesh"]
+        assert mesh["dims"] == [4, 2, 1] and mesh["param_mesh"] == ["replicate", "fsdp_shard"], (rank, mesh)
     ref = tmp_path / "r"
     run_train(ref, digits_shards, "data.batch_size=16", "trainer.checkpoint_every_n_steps=2", "trainer.max_steps=4")
     got, want = losses(run), losses(ref)
-    with open(run / "metrics.csv", newline="") as f:  # each step logged once: 0-1 on 16 nodes, 2-3 on 8
+    with open(run / "metrics.csv", newline="") as f:  # each step logged once: 0-1 on 16 nodes, 2-3 on 4
         assert [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")] == [0, 1, 2, 3]
     torch.testing.assert_close(torch.tensor([got[s] for s in range(4)]), torch.tensor([want[s] for s in range(4)]),
                                **TOL)
