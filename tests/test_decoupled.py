@@ -105,9 +105,9 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
 
     ckpt = quick_ckpt
     args = dict(seeds=1, phrasings=1, steps=3, batch_size=8 if split else 20)
-    # decode_ranks: through the real torchrun; the others: the same ranks forked (tests/zygote.py)
+    # The ranks forked (tests/zygote.py); .ci/run runs the decode_ranks case again through the real torchrun
     proc = torchrun(2, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'eval'}", *split.split(), "device=cpu",
-                    *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path, fork=not split.startswith("decode"))
+                    *(f"{k}={v}" for k, v in args.items()), tmp=tmp_path, fork=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("prompt_accuracy ") for line in lines) == 1
