@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from framework.distributed.dtensor import local_tensor
-from framework.training.optim import OPTIMIZER_CHECKS, OPTIMIZER_SETTINGS, OPTIMIZERS, OptimizerConfig
+from framework.training.optim import OPTIMIZER_CHECKS, OPTIMIZER_SETTINGS, OPTIMIZER_STATE, OPTIMIZERS, OptimizerConfig
 from plugins.quant8 import dequantize_blocks, quantize_blocks, row_blocks
 
 # --------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def is_factored(shape: Iterable[int]) -> bool:
 
 def is_8bit(shape: Iterable[int], min_8bit_size: int) -> bool:
     """Whether CAME-8bit keeps this parameter's first moment in 8 bits."""
-    return is_factored(shape) and math.prod(shape) > min_8bit_size
+    return is_factored(shape) and math.prod(shape) >= min_8bit_size
 
 
 def state_shapes(
@@ -323,7 +323,8 @@ class CameSettings:
     """came8bit: at most this many elements per quantization block of the 8-bit first moment (one fp32 min and
     scale each); each matrix row is cut into equal blocks, so the layout is the same on any number of ranks."""
     min_8bit_size: int = 16384
-    """came8bit: matrices with more elements than this keep their first moment in 8 bits; smaller stay fp32."""
+    """came8bit: matrices of this many elements or more keep their first moment in 8 bits (SANA-1.5: 16K or more);
+    smaller stay fp32."""
 
     def __post_init__(self) -> None:
         if len(self.eps) != 2 or min(self.eps) < 0:
@@ -354,7 +355,15 @@ def check_came_betas(cfg: OptimizerConfig) -> None:
         )
 
 
+def came_state_bytes(shape: tuple[int, ...], settings: CameSettings, quantize: bool) -> int:
+    """The bytes of CAME's state for one parameter of this shape: what state_shapes allocates."""
+    layout = state_shapes(shape, quantize=quantize, block_size=settings.block_size, min_8bit_size=settings.min_8bit_size)
+    return sum(math.prod(dims) * dtype.itemsize for dims, dtype, _ in layout.values())
+
+
 OPTIMIZERS["came"] = build_came
 OPTIMIZERS["came8bit"] = lambda params, cfg: build_came(params, cfg, quantize=True)
 OPTIMIZER_CHECKS["came"] = OPTIMIZER_CHECKS["came8bit"] = check_came_betas
 OPTIMIZER_SETTINGS["came"] = OPTIMIZER_SETTINGS["came8bit"] = CameSettings
+OPTIMIZER_STATE["came"] = lambda shape, settings: came_state_bytes(shape, settings, quantize=False)
+OPTIMIZER_STATE["came8bit"] = lambda shape, settings: came_state_bytes(shape, settings, quantize=True)

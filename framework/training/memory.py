@@ -1,8 +1,9 @@
 """What a training run will hold in memory, predicted before its first step, and a refusal when it cannot fit.
 
-The training state dominates at real sizes and is known from the parameter count: fp32 weights and gradients
-(4 bytes each a parameter), the optimizer's state (AdamW: two fp32 moments, 8 bytes; CAME: its first moment and
-factored second moments, about 4; CAME-8bit: 8-bit first moment with block scales, about 2) and the EMA's fp32
+The training state dominates at real sizes and is known from the parameters: fp32 weights and gradients
+(4 bytes each a parameter), the optimizer's state as the optimizer allocates it for each parameter's shape
+(framework.training.optim.OPTIMIZER_STATE; AdamW: two fp32 moments, 8 bytes; CAME: its first moment and factored
+second moments, about 4; CAME-8bit: 8-bit first moment with block scales, about 1) and the EMA's fp32
 copy (4), each divided over the ranks that shard it under strategy=fsdp; AdamW's step makes one more
 parameter-sized temporary (the square root of its second moment). The activations kept for the backward are
 estimated from the batch, the tokens and the width (a transformer block keeps about ACTIVATION_FACTOR values a token
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 GIB = 2**30
-OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "came": 4.0, "came8bit": 2.0}  # a parameter; unknown optimizers: AdamW's
 ACTIVATION_FACTOR = 40  # values kept a token and hidden unit by one transformer block for its backward (fp32)
 PROCESS_BYTES = 1.0 * GIB  # the interpreter, torch, the libraries and the loader: measured at about 0.9 GiB
 
@@ -38,19 +38,21 @@ class MemoryPlan:
 
 
 def predict(params: int, trainable: int, *, optimizer: str, ema: bool, shards: int, batch: int, tokens: int,
-            width: int, layers: int, checkpointing: bool, precision: str, frozen_bytes: float = 4.0) -> MemoryPlan:
+            width: int, layers: int, checkpointing: bool, precision: str, frozen_bytes: float = 4.0,
+            state_bytes: float | None = None) -> MemoryPlan:
     """One rank's predicted peak: the process, the weights (trainable ones fp32, frozen ones `frozen_bytes` each: 2 for
-    an adapter's bf16 base), gradients, optimizer state and EMA of the trainable ones (over `shards` ranks under fsdp, 1
-    otherwise), AdamW's step temporary, and the activations of `batch` samples of `tokens` tokens of `width` through
-    `layers` blocks (bf16 halves them; checkpointing keeps one block's and each block's input)."""
-    state = OPTIMIZER_STATE_BYTES.get(optimizer, 8.0)
+    an adapter's bf16 base), gradients, optimizer state (`state_bytes` for all the trainable parameters; None: AdamW's
+    8 bytes each) and EMA of the trainable ones (over `shards` ranks under fsdp, 1 otherwise), AdamW's step temporary,
+    and the activations of `batch` samples of `tokens` tokens of `width` through `layers` blocks (bf16 halves them;
+    checkpointing keeps one block's and each block's input)."""
+    state = 8.0 * trainable if state_bytes is None else state_bytes
     per_value = 2 if precision.startswith("bf16") or precision.startswith("16") else 4
     kept = ACTIVATION_FACTOR + layers if checkpointing else ACTIVATION_FACTOR * layers
     parts = {
         "process": PROCESS_BYTES,
         "weights": (4.0 * trainable + frozen_bytes * (params - trainable)) / shards,
         "gradients": 4.0 * trainable / shards,
-        "optimizer": state * trainable / shards,
+        "optimizer": state / shards,
         "ema": 4.0 * trainable / shards if ema else 0.0,
         "optimizer step": 0.0 if optimizer in ("came", "came8bit") else 4.0 * trainable / shards,
         "activations": float(per_value * batch * tokens * width * kept),
@@ -68,7 +70,7 @@ def available_bytes(device: Any) -> tuple[float, str]:
 
 
 LOWER_IT = ("strategy=fsdp over more devices (shards weights, gradients, optimizer state and EMA)",
-            "optimizer=came8bit (2 bytes of state a parameter instead of AdamW's 8)",
+            "optimizer=came8bit (about 1 byte of state a parameter instead of AdamW's 8)",
             "plugins without ema (4 bytes a parameter)",
             "strategy.activation_checkpointing=true", "a smaller data.batch_size (trainer.accumulate_grad_batches or "
             "data.global_batch_size keep the global batch)", "trainer.precision=bf16-mixed")
@@ -82,6 +84,7 @@ def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False,
     (the run plan's; data.batch_size when None)."""
     from framework.distributed.fsdp import build_meta
     from framework.models.backbones import to_model_config
+    from framework.training.optim import state_bytes
 
     model_cfg = to_model_config(cfg.model)
     model = build_meta(model_cfg)
@@ -99,8 +102,9 @@ def plan_run(cfg: Any, world_size: int, precision: str, on_gpu: bool = False,
     shards = 1
     if cfg.strategy.name == "fsdp":
         shards = devices if cfg.strategy.sharding == "HYBRID_SHARD" else world_size
+    state = state_bytes(cfg.optimizer, (tuple(p.shape) for p in model.parameters() if p.requires_grad))
     return predict_model(model_cfg, params, trainable, optimizer=cfg.optimizer.name, ema="ema" in (cfg.plugins or {}),
-                         shards=shards, batch=micro_batch or cfg.data.batch_size,
+                         state_bytes=state, shards=shards, batch=micro_batch or cfg.data.batch_size,
                          checkpointing=cfg.strategy.activation_checkpointing, precision=precision, frozen_bytes=frozen_bytes)
 
 

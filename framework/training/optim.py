@@ -139,6 +139,16 @@ OPTIMIZER_CHECKS: dict[str, Callable[[OptimizerConfig], None]] = {}
 OPTIMIZER_SETTINGS: dict[str, type] = {}
 """The dataclass of each optimizer's own fields (optimizer.settings), by optimizer.name."""
 
+OPTIMIZER_STATE: dict[str, Callable[[tuple[int, ...], Any], int]] = {"adamw": lambda shape, settings: 8 * math.prod(shape)}
+"""The bytes of state an optimizer keeps for one parameter of this shape, given its settings (AdamW: two fp32
+moments), by optimizer.name: the memory plan's figure (framework/training/memory.py)."""
+
+
+def state_bytes(cfg: OptimizerConfig, shapes: Iterable[tuple[int, ...]]) -> int:
+    """The optimizer state `cfg`'s optimizer keeps for parameters of these shapes (an unregistered one: AdamW's)."""
+    per = OPTIMIZER_STATE.get(cfg.name, OPTIMIZER_STATE["adamw"])
+    return sum(per(tuple(shape), cfg.settings) for shape in shapes)
+
 
 def build_optimizer(params: Iterable, cfg: OptimizerConfig, grad_scaler: bool = False) -> torch.optim.Optimizer:
     """grad_scaler: the run scales its gradients (16-mixed on a GPU): AdamW then goes without its fused kernel
