@@ -80,7 +80,7 @@ def test_grown_model_computes_the_source_function(name, init):
 
 
 @pytest.mark.parametrize("name", STACKS)
-def test_fresh_blocks_are_initialised_as_sanas_code_does(name):
+def test_fresh_blocks_are_initialised_as_documented(name):
     """init=constant's fresh blocks: linear weights N(0, 0.02) (checked on their statistics), biases 0, norm weights 1;
     the same seed gives the same blocks."""
     cfg, src = _source(name)
@@ -107,6 +107,24 @@ def test_without_zero_gate_or_with_drop_last_the_function_changes(name):
                    dict(init="constant", drop_last=1)):
         state, _ = grow(src.state_dict(), cfg, 4, seed=3, **kwargs)
         assert (_outputs(_grown_net(cfg, state, 4), cfg) - ref).abs().max() > 1e-3, kwargs
+
+
+def test_growing_a_model_without_qk_norm_warns_and_names_the_key_that_adds_it():
+    """SANA-1.5 calls QK-norm crucial for every growth initialisation: growing a model without it warns, naming
+    model.kwargs.qk_norm where the family's diffusers class takes it; a SANA with it grows silently."""
+    import warnings
+
+    for name, key in (("sana_debug", True), ("pixart_debug", False)):
+        cfg, src = _source(name)
+        with pytest.warns(UserWarning, match="no QK normalisation") as caught:
+            grow(src.state_dict(), cfg, 3, seed=0)
+        assert ("model.kwargs.qk_norm=rms_norm_across_heads" in str(caught[0].message)) is key, caught[0].message
+    cfg = load_preset("sana_debug", num_layers=2, kwargs={**load_preset("sana_debug").kwargs,
+                                                          "qk_norm": "rms_norm_across_heads"})
+    src = build_denoiser(cfg)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*QK normalisation")
+        grow(src.state_dict(), cfg, 3, seed=0)
 
 
 def test_growth_config_seed_weights_and_zero_gate_reach_the_grown_weights(monkeypatch):

@@ -1,16 +1,18 @@
 """`plugins=[growth]` and `python -m plugins.growth`: start a deeper model from a trained shallower one.
 
 SANA-1.5 grows a trained 20-block model to 60 blocks so that the large model starts from what the
-small one learned. Three initialisations of the grown stack, named as in SANA's code:
+small one learned. Three initialisations of the grown stack, the paper's three (the names are ours):
 
-    constant      source blocks 0..N-1-drop_last, then fresh blocks        (SANA's partial preservation)
-    cyclic        block j copies source block j mod N
+    constant      source blocks 0..N-1-drop_last, then fresh blocks        (partial preservation)
+    cyclic        block j copies source block j mod N                      (cyclic replication)
     block_expand  each source block repeated in place: block j copies source block floor(j * N / target)
+                                                                           (block replication)
 
 The new blocks are those that are not the first copy of a source block: the fresh blocks of `constant`,
-the repeats of the others. Fresh blocks are initialised as SANA's code does: linear and convolution
-weights N(0, 0.02), biases 0, norms' weights 1, the per-block adaLN table N(0, 0.02). With `zero_gate`
-(default) every new block starts as the identity, so the grown model computes the source's function
+the repeats of the others. Fresh blocks get linear and convolution weights N(0, 0.02), biases 0, norms'
+weights 1, the per-block adaLN table N(0, 0.02) (our choice; `drop_last` is ours too). zero_gate=false gives the
+paper's pure copies. With `zero_gate` (default) every new block starts as the identity, so the grown model computes
+the source's function
 (tests/test_growth.py checks equal outputs for every family and init), in the way its family allows
 gradients to reach it at the first step:
     pixart, sana  each residual branch's output projection zeroed, and the block's own adaLN scale-shift
@@ -18,7 +20,8 @@ gradients to reach it at the first step:
                   alone, not its source's); the branch inputs keep their weights
     dit           the adaLN-Zero modulation (norm1.linear) zeroed: every gate 0, as DiT initialises its
                   blocks; the output projections keep their weights, so the gates get gradients
-`drop_last > 0` drops the last source blocks as SANA does: then the function changes (said at run time).
+`drop_last > 0` drops the last source blocks: then the function changes (said at run time). A model without QK-norm
+(which the paper calls crucial for every initialisation) is grown with a warning naming the key that adds it.
 
 Training a grown model (the callback): `new_lr_scale` multiplies the new blocks' learning rate and
 `new_warmup_steps` ramps it in, while the kept blocks go on at the schedule's lr (with
@@ -66,7 +69,8 @@ class GrowthConfig:
     drop_last: int = 0
     """constant only: drop this many of the source's last blocks before appending fresh ones (changes the function)."""
     zero_gate: bool = True
-    """Zero the residual output projections of fresh and repeated blocks, so the grown model starts as the source."""
+    """Start fresh and repeated blocks as the identity (their residual output projections zeroed), so the grown model
+    starts as the source's function; false: the paper's pure copies (docs/growth.md argues the default)."""
     weights: str = "ema"
     """ema (the source's EMA weights when it has them, else its trained ones) or train."""
     seed: int | None = None
@@ -162,6 +166,24 @@ def check_growable(source: ModelConfig, target: ModelConfig) -> None:
                          "python -m plugins.prune.")
 
 
+def has_qk_norm(model: torch.nn.Module) -> bool:
+    """Whether the model's attention normalises its queries and keys (diffusers' norm_q / norm_k)."""
+    return any(getattr(m, "norm_q", None) is not None for m in model.modules())
+
+
+def qk_norm_advice(cfg: ModelConfig) -> str:
+    """The warning for a grown model without QK-norm, with the key that adds it where the family's class has one."""
+    import inspect
+
+    from framework.models.families import family_of
+
+    takes = "qk_norm" in inspect.signature(family_of(cfg).diffusers_class.__init__).parameters
+    how = ("model.kwargs.qk_norm=rms_norm_across_heads (in the source model too) adds it" if takes else
+           f"the {cfg.family} family's diffusers class has no such option")
+    return (f"growth: model={cfg.name} has no QK normalisation in its attention; SANA-1.5 reports QK-norm as crucial "
+            f"for stable training with every growth initialisation (large attention logits otherwise); {how}")
+
+
 def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int, init: str = "constant",
          drop_last: int = 0, zero_gate: bool = True, seed: int = 0) -> tuple[dict[str, torch.Tensor], list]:
     """(grown Denoiser state dict, its layer plan) from a source model's state dict."""
@@ -174,6 +196,8 @@ def grow(source: dict[str, torch.Tensor], source_cfg: ModelConfig, n_target: int
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         target = build_denoiser(target_cfg)
+    if not has_qk_norm(target):
+        rank_zero_warn(qk_norm_advice(target_cfg))
     copied = restack_state(source, [src for src, _ in plan], source_cfg.family)
     missing, unexpected = target.load_state_dict(copied, strict=False)
     fresh = {j for j, (src, _) in enumerate(plan) if src is None}
