@@ -50,7 +50,11 @@ class PruneCommand:
     protect: list[int] = field(default_factory=list)
     """Block indices never dropped (negative counts from the end), e.g. [0,-1]."""
     prompts: list[str] | None = None
-    """Calibration prompts; null: the dataset's own prompt set (digits, digit pairs)."""
+    """Calibration prompts, each once; null: `samples` of the dataset's own training prompts (digits, digit pairs,
+    moving digits)."""
+    samples: int = 100
+    """prompts=null: this many calibration trajectories (SANA-1.5 calibrates on 100), the dataset's training prompts
+    (every phrasing) taken in turn, repeated with new noise when there are fewer."""
     steps: int = 20
     """Sampler steps of the calibration trajectories."""
     guidance: float = 4.0
@@ -69,6 +73,8 @@ class PruneCommand:
             raise ValueError(f"method={self.method!r}: choose one of {METHODS}")
         if self.keep < 1:
             raise ValueError(f"keep={self.keep}: give the number of blocks to keep (>= 1)")
+        if self.samples < 1:
+            raise ValueError(f"samples={self.samples}: give the number of calibration trajectories (>= 1)")
 
 
 ConfigStore.instance().store(name="prune_command", node=PruneCommand)
@@ -153,17 +159,18 @@ def plot_importance(importance: list[float], kept: list[int], method: str, path:
 # --------------------------------------------------------------------------------------------
 
 
-def calibration_prompts(pipe: Pipeline, given: list[str] | None) -> list[str]:
-    """The given prompts, or one per class of the dataset's prompt set (its training phrasings)."""
+def calibration_prompts(pipe: Pipeline, given: list[str] | None, samples: int = 100) -> list[str]:
+    """The given prompts, or `samples` of the dataset's training prompts (every phrasing of every class), spread
+    over the classes and repeated in turn when there are fewer (each trajectory draws its own noise)."""
     if given:
         return list(given)
-    from framework.evaluation.prompts import dataset_kind, prompt_set
+    from framework.evaluation.prompts import dataset_kind, training_prompts
 
     kind = dataset_kind(pipe.info)
     if kind is None:
         raise ValueError("prompts=[...] is needed: this dataset has no built-in prompt set to calibrate on")
-    ps = prompt_set(kind, seeds=1, phrasings=1)
-    return [p for p, held in zip(ps.prompts, ps.heldout) if not held]
+    pool = training_prompts(kind)  # every class in one phrasing, then in the next
+    return [pool[i % len(pool)] for i in range(samples)]
 
 
 def prune(cmd: PruneCommand) -> dict[str, Any]:
@@ -179,7 +186,7 @@ def prune(cmd: PruneCommand) -> dict[str, Any]:
     if not has_stack(pipe.model):
         raise ValueError(f"prune: model.family={pipe.model.cfg.family} has no stack of transformer blocks to "
                          f"prune; pruning supports {families_with(lambda p: p.stack)}.")
-    prompts = calibration_prompts(pipe, cmd.prompts)
+    prompts = calibration_prompts(pipe, cmd.prompts, cmd.samples)
     with torch.no_grad():
         importance = block_importance(pipe, prompts, prompt_labels(pipe, prompts), SamplingPlan.of(cmd))
     n = len(importance)

@@ -284,6 +284,30 @@ def test_grown_and_pruned_checkpoints_work_in_every_command(tmp_path, digits_sha
         train(compose_cfg(cheap(tmp_path, digits_shards, f"init_from={grown}", steps=1, run="wrong_depth")))
 
 
+def test_pruning_calibrates_on_100_trajectories_over_every_training_phrasing():
+    """prompts=null: SANA-1.5's 100 calibration samples, the digits' 50 training prompts (10 digits x 5 phrasings,
+    none of the held-out phrasings) each twice, every digit in one phrasing before the next; given prompts are
+    used as given; the moving digits' 160 are cut at 100, every digit and direction in their first phrasing first."""
+    from types import SimpleNamespace
+
+    from data_prep.sources.digits import digit_captions, heldout_digit_captions
+    from data_prep.sources.moving_digits import DIRECTIONS, motion_captions
+    from plugins.prune import calibration_prompts
+
+    assert PruneCommand(ckpt="c", keep=1, out="o").samples == 100
+    digits = SimpleNamespace(info={"source": {"name": "digits"}, "num_classes": 10})
+    got = calibration_prompts(digits, None, 100)
+    by_hand = [digit_captions(d)[k] for k in range(5) for d in range(10)]
+    assert got == by_hand + by_hand
+    assert not set(got) & {c for d in range(10) for c in heldout_digit_captions(d)}
+    assert calibration_prompts(digits, ["a 3", "a 4"], 100) == ["a 3", "a 4"]
+    motion = calibration_prompts(SimpleNamespace(info={"source": {"name": "moving_digits"}}), None, 100)
+    assert len(motion) == len(set(motion)) == 100
+    assert motion[:40] == [motion_captions(d, way)[0] for d in range(10) for way in DIRECTIONS]
+    with pytest.raises(ValueError, match="samples=0"):
+        PruneCommand(ckpt="c", keep=1, out="o", samples=0)
+
+
 def test_choose_kept_by_hand():
     bi = [0.5, 0.1, 0.3, 0.05, 0.4]
     assert choose_kept(bi, 3, "importance", [], 0, "pixart") == [0, 2, 4]

@@ -88,6 +88,25 @@ def prompt_set(kind: str, seeds: int, phrasings: int) -> PromptSet:
                      [label(r[1]) for r in rows])
 
 
+def training_prompts(kind: str) -> list[str]:
+    """Every training phrasing of every class of a built-in prompt set (none held out), phrasing by phrasing: every
+    class in its first phrasing, then every class in its second, ..."""
+    from data_prep.sources.digit_pairs import pair_captions
+    from data_prep.sources.digits import digit_captions
+
+    if kind == "digits":
+        phrasings = len(digit_captions(0))
+    elif kind == "motion":
+        from data_prep.sources.moving_digits import DIRECTIONS, motion_captions
+
+        phrasings = len(motion_captions(0, DIRECTIONS[0]))
+    else:
+        phrasings = len(pair_captions(0, 1))
+    ps = prompt_set(kind, seeds=1, phrasings=phrasings)
+    kept = [p for p, held in zip(ps.prompts, ps.heldout) if not held]  # class by class, `phrasings` each
+    return [kept[c * phrasings + k] for k in range(phrasings) for c in range(len(kept) // phrasings)]
+
+
 GENERIC_GRID_PROMPTS = ["a photo of a cat", "a red car", "a mountain lake"]
 
 
