@@ -308,6 +308,12 @@ def test_pruning_calibrates_on_100_trajectories_over_every_training_phrasing():
         PruneCommand(ckpt="c", keep=1, out="o", samples=0)
 
 
+def test_prune_samples_reaches_the_calibration(tmp_path, small_ckpt):
+    """plugins.prune samples= sets how many trajectories the importance is measured on (the report records it)."""
+    report = prune(PruneCommand(ckpt=str(small_ckpt), keep=3, out=str(tmp_path / "p.ckpt"), samples=3, steps=2))
+    assert report["calibration"]["prompts"] == 3
+
+
 def test_choose_kept_by_hand():
     bi = [0.5, 0.1, 0.3, 0.05, 0.4]
     assert choose_kept(bi, 3, "importance", [], 0, "pixart") == [0, 2, 4]
