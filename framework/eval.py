@@ -29,9 +29,13 @@ __all__ = ["EvalCommand", "eval_summary", "evaluate", "run", "scaling_curve"]
 
 
 def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Path,
-                  ranks: Sharing | None = None) -> dict[str, Any]:
-    """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections.
+                  ranks: Sharing | None = None, steps_too: bool = True) -> dict[str, Any]:
+    """Best-of-N for each N (same seeds: N's candidates are the first N of the largest N) and both selections; with
+    steps_too, also one candidate drawn with N x `steps` denoising steps for each N (the same compute as best-of-N
+    without the judge: selection "steps"). Each row's `compute` is its denoiser steps per prompt.
     ranks: as in evaluate; rank 0 scores and writes, the others get {}."""
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     from framework.inference.bestof import SELECTIONS, select
@@ -43,18 +47,26 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
         raise ValueError(f"scaling={ns}: give candidate counts >= 1, e.g. scaling=[1,2,4,8]")
     ns = sorted(set(ns))
     candidates, images_per_s = generate_candidates(pipe, ps, settings, ns[-1], ranks, progress=True)
+    longer = {n: generate_candidates(pipe, ps, replace(settings, steps=n * settings.steps), 1, ranks, progress=True)[0]
+              for n in ns[1:]} if steps_too else {}  # N=1 is candidate 0: plain sampling at `steps`
     if candidates is None or (dist.is_initialized() and dist.get_rank() != 0):  # rank 0 scores and writes
         return {}
     judge = get_judge(settings.judge or ps.judge, settings.judge_path)
     rows = []
+
+    def add(selection: str, n: int, steps: int, kept) -> None:
+        m = score_images(ps, kept)
+        m.pop("per_digit_accuracy", None)
+        rows.append({"selection": selection, "best_of": n, "steps": steps, "compute": n * steps, **m})
+        print(f"  {selection:<10} N={n:<4} steps={steps:<5} " + "  ".join(
+            f"{k} {v:.3f}" for k, v in m.items() if k.endswith("accuracy") or k == "fd"))
+
     for selection in SELECTIONS:
         for n in ns:
-            kept = select(candidates[:, :n], ps.prompts, judge, selection, 1).flatten(0, 1)
-            m = score_images(ps, kept)
-            m.pop("per_digit_accuracy", None)
-            rows.append({"selection": selection, "best_of": n, **m})
-            print(f"  {selection:<10} N={n:<4} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()
-                                                          if k.endswith("accuracy") or k == "fd"))
+            add(selection, n, settings.steps, select(candidates[:, :n], ps.prompts, judge, selection, 1).flatten(0, 1))
+    if steps_too:
+        for n in ns:
+            add("steps", 1, n * settings.steps, candidates[:, 0] if n == 1 else longer[n][:, 0])
     result = {"judge": judge.name, "kind": kind, "images_per_s": images_per_s,
               "candidates_generated": int(candidates.shape[0] * candidates.shape[1]),
               "steps": settings.steps, "seeds": settings.seeds, "phrasings": settings.phrasings, "rows": rows}
@@ -64,7 +76,8 @@ def scaling_curve(pipe: Pipeline, settings: EvalSettings, ns: list[int], out: Pa
 
 
 def plot_scaling(result: dict[str, Any], path: Path) -> Path:
-    """Accuracy and fd against N (log scale), one line per selection."""
+    """Accuracy and fd against compute (denoiser steps per prompt, log scale): one line per selection, and one for more
+    denoising steps at the same compute where the result has them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,13 +87,15 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
     keys = [acc, f"heldout_{'phrasing' if result['kind'] == 'digits' else 'pair'}_accuracy", "fd"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key in zip(axes, keys):
-        for k, selection in enumerate(sorted({r["selection"] for r in result["rows"]})):
+        for k, selection in enumerate(dict.fromkeys(r["selection"] for r in result["rows"])):
             rs = [r for r in result["rows"] if r["selection"] == selection]
             # Dashed and hollow for the second: where both selections pick the same images the lines coincide.
-            ax.plot([r["best_of"] for r in rs], [r[key] for r in rs], marker="os"[k % 2], linestyle="-" if k == 0 else "--",
-                    fillstyle="full" if k == 0 else "none", markersize=7 if k == 0 else 10, label=selection)
+            label = f"{selection} (best of N)" if selection != "steps" else "N x steps (best of 1)"
+            ax.plot([r["compute"] for r in rs], [r[key] for r in rs], marker="osd"[k % 3],
+                    linestyle=("-", "--", ":")[k % 3], fillstyle="full" if k != 1 else "none",
+                    markersize=10 if k == 1 else 7, label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("best of N (candidates per prompt)")
+        ax.set_xlabel(f"compute: denoiser steps per prompt (N x {result['steps']})")
         ax.set_title(key + (" (lower is better)" if key == "fd" else ""))
         ax.grid(alpha=0.3)
     axes[0].legend(title=f"judge={result['judge']}")
@@ -117,6 +132,9 @@ class EvalCommand(EvalSettings, RankSharing, EncoderPaths):
     """auto: a GPU when present."""
     scaling: list[int] | None = None
     """Best-of-N for each N, e.g. [1,2,4,8,16,32], both selections: writes scaling.json and scaling.png."""
+    scaling_steps: bool = True
+    """With scaling: also draw one image per prompt with N x steps denoising steps for each N (the same compute),
+    the steps curve beside the best-of-N curves."""
 
 
 ConfigStore.instance().store(name="eval_command", node=EvalCommand)
@@ -158,7 +176,7 @@ def run_one(cfg: EvalCommand, ckpt: str, out: Path) -> dict[str, Any]:
         )
     out.mkdir(parents=True, exist_ok=True)
     if cfg.scaling:
-        result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.sharing())
+        result = scaling_curve(pipe, cfg, list(cfg.scaling), out, cfg.sharing(), cfg.scaling_steps)
         if rank0:
             print(f"scaling: {out / 'scaling.json'} {out / 'scaling.png'}")
             print(json.dumps(result))

@@ -42,9 +42,9 @@ class SampleCommand(RankSharing, EncoderPaths, ImageSize):
     best_of: int = 1
     """Candidates per prompt; > 1 needs a judge."""
     judge: str | None = None
-    """Judge that picks among the candidates (framework/evaluation/judge.py: digits, pairs, clip)."""
+    """Judge that picks among the candidates (framework/evaluation/judge.py: digits, pairs, clip, vlm, digits_vlm)."""
     judge_path: str | None = None
-    """Weights of judges that load them (clip: a local CLIP folder)."""
+    """Weights of judges that load them (clip: a local CLIP folder; vlm: a local vision-language model folder)."""
     selection: str = "score"
     """score (the judge's highest scores) or tournament (SANA-1.5's knockout of pairwise comparisons)."""
     pick: int = 1
@@ -65,7 +65,8 @@ class SampleCommand(RankSharing, EncoderPaths, ImageSize):
         if self.best_of < 1:
             raise ValueError(f"best_of={self.best_of} must be >= 1")
         if self.best_of > 1 and self.judge is None:
-            raise ValueError("best_of > 1 needs a judge to pick the candidates: add judge=digits (or pairs, clip)")
+            raise ValueError("best_of > 1 needs a judge to pick the candidates: add judge=digits (or pairs, clip, "
+                             "vlm judge_path=DIR, digits_vlm)")
         if not 1 <= self.pick <= self.best_of:
             raise ValueError(f"pick={self.pick} must be between 1 and best_of={self.best_of}")
         if self.selection not in SELECTIONS:

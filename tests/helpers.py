@@ -606,6 +606,69 @@ def make_tiny_clip(root: Path) -> Path:
     return root
 
 
+def make_tiny_vlm(root: Path, prompts: list[str], seed: int = 0) -> Path:
+    """A random LLaVA (a 1-layer CLIP vision tower on 16x16 images, a 2-layer Llama) with a word-level tokenizer of the
+    prompts' words plus "yes" and "no", and a chat template: a local image-text-to-text folder as transformers saves
+    one. A random model's answer hardly depends on the image, so its output head is set to read one direction of the
+    last hidden state that the image moves and the prompt does not (the largest image-driven direction across random
+    images, made orthogonal to each prompt's mean, in judge=vlm's question) and a second such direction: "yes" along
+    the first and "no" against it, both shifted by the second, every other token at 0, so over random images "yes",
+    "no" and a third token all occur as answers."""
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
+
+    from framework.evaluation.judge import QUESTION
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<image>": 4}
+    for w in ["user", "assistant", ":", "yes", "no", *" ".join(prompts).split()]:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                        unk_token="<unk>", model_input_names=["input_ids", "attention_mask"],
+                                        extra_special_tokens={"image_token": "<image>"})
+    template = ("{% for m in messages %}{{ m['role'] }} : {% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                "<image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+                "{% if add_generation_prompt %}assistant : {% endif %}")
+    images = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    proc = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4, num_additional_image_tokens=1,
+                          vision_feature_select_strategy="default", chat_template=template)
+    proc.save_pretrained(root)
+    torch.manual_seed(seed)
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=16, patch_size=4),
+                      text_config=LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                              max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                                              eos_token_id=2, tie_word_embeddings=False),
+                      image_token_index=4)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    rng = np.random.default_rng(seed)
+    seen: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0][:, -1]))
+    with torch.no_grad():
+        for q in prompts:
+            turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION.format(prompt=q)}]}]
+            pil = [Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)) for _ in range(32)]
+            model(**proc(images=pil, text=[proc.apply_chat_template(turn, add_generation_prompt=True)] * 32,
+                         return_tensors="pt"))
+        hook.remove()
+        h = torch.stack(seen).double()  # (prompts, images, hidden)
+        means = h.mean(1)
+        top = torch.linalg.svd((h - means[:, None]).flatten(0, 1), full_matrices=False).Vh[:2].T
+        d, e = torch.linalg.qr(torch.cat([means.T, top], dim=1)).Q[:, -2:].T  # two directions, prompt-free
+        d, e = (v / ((h @ v).std() + 1e-12) * 3.0 for v in (d, e))  # logits of a few units either side of 0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[vocab["yes"]] = (d + e).float()  # both below 0 (another token first) where e < -|d|
+        model.lm_head.weight[vocab["no"]] = (e - d).float()
+    model.save_pretrained(root)
+    return root
+
+
 def torchrun(nproc: int, *args: str, tmp: Path, fork: bool = False,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess | Result:
     """`torchrun --standalone --nproc_per_node=N ARGS` (the command as users run it); fork=True: the same ranks

@@ -13,9 +13,9 @@ from data_prep.sources.digit_pairs import HELDOUT_PAIRS, TRAIN_PAIRS, pair_capti
 from data_prep.sources.digits import MAX_VALUE, digit_captions, heldout_digit_captions, load_digits
 from framework.inference.sampling import SamplingPlan
 from framework.inference.bestof import knockout, pick_by_score, select
-from framework.evaluation.judge import Judge, get_judge
+from framework.evaluation.judge import Answers, Judge, answer_prefers, get_judge
 from framework.evaluation.metrics import digit_scorer, frechet_distance, real_digit_images, training_half
-from tests.helpers import make_tiny_clip, reference_frechet
+from tests.helpers import make_tiny_clip, make_tiny_vlm, reference_frechet
 
 # --------------------------------------------------------------------------------------------
 # Metrics
@@ -192,6 +192,102 @@ def test_knockout_brackets_by_hand():
     assert knockout(1, 5, prefers, 2).tolist() == [[3, 4]]
     assert calls == [([[0, 2]], [[1, 3]]), ([[1]], [[3]])]
     assert pick_by_score(np.array([[0.1, 0.9, 0.5, 0.9]]), 2).tolist() == [[1, 3]]
+
+
+def test_the_yes_no_rule_is_sana_15s_by_hand():
+    # Pairs: yes/no, no/yes, yes/yes (a surer), yes/yes (b surer), no/no (a less sure "no"), no/no (b), a tie.
+    a = Answers(np.array([1, 0, 1, 1, 0, 0, 1], bool), np.log([.6, .1, .9, .6, .2, .1, .7]),
+                np.log([.3, .8, .05, .3, .5, .9, .2]))
+    b = Answers(np.array([0, 1, 1, 1, 0, 0, 1], bool), np.log([.4, .5, .8, .7, .3, .4, .7]),
+                np.log([.5, .4, .1, .2, .6, .5, .2]))
+    assert answer_prefers(a, b).tolist() == [True, False, True, False, True, False, True]
+    # The "yes" wins even when the "no" holds the higher p(yes) (another token was its most likely answer).
+    assert answer_prefers(Answers(np.array([True]), np.log([.3]), np.log([.2])),
+                          Answers(np.array([False]), np.log([.45]), np.log([.1]))).tolist() == [True]
+
+
+def reference_answers(path: Path, images: torch.Tensor, prompts: list[str]) -> list[tuple[bool, float, float]]:
+    """Each (image, prompt) alone through transformers' own greedy generate: (answer is yes, log p(yes), log p(no))."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from framework.evaluation.judge import QUESTION
+
+    proc, model = AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path).eval()
+    yes, no = proc.tokenizer.convert_tokens_to_ids(["yes", "no"])
+    out = []
+    for img, prompt in zip(images, prompts):
+        pixels = ((img + 1) * 127.5).round().to(torch.uint8).repeat(3, 1, 1).permute(1, 2, 0).numpy()
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION.format(prompt=prompt)}]}]
+        text = proc.apply_chat_template(turn, add_generation_prompt=True)
+        inputs = proc(images=[Image.fromarray(pixels)], text=[text], return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(**inputs, max_new_tokens=1, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+        logp = torch.log_softmax(gen.scores[0][0].float(), -1)
+        out.append((proc.tokenizer.decode(gen.sequences[0, -1]) == "yes", float(logp[yes]), float(logp[no])))
+    return out
+
+
+def test_vlm_judge_reads_a_local_vlm_and_its_tournament_follows_the_rule_by_hand(tmp_path, monkeypatch):
+    from framework.evaluation.judge import VLMJudge
+
+    prompts, n = ["a handwritten 3", "the digit seven", "a 7 to the right of a 1"], 5
+    path = make_tiny_vlm(tmp_path / "vlm", prompts)
+    cands = torch.rand(3, n, 1, 8, 8, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    cands = ((cands + 1) * 127.5).round() / 127.5 - 1  # on the uint8 grid, as the judge sees them
+    ref = reference_answers(path, cands.flatten(0, 1), [q for q in prompts for _ in range(n)])
+    yes, no = (np.array([f(a, b) for _, a, b in ref]) for f in (lambda a, b: a > b, lambda a, b: b > a))
+    answered = np.array([y for y, _, _ in ref])
+    assert answered.any() and (~answered & no).any() and (~answered & yes).any()  # yes, no, and neither occur
+
+    judge = get_judge("vlm", str(path))
+    asked = []
+    monkeypatch.setattr(VLMJudge, "ask", lambda self, px, q, ask=VLMJudge.ask: asked.append(len(px)) or ask(self, px, q))
+    got = judge.answers(cands.flatten(0, 1), [q for q in prompts for _ in range(n)])
+    assert got.yes.tolist() == [y for y, _, _ in ref]
+    np.testing.assert_allclose(got.logp_yes, [a for _, a, _ in ref], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got.logp_no, [b for _, _, b in ref], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(judge.score(cands[0], [prompts[0]] * n), got.logp_yes[:n])
+
+    def hand_wins(i, j, k):  # the paper's rule on the reference answers of candidates j and k of prompt i
+        (ya, pya, pna), (yb, pyb, pnb) = ref[i * n + j], ref[i * n + k]
+        if ya != yb:
+            return ya
+        return pya >= pyb if ya else pna <= pnb
+
+    for i in range(3):  # the bracket of 5: (0,1), (2,3), 4 waits; then the two winners; then the bye
+        w01 = 0 if hand_wins(i, 0, 1) else 1
+        w23 = 2 if hand_wins(i, 2, 3) else 3
+        w = w01 if hand_wins(i, w01, w23) else w23
+        best = w if hand_wins(i, w, 4) else 4
+        fresh = VLMJudge(str(path))
+        asked.clear()
+        kept = select(cands[i : i + 1], prompts[i : i + 1], fresh, "tournament", 1)
+        assert torch.equal(kept[0, 0], cands[i, best])
+        assert sum(asked) == n  # every candidate asked once: winners are not asked again
+
+    with pytest.raises(ValueError, match="judge=vlm needs judge_path"):
+        get_judge("vlm", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="does not load as a transformers image-text-to-text model"):
+        get_judge("vlm", str(make_tiny_clip(tmp_path / "clip")))
+
+
+def test_digit_vlm_judge_answers_as_the_classifier_reads():
+    held, labels = real_digit_images("heldout")
+    judge = get_judge("digits_vlm")
+    right = judge.answers(held[:60], [f"a handwritten {d}" for d in labels[:60]])
+    wrong = judge.answers(held[:60], [f"a handwritten {(d + 1) % 10}" for d in labels[:60]])
+    assert right.yes.mean() >= 0.9 and wrong.yes.mean() <= 0.1
+    assert (right.logp_yes > wrong.logp_yes).mean() >= 0.9
+    np.testing.assert_allclose(np.exp(right.logp_yes) + np.exp(right.logp_no), 1.0, rtol=1e-9)
+    pair = torch.cat([held[:30], held[30:60]], dim=-1)
+    caps = [pair_captions(int(a), int(b))[1] for a, b in zip(labels[:30], labels[30:60])]
+    both = judge.answers(pair, caps)
+    left, right_half = (judge.answers(h, [f"a {d}" for d in ds]) for h, ds in
+                        ((held[:30], labels[:30]), (held[30:60], labels[30:60])))
+    assert both.yes.tolist() == (left.yes & right_half.yes).tolist()  # yes only when both halves read right
+    np.testing.assert_allclose(both.logp_yes, left.logp_yes + right_half.logp_yes, rtol=1e-9)
 
 
 def tiny_pipeline(digits_shards: Path, sample_width: int | None = None):

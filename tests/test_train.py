@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from framework import config as config_lib
 from framework.train import train
 from tests import zygote
-from tests.helpers import CONF, LEAST_GRID, ROOT, cheap, compose_cfg, losses, with_callback
+from tests.helpers import CONF, LEAST_GRID, ROOT, cheap, compose_cfg, losses, make_tiny_vlm, with_callback
 
 config_lib.register()
 
@@ -379,6 +379,9 @@ def test_sample_and_eval_run_end_to_end(tmp_path, digits_shards):
     tournament = run(SampleCommand(ckpt=ckpt, out=str(tmp_path / "t"), prompts=["a handwritten 3"], steps=2, best_of=4,
                                    judge="digits", selection="tournament", pick=2))
     assert len(tournament) == 2 + 1
+    vlm = make_tiny_vlm(tmp_path / "vlm", ["a handwritten 3"])  # SANA-1.5's judge: a local VLM's yes / no
+    assert len(run(SampleCommand(ckpt=ckpt, out=str(tmp_path / "v"), prompts=["a handwritten 3"], steps=2, best_of=3,
+                                 judge="vlm", judge_path=str(vlm), selection="tournament"))) == 1 + 1
     proc = zygote.run(
         [sys.executable, "-m", "framework.eval", f"ckpt={ckpt}", f"out={tmp_path / 'e'}", "seeds=1", "phrasings=1", "steps=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -400,11 +403,21 @@ def test_scaling_command_writes_json_and_png(tmp_path, digits_shards):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "e" / "scaling.json").read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == result
-    assert [(r["selection"], r["best_of"]) for r in result["rows"]] == [
-        (s, n) for s in ("score", "tournament") for n in (1, 2, 4)]
+    assert [(r["selection"], r["best_of"], r["steps"]) for r in result["rows"]] == [
+        (s, n, 2) for s in ("score", "tournament") for n in (1, 2, 4)] + [("steps", 1, 2 * n) for n in (1, 2, 4)]
+    assert [r["compute"] for r in result["rows"]] == [2, 4, 8] * 3  # best of N at 2 steps = 1 at 2N steps
     assert result["candidates_generated"] == 40 * 4 and result["images_per_s"] > 0
-    by = {(r["selection"], r["best_of"]): r for r in result["rows"]}
-    assert by[("score", 1)] == {**by[("tournament", 1)], "selection": "score"}  # N=1: nothing to pick
+    by = {(r["selection"], r["best_of"], r["steps"]): r for r in result["rows"]}
+    assert by[("score", 1, 2)] == {**by[("tournament", 1, 2)], "selection": "score"}  # N=1: nothing to pick
+    assert by[("steps", 1, 2)] == {**by[("score", 1, 2)], "selection": "steps"}
+    # The steps curve's point at 8 steps is what a plain evaluation at 8 steps scores.
+    proc = zygote.run(
+        [sys.executable, "-m", "framework.eval", f"ckpt={out['checkpoint']}", f"out={tmp_path / 'e8'}", "seeds=1",
+         "phrasings=1", "steps=8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k: by[("steps", 1, 8)][k] for k in ("prompt_accuracy", "heldout_phrasing_accuracy", "fd")} == {
+        k: plain[k] for k in ("prompt_accuracy", "heldout_phrasing_accuracy", "fd")}
     from PIL import Image
 
     with Image.open(tmp_path / "e" / "scaling.png") as im:

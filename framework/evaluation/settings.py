@@ -41,9 +41,10 @@ class EvalSettings(ImageSize):
     best_of: int = 1
     """Candidates per prompt; the judge keeps `pick` of them (inference-time scaling)."""
     judge: str | None = None
-    """Judge that picks among candidates (framework/evaluation/judge.py: digits, pairs, clip); null: the data's own."""
+    """Judge that picks among candidates (framework/evaluation/judge.py: digits, pairs, clip, vlm, digits_vlm); null:
+    the data's own."""
     judge_path: str | None = None
-    """Weights of judges that load them (clip: a local CLIP folder)."""
+    """Weights of judges that load them (clip: a local CLIP folder; vlm: a local vision-language model folder)."""
     selection: str = "score"
     """score (keep the judge's highest scores) or tournament (SANA-1.5's knockout of pairwise comparisons)."""
     pick: int = 1
