@@ -49,6 +49,49 @@ def test_bench_rejects_an_unknown_suite():
     assert proc.returncode != 0 and "SUITE is one of" in proc.stderr
 
 
+def test_bench_cost_of_mosaics_sd2_recipe_by_hand(tmp_path):
+    """Both phases of experiment=sd2_base_mosaic[_512] as the recipe's table cites them, and their cost: at MosaicML's
+    own throughput per A100 (11,600 and 4,590 images/s on 128 GPUs) the 550k + 850k steps of 2,048 take the 5.51 days
+    on 128 GPUs their repository's table gives; at an MFU, GPU-hours = samples x FLOPs / (MFU x peak)."""
+    from framework.bench.harness import PEAK_BF16_FLOPS
+    from framework.bench.suite_cost import compose_phase
+
+    low, high = compose_phase("sd2_base_mosaic", []), compose_phase("sd2_base_mosaic_512", [])
+    for cfg in (low, high):
+        assert (cfg.model.name, cfg.data.global_batch_size, cfg.data.batch_size) == ("sd2_base", 2048, 16)
+        assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.warmup_steps,
+                cfg.optimizer.schedule) == ("adamw", 1e-4, 0.01, 10000, "constant")
+        assert (cfg.objective.name, cfg.objective.beta_schedule, cfg.objective.caption_dropout) == (
+            "eps", "scaled_linear", 0.1)
+        assert (cfg.strategy.name, cfg.strategy.sharding, cfg.trainer.precision) == ("fsdp", "SHARD_GRAD_OP", "16-mixed")
+        assert cfg.trainer.gradient_clip_val is None and "low_precision_norm" in cfg.plugins
+    assert low.trainer.max_steps == 550_000 and "ema" not in low.plugins
+    assert high.trainer.max_steps == 850_000
+    assert (high.plugins["ema"]["decay"], high.plugins["ema"]["start"]) == (0.9999, 800_000)
+
+    out = tmp_path / "cost.json"
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "cost", "experiment=[sd2_base_mosaic,sd2_base_mosaic_512]",
+                       "latent_size=[32,64]", f"samples_per_s=[{11600 / 128},{4590 / 128}]", "price_per_gpu_hour=2",
+                       f"out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second, total = json.loads(out.read_text())
+    assert (first["samples"], second["samples"]) == (550_000 * 2048, 850_000 * 2048)
+    assert (first["gpus"], second["gpus"], first["latent_size"], second["latent_size"]) == (128, 128, 32, 64)
+    hours = 550_000 * 2048 / (11600 / 128) / 3600 + 850_000 * 2048 / (4590 / 128) / 3600
+    assert total["gpu_hours"] == pytest.approx(hours) and total["days"] == pytest.approx(5.51, abs=0.005)
+    assert total["price"] == pytest.approx(2 * hours)
+    assert second["train_flops_per_sample"] > 3.5 * first["train_flops_per_sample"] > 0  # 4x the tokens, and more
+    proc = zygote.run([sys.executable, "-m", "framework.bench", "cost", "experiment=[sd2_base_mosaic]", "mfu=0.25",
+                       "gpu=h100", "gpus=64", "latent_size=[32]", f"out={out}"], cwd=ROOT, capture_output=True, text=True,
+                      timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row, _ = json.loads(out.read_text())
+    assert row["train_flops_per_sample"] == first["train_flops_per_sample"]
+    assert row["gpu_hours"] == pytest.approx(row["samples"] * row["train_flops_per_sample"]
+                                             / (0.25 * PEAK_BF16_FLOPS["h100"]) / 3600)
+    assert row["days"] == pytest.approx(row["gpu_hours"] / 64 / 24)
+
+
 @pytest.mark.slow
 def test_bench_checkpoint_saves_the_same_bytes_every_way(tmp_path):
     """Two CPU ranks save their shards synchronously and from a process of their own: the same

@@ -32,6 +32,8 @@ Suites (one file each, framework/bench/suite_<name>.py):
              each beside the memory framework.train predicts for it (framework/training/memory.py)
   startup    a job's start-up against its rank count (8 / 32 / 64 CPU ranks): rendezvous, the shard check on every
              rank vs once per job vs a requeue's kept verdict, the dataset's index
+  cost       a recipe's training in GPU-hours and days (experiment=NAME or its phases in order): samples seen from its
+             config, throughput per GPU given (samples_per_s=) or from its counted FLOPs at an MFU (mfu=, gpu=)
   overlap    sequence parallelism's exposed communication per head-group count, forward and backward: one rank's
              recorded step replayed with calibrated stand-in collectives (nvlink / infiniband presets, gloo measured)
 Each prints a table and writes one JSON row per configuration to `out`. Studies (what a method buys, over training
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from framework.bench import (suite_cache, suite_checkpoint, suite_data, suite_decode, suite_ema, suite_finetune,
+from framework.bench import (suite_cache, suite_checkpoint, suite_cost, suite_data, suite_decode, suite_ema, suite_finetune,
                              suite_gpu, suite_init_memory, suite_memory, suite_norm, suite_optimizer, suite_overhead,
                              suite_overlap, suite_precompute, suite_roles, suite_sequence, suite_startup, suite_train)
 from framework.cli import named_command
@@ -67,6 +69,7 @@ SUITES: dict[str, tuple[type, Callable[[Any], list[dict[str, Any]]]]] = {
     "gpu": (suite_gpu.GPUBench, suite_gpu.run),
     "finetune": (suite_finetune.FinetuneBench, suite_finetune.run),
     "startup": (suite_startup.StartupBench, suite_startup.run),
+    "cost": (suite_cost.CostBench, suite_cost.run),
 }
 
 
