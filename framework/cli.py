@@ -163,6 +163,16 @@ def train_child(args: list[str], label: str, run: Path) -> None:
         raise RuntimeError(f"{label} failed (exit {proc.returncode}); its folder: {run}")
 
 
+def train_unless_complete(args: list[str], label: str, run: Path) -> Path:
+    """A study's run: `python -m framework.train ARGS` into `run` (train_child) unless it already reached its last
+    step, so that a study stopped and started again keeps what it finished."""
+    if run_complete(run):
+        print(f"{label}: complete, kept")
+    else:
+        train_child(args, label, run)
+    return run
+
+
 # --------------------------------------------------------------------------------------------
 # Measurements: a table on screen, JSON rows on disk, one command per suite or study
 # --------------------------------------------------------------------------------------------

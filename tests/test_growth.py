@@ -422,6 +422,60 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
     json.dumps(fd)  # what growth.json holds
 
 
+def test_optimizers_study_runs_each_optimizer_and_seed_and_pairs_them_by_seed(tmp_path, digits_shards, monkeypatch):
+    """framework.studies optimizers on a 4-step quickstart, AdamW against CAME-8bit, 2 seeds: each run once (a second
+    pass keeps them) with the optimizer asked for and the base's lr; the report's final losses and paired differences
+    are the logged losses' means computed by hand; CAME-8bit's state is its registered bytes per parameter."""
+    import json
+
+    from framework.studies import optimizers as study
+    from framework.training.optim import OptimizerConfig, state_bytes
+
+    launched = forked_children(monkeypatch)
+    cmd = study.OptimizersStudy(
+        optimizers=["adamw", "came8bit"], seeds=[0, 1], smooth=2, tail=2, out=str(tmp_path / "study"),
+        overrides=[f"data.path={digits_shards}", f"data.local={tmp_path / 'cache'}", "data.batch_size=16",
+                   "trainer.max_steps=4", "trainer.log_every_n_steps=1", "eval.seeds=1", "eval.phrasings=1",
+                   "eval.steps=2", "trainer.enable_progress_bar=false", *LEAST_GRID])
+    for _ in range(2):
+        for seed in cmd.seeds:
+            for name in cmd.optimizers:
+                study.train_run(cmd, name, seed)
+    assert len(launched) == 4 and all("optimizer=came8bit" in " ".join(a) for a in launched[1::2])
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(study.run_dir(cmd, "came8bit", 0) / "config.yaml")
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.schedule) == ("came8bit", 5e-4, "cosine")
+    result = study.compare(cmd)
+    losses = {(n, s): study.logged(study.run_dir(cmd, n, s))[0] for n in cmd.optimizers for s in cmd.seeds}
+    final = {k: (v[max(v)] + v[sorted(v)[-2]]) / 2 for k, v in losses.items()}
+    got = result["optimizers"]["came8bit"]
+    assert got["final_loss"]["mean"] == pytest.approx((final["came8bit", 0] + final["came8bit", 1]) / 2)
+    assert got["final_loss_minus_adamw"]["mean"] == pytest.approx(
+        (final["came8bit", 0] - final["adamw", 0] + final["came8bit", 1] - final["adamw", 1]) / 2)
+    assert got["final_loss"]["low"] <= got["final_loss"]["mean"] <= got["final_loss"]["high"]
+    assert "prompt_accuracy" in got and "fd" in got and got["nonfinite_runs"] == 0
+    first = losses["adamw", 0]
+    steps = sorted(first)
+    assert result["curves"]["adamw"]["0"][1] == [steps[1], (first[steps[0]] + first[steps[1]]) / 2]
+    shapes = [tuple(p.shape) for p in build_meta_model(cfg).parameters()]
+    came8 = OptimizerConfig(**OmegaConf.to_container(cfg.optimizer, resolve=True))
+    assert got["state_bytes_per_param"] == pytest.approx(state_bytes(came8, shapes) / sum(int(torch.tensor(s).prod()) for s in shapes))
+    assert result["optimizers"]["adamw"]["state_bytes_per_param"] == pytest.approx(8.0)  # two fp32 moments
+    path = study.plot(cmd, result, tmp_path / "optimizers.png")
+    assert path.stat().st_size > 10_000
+    json.dumps(result)
+
+
+def build_meta_model(cfg):
+    import torch
+
+    from framework.models.backbones import build_denoiser, to_model_config
+
+    with torch.device("meta"):
+        return build_denoiser(to_model_config(cfg.model))
+
+
 def test_growth_study_gives_grown_only_overrides_to_tagged_grown_arms(tmp_path):
     """grown_overrides go to the grown arms alone, which grown_tag names (beside the untagged ones, sharing small,
     control and scratch); overrides without a tag are refused."""

@@ -8,8 +8,10 @@ Studies (one file each, framework/studies/<name>.py):
   growth         does growing (plugins=[growth]) pay at equal training compute: small, control, grown per init and
                  scratch arms over several seeds; growth.png and growth.json with paired intervals
   growth_report  three finished runs (small, grown, scratch) on one step axis; growth.png and growth.json
-cache_curve and buckets print a table and write one JSON row per variant to `out`; growth and growth_report write
-their report into `out`.
+  optimizers     loss curves and final quality of several optimizers (AdamW, CAME, CAME-8bit) over seeds on one recipe,
+                 with their state bytes per parameter; optimizers.png and optimizers.json with paired intervals
+cache_curve and buckets print a table and write one JSON row per variant to `out`; growth, growth_report and
+optimizers write their report into `out`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from framework.cli import named_command
-from framework.studies import buckets, cache_curve, growth, growth_report
+from framework.studies import buckets, cache_curve, growth, growth_report, optimizers
 
 # name -> (the study's config dataclass, run(cfg) -> JSON rows, or None when it writes its own report)
 STUDIES: dict[str, tuple[type, Callable[[Any], Any]]] = {
@@ -25,6 +27,7 @@ STUDIES: dict[str, tuple[type, Callable[[Any], Any]]] = {
     "buckets": (buckets.BucketsStudy, buckets.run),
     "growth": (growth.GrowthStudy, growth.run),
     "growth_report": (growth_report.GrowthReport, growth_report.run),
+    "optimizers": (optimizers.OptimizersStudy, optimizers.run),
 }
 
 

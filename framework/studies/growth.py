@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from framework.cli import run_complete, train_child
+from framework.cli import train_unless_complete
 from framework.evaluation.realdata import t_interval
 
 
@@ -101,16 +101,12 @@ def run_dir(cmd: GrowthStudy, arm: str, seed: int) -> Path:
 
 def train_arm(cmd: GrowthStudy, arm: str, seed: int) -> Path:
     run = run_dir(cmd, arm, seed)
-    if run_complete(run):
-        print(f"[growth study] {arm} seed {seed}: complete, kept")
-        return run
     small = run_dir(cmd, "small", seed) / "checkpoints" / "last.ckpt"
     args = [f"experiment={cmd.base}", f"seed={seed}", f"run.dir={run}", "logger=csv", "resume=auto",
             f"optimizer.schedule_steps={cmd.total_steps}", f"eval.every_n_steps={cmd.eval_every}", "eval.at_end=false",
             "sample.every_n_steps=0", f"trainer.checkpoint_every_n_steps={cmd.eval_every}", "trainer.keep_checkpoints=1",
             *arm_args(cmd, arm, small), *cmd.overrides]
-    train_child(args, f"[growth study] {arm} seed {seed}", run)
-    return run
+    return train_unless_complete(args, f"[growth study] {arm} seed {seed}", run)
 
 
 # --------------------------------------------------------------------------------------------
