@@ -422,6 +422,32 @@ def test_growth_study_runs_every_arm_and_compares_at_equal_flops(tmp_path, digit
     json.dumps(fd)  # what growth.json holds
 
 
+def test_the_sana15_recipes_are_the_papers_keys():
+    """experiment=sana15_4800m[_grow|_finetune] as their tables cite them: the grown run keeps 18 of the 1.6B's 20
+    blocks and appends 42 fresh identity blocks (60); CAME-8bit at 1e-4 for pre-training, 2e-5 for fine-tuning."""
+    from framework.bench.suite_cost import compose_phase
+
+    base, grow, tune = (compose_phase(f"sana15_4800m{x}", []) for x in ("", "_grow", "_finetune"))
+    for cfg in (base, grow, tune):
+        assert (cfg.model.name, cfg.model.num_layers, cfg.model.kwargs["qk_norm"]) == (
+            "sana15_4800m_1024", 60, "rms_norm_across_heads")
+        assert (cfg.optimizer.name, cfg.optimizer.settings.block_size, cfg.optimizer.settings.min_8bit_size) == (
+            "came8bit", 2048, 16384)
+        assert (cfg.optimizer.warmup_steps, cfg.optimizer.schedule, cfg.trainer.gradient_clip_val) == (
+            2000, "constant", 0.1)
+        assert (cfg.objective.name, cfg.objective.flow_shift, cfg.objective.timestep_sampling) == (
+            "flow", 3.0, "logit_normal")
+        assert (cfg.strategy.name, cfg.trainer.precision, cfg.data.global_batch_size) == ("ddp", "bf16-mixed", 1024)
+        assert "ema" not in cfg.plugins
+    assert (base.optimizer.lr, grow.optimizer.lr, tune.optimizer.lr) == (1e-4, 1e-4, 2e-5)
+    assert (grow.trainer.max_steps, tune.trainer.max_steps) == (100_000, 10_000)
+    assert "growth" not in base.plugins and "growth" not in tune.plugins
+    g = grow.plugins["growth"]
+    assert (g["init"], g["drop_last"], g["zero_gate"]) == ("constant", 2, True)
+    plan = layer_plan(20, 60, g["init"], g["drop_last"])
+    assert plan == [(i, False) for i in range(18)] + [(None, True)] * 42
+
+
 def test_optimizers_study_runs_each_optimizer_and_seed_and_pairs_them_by_seed(tmp_path, digits_shards, monkeypatch):
     """framework.studies optimizers on a 4-step quickstart, AdamW against CAME-8bit, 2 seeds: each run once (a second
     pass keeps them) with the optimizer asked for and the base's lr; the report's final losses and paired differences
@@ -460,7 +486,8 @@ def test_optimizers_study_runs_each_optimizer_and_seed_and_pairs_them_by_seed(tm
     assert result["curves"]["adamw"]["0"][1] == [steps[1], (first[steps[0]] + first[steps[1]]) / 2]
     shapes = [tuple(p.shape) for p in build_meta_model(cfg).parameters()]
     came8 = OptimizerConfig(**OmegaConf.to_container(cfg.optimizer, resolve=True))
-    assert got["state_bytes_per_param"] == pytest.approx(state_bytes(came8, shapes) / sum(int(torch.tensor(s).prod()) for s in shapes))
+    count = sum(int(torch.tensor(s).prod()) for s in shapes)
+    assert got["state_bytes_per_param"] == pytest.approx(state_bytes(came8, shapes) / count)
     assert result["optimizers"]["adamw"]["state_bytes_per_param"] == pytest.approx(8.0)  # two fp32 moments
     path = study.plot(cmd, result, tmp_path / "optimizers.png")
     assert path.stat().st_size > 10_000

@@ -43,10 +43,11 @@ class CostBench:
 
 
 def compose_phase(experiment: str, overrides: list[str]):
-    """The typed training config of `experiment` with `overrides`, composed as framework.train would (the real-size
-    recipes read data=shards, whose path only matters at run time)."""
+    """The typed training config of `experiment` with `overrides`, composed as framework.train would; the paths a
+    recipe leaves to the user (data.path, init_from, a growth source) are placeholders: only the run reads them."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
 
     import plugins  # noqa: F401  (registers the plugins a recipe names)
     from framework import config as config_lib
@@ -55,8 +56,12 @@ def compose_phase(experiment: str, overrides: list[str]):
     conf = Path(__file__).resolve().parents[2] / "conf"
     GlobalHydra.instance().clear()  # the bench command's own Hydra (named_command) has done its part
     with initialize_config_dir(str(conf), version_base="1.3"):
-        dcfg = compose("config", overrides=[f"experiment={experiment}", "data.path=unused", "init_from=unused",
-                                            *overrides])
+        dcfg = compose("config", overrides=[f"experiment={experiment}", *overrides])
+    for key in OmegaConf.missing_keys(dcfg):  # paths the recipe needs at run time (a growth source, ...)
+        OmegaConf.update(dcfg, key, "unused")
+    for key in ("data.path", "init_from"):
+        if OmegaConf.select(dcfg, key) is None:
+            OmegaConf.update(dcfg, key, "unused")
     return config_lib.to_object(dcfg)
 
 

@@ -10,9 +10,9 @@ small one learned. Three initialisations of the grown stack, the paper's three (
 
 The new blocks are those that are not the first copy of a source block: the fresh blocks of `constant`,
 the repeats of the others. Fresh blocks get linear and convolution weights N(0, 0.02), biases 0, norms'
-weights 1, the per-block adaLN table N(0, 0.02) (our choice; `drop_last` is ours too). zero_gate=false gives the
-paper's pure copies. With `zero_gate` (default) every new block starts as the identity, so the grown model computes
-the source's function
+weights 1, the per-block adaLN table N(0, 0.02) (our choice; the paper gives no sigma). `drop_last` drops the
+source's last blocks first (the paper's v4 drops two). zero_gate=false gives the paper's pure copies. With
+`zero_gate` (default) every new block starts as the identity, so the grown model computes the source's function
 (tests/test_growth.py checks equal outputs for every family and init), in the way its family allows
 gradients to reach it at the first step:
     pixart, sana  each residual branch's output projection zeroed, and the block's own adaLN scale-shift
@@ -115,8 +115,9 @@ def layer_plan(n_source: int, n_target: int, init: str, drop_last: int = 0) -> l
 
 
 def fresh_init(block: torch.nn.Module, generator: torch.Generator) -> None:
-    """SANA's initialisation of a new block: linear / convolution weights N(0, 0.02), biases 0, norm weights 1,
-    other parameters of its own (the adaLN table) N(0, 0.02)."""
+    """A fresh block's initialisation: linear / convolution weights N(0, 0.02), biases 0, norm weights 1, other
+    parameters of its own (the adaLN table) N(0, 0.02). Ours: SANA-1.5 draws new layers from N(0, sigma^2) without
+    giving sigma."""
     with torch.no_grad():
         for module in block.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
