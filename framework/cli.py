@@ -84,8 +84,10 @@ class RankSharing:
     sequence_parallel: int = 1
     """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
     prompts (framework/distributed/sequence.py); 1: off."""
-    sequence_parallel_head_groups: int = 1
-    """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off."""
+    sequence_parallel_head_groups: Any = 1
+    """With sequence_parallel: overlap each all-to-all with attention in this many head groups; 1: off; auto: the G
+    of the shortest attention layer predicted from the token count, the link and this device's measured attention
+    (framework/distributed/head_groups.py; rank 0 prints the choice and its figures)."""
 
     def sharing(self) -> Any:
         """The framework/inference/sharing.py object these settings name (after share_ranks has joined the job)."""
@@ -109,6 +111,47 @@ class EncoderPaths:
     """Prompt encoder: minilm or a local text-encoder folder; null: the one the checkpoint's dataset recorded."""
 
 
+def auto_head_groups(pipe: Any, cfg: RankSharing) -> int:
+    """sequence_parallel_head_groups=auto for this generation (framework/distributed/head_groups.py): every rank times
+    one attention of the size it will draw (guided: both halves), the slowest time is taken by all (so every rank
+    chooses the same G), and rank 0 prints what was chosen and why. Softmax (Ulysses) families only."""
+    import math
+
+    import torch.distributed as dist
+
+    from framework.distributed import head_groups as hg
+    from framework.distributed.sequence import check
+    from framework.models.families import plan_of
+
+    mcfg, size = pipe.model.cfg, cfg.sequence_parallel
+    check(mcfg, size)
+    kind = plan_of(mcfg.family).sequence.attention
+    if kind != "softmax":
+        raise ValueError(f"sequence_parallel_head_groups=auto models Ulysses softmax attention; model.family="
+                         f"{mcfg.family}'s sequence parallelism is {kind!r}: give a number of head groups")
+    shape = pipe.latent_size(getattr(cfg, "height", None), getattr(cfg, "width", None), getattr(cfg, "aspect", None),
+                             getattr(cfg, "num_frames", None))
+    tokens = math.prod(shape[:-2]) * math.prod(side // mcfg.patch_size for side in shape[-2:])
+    batch = 2 * int(getattr(cfg, "batch_size", None) or 64)  # a guided forward (both halves) of the commands' batch
+    heads, head_dim = mcfg.num_heads, mcfg.head_dim
+    dtype = next(pipe.model.parameters()).dtype
+    per_group = sorted({math.ceil(heads / (g * size)) for g in hg.groups_to_try(heads, size)}, reverse=True)
+    seconds = [hg.measure_attention(batch, n, tokens, head_dim, pipe.device, dtype) for n in per_group]
+    slowest = torch.tensor(seconds, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank the same figures, so the same choice
+    link = hg.link_of(pipe.device, size, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    layer = hg.layer_of(batch, tokens, heads, head_dim, size, torch.finfo(dtype).bits // 8,
+                        dict(zip(per_group, slowest.tolist())))
+    chosen, times = hg.choose(layer, *hg.LINKS[link])
+    if dist.get_rank() == 0:
+        print(f"sequence_parallel_head_groups=auto: {chosen} ({tokens} tokens, {heads} heads of {head_dim} over "
+              f"{size} ranks, batch {batch}; {link} link; attention measured "
+              + ", ".join(f"{n} heads {t * 1e3:.3g} ms" for n, t in layer.attention_s.items())
+              + "; predicted per layer " + ", ".join(f"G={g} {t * 1e3:.3g} ms" for g, t in times.items()) + ")",
+              flush=True)
+    return chosen
+
+
 def share_ranks(pipe: Any, cfg: RankSharing) -> bool:
     """Join torchrun's process group: for `cfg`'s decode_ranks / sequence_parallel (splitting the pipeline's model for
     the latter: on the denoising ranks only, in groups of consecutive ranks, when both are set), else for the ranks to
@@ -123,16 +166,28 @@ def share_ranks(pipe: Any, cfg: RankSharing) -> bool:
     if cfg.decode_ranks == "auto" and cfg.sequence_parallel > 1:
         raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks (the others must "
                          "form whole sequence-parallel groups)")
+    groups = cfg.sequence_parallel_head_groups
+    if groups != "auto" and (not isinstance(groups, int) or groups < 1):
+        raise ValueError(f"sequence_parallel_head_groups={groups!r}: a number of head groups (1: off) or auto")
+    if groups == "auto" and cfg.sequence_parallel == 1:
+        raise ValueError("sequence_parallel_head_groups=auto needs sequence_parallel > 1 (head groups split "
+                         "sequence parallelism's exchanges)")
     if cfg.decode_ranks:
         from framework.inference.decoupled import join, split_denoisers
 
         join(cfg.decode_ranks)  # refuses too few processes
         if cfg.sequence_parallel > 1:
-            split_denoisers(pipe, cfg.decode_ranks, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
+            groups = auto_head_groups(pipe, cfg) if groups == "auto" else groups
+            split_denoisers(pipe, cfg.decode_ranks, cfg.sequence_parallel, groups)
     elif cfg.sequence_parallel > 1:
         from framework.distributed.sequence import split_for_sampling
 
-        split_for_sampling(pipe.model, cfg.sequence_parallel, cfg.sequence_parallel_head_groups)
+        if groups == "auto":
+            from framework.distributed.env import init_from_env
+
+            init_from_env()
+            groups = auto_head_groups(pipe, cfg)
+        split_for_sampling(pipe.model, cfg.sequence_parallel, groups)
     else:  # plain torchrun: every rank draws its share of the images (SplitRanks)
         from framework.distributed.env import init_from_env
 

@@ -93,7 +93,8 @@ def test_under_plain_torchrun_the_ranks_share_the_images(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", [pytest.param("", id="plain"), "decode_ranks=1 aco=0.5", "sequence_parallel=2"])
+@pytest.mark.parametrize("split", [pytest.param("", id="plain"), "decode_ranks=1 aco=0.5", "sequence_parallel=2",
+                                   "sequence_parallel=2 sequence_parallel_head_groups=auto"])
 def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, quick_ckpt, split):
     """`torchrun ... -m framework.eval` on 2 processes, plain (each rank draws half the 40 images), with
     decode_ranks=1 aco=0.5 (the decoding rank computing half the heads while it has nothing to decode;
@@ -112,6 +113,7 @@ def test_eval_command_on_two_processes_scores_what_one_process_scores(tmp_path, 
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("prompt_accuracy ") for line in lines) == 1
     assert sum(line.startswith("aco: decoding ranks computed ") for line in lines) == ("aco" in split)
+    assert sum(line.startswith("sequence_parallel_head_groups=auto: ") for line in lines) == ("auto" in split)
     got = json.loads(lines[-1])
     want = evaluate(Pipeline.from_checkpoint(ckpt), EvalCommand(ckpt=ckpt, **args))
     for key in ("prompt_accuracy", "heldout_phrasing_accuracy", "num_images"):

@@ -144,6 +144,43 @@ def test_sizes_a_group_cannot_split_are_refused():
         StrategyConfig(name="ddp", sequence_parallel=2, compile=True)
 
 
+def test_head_groups_auto_replays_the_schedule_by_hand():
+    """framework/distributed/head_groups.py: one Ulysses layer of 8 heads on 2 ranks (a rank's inputs 3,000 bytes,
+    outputs 1,000, attention 1 s) on a link of 0.1 s and 1,000 B/s. G=1: inputs 3.1, attention to 4.1, output to
+    5.2. G=2: inputs arrive at 1.6 and 3.2; group 0 attends to 2.1, its output waits for the link (3.2) and is in at
+    3.8; group 1 attends 3.2 to 3.7; its output 3.8 to 4.4. G=4 by the same steps: 4.8. So G=2; with latency
+    dominant, G=1."""
+    from framework.cli import RankSharing, share_ranks
+    from framework.distributed import head_groups as hg
+
+    layer = hg.Layer(ranks=2, heads=8, send_in_bytes=375, send_out_bytes=125, attention_s={4: 1.0, 2: 0.5, 1: 0.25})
+    times = {g: hg.predict(layer, g, 0.1, 1000.0) for g in (1, 2, 4)}
+    assert times[1] == pytest.approx(5.2) and times[2] == pytest.approx(4.4) and times[4] == pytest.approx(4.8)
+    assert hg.choose(layer, 0.1, 1000.0, (1, 2, 4))[0] == 2
+    assert set(hg.choose(layer, 0.1, 1000.0)[1]) == {1, 2, 4}  # G=8 would leave groups of padding only
+    assert hg.choose(hg.Layer(2, 8, 30, 10, {4: 0.1, 2: 0.05, 1: 0.03}), 1.0, 1e9)[0] == 1  # latency dominates
+    # half the heads taking 1.5 s of the whole layer's 1 (fixed costs, a kernel less busy): the groups do not pay
+    assert hg.choose(hg.Layer(2, 8, 375, 125, {4: 1.0, 2: 1.5, 1: 1.5}), 0.1, 1000.0)[0] == 1
+    # 3 heads over 2 ranks in 2 groups: one head a rank a group, the fourth padding, costs as 4 heads would
+    assert hg.predict(hg.Layer(2, 3, 750, 250, {1: 0.5}), 2, 0.1, 1000.0) == pytest.approx(
+        hg.predict(hg.Layer(2, 4, 750, 250, {1: 0.5}), 2, 0.1, 1000.0))
+    # q, k, v of 64 of 128 tokens in fp16 (heads of 8), half of it for the other rank; the output a third of that
+    assert hg.layer_of(2, 128, 4, 8, 2, 2, {2: 0.5}) == hg.Layer(2, 4, 3 * 2 * 64 * 8 * 2 / 2, 2 * 64 * 8 * 2 / 2,
+                                                                 {2: 0.5})
+    assert hg.link_of(torch.device("cpu"), 2, 2) == "gloo"
+    with pytest.raises(ValueError, match="auto needs sequence_parallel > 1"):
+        share_ranks(None, RankSharing(sequence_parallel_head_groups="auto"))
+    with pytest.raises(ValueError, match="a number of head groups"):
+        share_ranks(None, RankSharing(sequence_parallel=2, sequence_parallel_head_groups=0))
+    from types import SimpleNamespace
+
+    from framework.cli import auto_head_groups
+
+    sana = SimpleNamespace(model=SimpleNamespace(cfg=load_preset("sana_debug")))
+    with pytest.raises(ValueError, match="family=sana's sequence parallelism is 'linear': give a number"):
+        auto_head_groups(sana, RankSharing(sequence_parallel=2, sequence_parallel_head_groups="auto"))
+
+
 def test_the_job_mesh_dims_follow_nodes_and_sequence_groups():
     """ParallelDims.of: replicate x shard x sequence = the world; hybrid replicates across nodes; a sequence group is
     part of a node, or whole nodes (its ring dim: one rank a node)."""
