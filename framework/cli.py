@@ -78,9 +78,10 @@ class RankSharing:
     decode_ranks: Any = 0
     """Under torchrun: the last K ranks decode while the others denoise (framework/inference/decoupled.py), and only
     they load the VAE, only the others the denoiser; auto: K from the first batch's measured stage times; 0: off."""
-    aco: float = 0.0
+    aco: Any = 0.0
     """With decode_ranks: a decoding rank with nothing to decode computes this share of each self-attention's heads
-    for the denoiser whose latents it waits for (PipeDiT's attention co-processing; 0.5: half); 0: off."""
+    for the denoiser whose latents it waits for (PipeDiT's attention co-processing; 0.5: half); auto: PipeDiT's
+    N_decode / N, the decoding ranks' share of all ranks; 0: off."""
     sequence_parallel: int = 1
     """Under torchrun: Ulysses sequence parallelism over groups of this many ranks, the groups sharing the
     prompts (framework/distributed/sequence.py); 1: off."""
@@ -160,9 +161,11 @@ def share_ranks(pipe: Any, cfg: RankSharing) -> bool:
 
     if cfg.decode_ranks != "auto" and (not isinstance(cfg.decode_ranks, int) or cfg.decode_ranks < 0):
         raise ValueError(f"decode_ranks={cfg.decode_ranks!r}: a number of ranks (0: off) or auto")
-    if cfg.aco and not (0 < cfg.aco < 1 and cfg.decode_ranks and cfg.sequence_parallel == 1):
-        raise ValueError(f"aco={cfg.aco}: the share of each self-attention's heads (between 0 and 1) an idle decoding "
-                         "rank computes; it needs decode_ranks and sequence_parallel=1")
+    share_ok = cfg.aco == "auto" or (isinstance(cfg.aco, (int, float)) and 0 < cfg.aco < 1)
+    if cfg.aco and not (share_ok and cfg.decode_ranks and cfg.sequence_parallel == 1):
+        raise ValueError(f"aco={cfg.aco}: the share of each self-attention's heads (between 0 and 1, or auto: the "
+                         "decoding ranks' share of all ranks) an idle decoding rank computes; it needs decode_ranks "
+                         "and sequence_parallel=1")
     if cfg.decode_ranks == "auto" and cfg.sequence_parallel > 1:
         raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks (the others must "
                          "form whole sequence-parallel groups)")

@@ -56,11 +56,11 @@ class SplitRanks:
 class DecodeRanks:
     """The last `k` ranks decode while the others denoise; "auto": k from the first batch's measured denoising and
     decoding times. `aco`: a decoding rank with nothing to decode computes this share of each self-attention's heads
-    for the denoiser whose latents it waits for (PipeDiT's Aco; 0: off). Rank 0 gets all images, the same ones plain
-    sampling draws; the other ranks get None."""
+    for the denoiser whose latents it waits for (PipeDiT's Aco; "auto": k / the ranks, PipeDiT's N_decode / N; 0:
+    off). Rank 0 gets all images, the same ones plain sampling draws; the other ranks get None."""
 
     k: int | str
-    aco: float = 0.0
+    aco: float | str = 0.0
 
     def run(self, sampler: Sampler, draws: Draws) -> torch.Tensor | None:
         import torch.distributed as dist
@@ -87,12 +87,19 @@ class DecodeRanks:
                              "sequence_parallel=1")
         if self.aco:  # refused on every rank alike (a decoding rank reads its placeholder's structure)
             aco_processors(pipe.model, None)
-        aco = Aco(self.aco, k) if self.aco else None  # (on every rank: its process group is a collective)
+        world = dist.get_world_size()
+        share = (k if isinstance(k, int) else 1) / world if self.aco == "auto" else self.aco  # auto: calibrated on 1
+        aco = Aco(share, k) if self.aco else None  # (on every rank: its process group is a collective)
         if k == "auto":
             if pipe.group_size > 1:
                 raise ValueError("decode_ranks=auto with sequence_parallel: give the number of decoding ranks")
             k, use_aco = choose_decode_ranks(pipe, batches[0], denoise, sampler.shape, aco)
             aco = aco if use_aco else None
+            if aco is not None and self.aco == "auto":
+                aco.share = k / world
+        if aco is not None and self.aco == "auto" and sampler.progress and dist.get_rank() == 0:
+            print(f"aco=auto: each idle decoding rank computes {aco.share:.3g} of the heads ({k} decoding of {world} "
+                  "ranks)", flush=True)
         denoising = dist.get_rank() < dist.get_world_size() - k
         if denoising:  # a decoding rank never builds the denoiser
             pipe.ensure_model()

@@ -194,10 +194,10 @@ def video_main(data: str, vae: str, decode_ranks: int, out: str, tile: int) -> N
 
 
 def aco_main(family: str, data: str, vae: str, decode_ranks: int, out: str) -> None:
-    """`... tests.workers.decoupled aco pixart|sana|wan|latte DATA VAE K OUT`: decode_ranks=K with aco=0.5 (half the
-    heads to a free decoder) against plain generation, and each rank's counts: self-attentions run and helped, heads
-    sent and served. HOLD_DECODE=1: each decode waits until every denoising rank has sent its last "done" (a file
-    each), so that every batch after a decoder's first finds it busy."""
+    """`... tests.workers.decoupled aco pixart|sana|wan|latte DATA VAE K OUT`: decode_ranks=K with aco=ACO_SHARE
+    (default 0.5: half the heads to a free decoder; auto) against plain generation, and each rank's counts:
+    self-attentions run and helped, heads sent and served. HOLD_DECODE=1: each decode waits until every denoising
+    rank has sent its last "done" (a file each), so that every batch after a decoder's first finds it busy."""
     from pathlib import Path
 
     from framework.inference import decoupled
@@ -235,7 +235,9 @@ def aco_main(family: str, data: str, vae: str, decode_ranks: int, out: str) -> N
 
         pipe.decode = held
     dist.barrier()
-    shared = pipe.generate(prompts, plan, batch_size=2, ranks=DecodeRanks(decode_ranks, aco=0.5))
+    share = os.environ.get("ACO_SHARE", "0.5")  # auto: PipeDiT's N_decode / N
+    shared = pipe.generate(prompts, plan, batch_size=2,
+                           ranks=DecodeRanks(decode_ranks, aco=share if share == "auto" else float(share)))
     (aco,) = made
     counts = {name: getattr(aco, name) for name in ("calls", "helped", "heads_sent", "served", "heads_served")}
     everyone = [None] * dist.get_world_size()
