@@ -100,7 +100,7 @@ def compare(cmd: OptimizersStudy) -> dict[str, Any]:
     ref = cmd.optimizers[0]
     runs = {name: {s: logged(run_dir(cmd, name, s)) for s in cmd.seeds} for name in cmd.optimizers}
     metrics = sorted({k for by_seed in runs.values() for _, ev in by_seed.values() for k in ev
-                      if k.endswith("accuracy") or k == "fd"})
+                      if (k.endswith("accuracy") and not k.startswith("classifier_")) or k == "fd"})
     per_seed: dict[str, dict[str, dict[int, float]]] = {}
     curves: dict[str, dict[str, list[list[float]]]] = {}
     for name, by_seed in runs.items():
