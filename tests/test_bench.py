@@ -90,6 +90,12 @@ def test_bench_cost_of_mosaics_sd2_recipe_by_hand(tmp_path):
     assert row["gpu_hours"] == pytest.approx(row["samples"] * row["train_flops_per_sample"]
                                              / (0.25 * PEAK_BF16_FLOPS["h100"]) / 3600)
     assert row["days"] == pytest.approx(row["gpu_hours"] / 64 / 24)
+    # A recipe that gives the batch per GPU (SANA-1600M: 64): on 64 GPUs a step is 64 x 64 samples, as its run plans it
+    from framework.bench.suite_cost import phase_cost
+
+    sana = phase_cost(compose_phase("sana_1600m_1024", []), samples_per_s=10.0, mfu=0.4, peak=1.0, latent_size=None,
+                      text_len=77, gpus=64)
+    assert (sana["global_batch"], sana["samples"]) == (64 * 64, 100_000 * 64 * 64)
 
 
 @pytest.mark.slow

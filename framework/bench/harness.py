@@ -22,6 +22,22 @@ from framework.training.module import DiffusionModule
 from framework.models.objectives import ObjectiveConfig
 from framework.training.optim import OptimizerConfig
 
+def compose_training(overrides: list[str]) -> Any:
+    """conf/config.yaml composed with `overrides` as `python -m framework.train` composes it (its schema registered;
+    a Hydra already set up in this process, a bench command's own, is cleared first)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from framework import config as config_lib
+
+    config_lib.register()  # the schema conf/config.yaml names (framework.train registers it when imported)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
 # --------------------------------------------------------------------------------------------
 # Devices
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ config. Samples seen = trainer.max_steps x the global batch; the throughput per 
 (`samples_per_s=`, e.g. a row of `python -m framework.bench gpu` on the GPU the job will run on) or estimated from
 the model's counted training FLOPs per sample (forward + backward, at the data's latent size, on a meta-device
 build: framework/bench/harness.py flops_per_sample) at an MFU (`mfu=`) of the GPU's dense peak. Prints GPU-hours,
-days on `gpus` GPUs (default: the global batch over the per-GPU batch, as with no gradient accumulation) and, with
+days on `gpus` GPUs (default: the global batch over the per-GPU batch, as with no gradient accumulation; the
+samples per step are what the run plan gives on that many GPUs, framework/training/plan.py) and, with
 `price_per_gpu_hour=`, the price; one JSON row per phase and one for the total go to `out`.
 """
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from framework.bench.harness import PEAK_BF16_FLOPS, flops_per_sample
+from framework.bench.harness import PEAK_BF16_FLOPS, compose_training, flops_per_sample
+from framework.training.plan import resolve
 
 
 @dataclass
@@ -45,18 +47,12 @@ class CostBench:
 def compose_phase(experiment: str, overrides: list[str]):
     """The typed training config of `experiment` with `overrides`, composed as framework.train would; the paths a
     recipe leaves to the user (data.path, init_from, a growth source) are placeholders: only the run reads them."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     import plugins  # noqa: F401  (registers the plugins a recipe names)
     from framework import config as config_lib
 
-    config_lib.register()
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    GlobalHydra.instance().clear()  # the bench command's own Hydra (named_command) has done its part
-    with initialize_config_dir(str(conf), version_base="1.3"):
-        dcfg = compose("config", overrides=[f"experiment={experiment}", *overrides])
+    dcfg = compose_training([f"experiment={experiment}", *overrides])
     for key in OmegaConf.missing_keys(dcfg):  # paths the recipe needs at run time (a growth source, ...)
         OmegaConf.update(dcfg, key, "unused")
     for key in ("data.path", "init_from"):
@@ -73,12 +69,13 @@ def phase_cost(cfg, *, samples_per_s: float | None, mfu: float, peak: float, lat
     model = cfg.model.filled()
     if latent_size is not None:
         model = replace(model, sample_size=latent_size, sample_width=None)
-    global_batch = cfg.data.global_batch_size or cfg.data.batch_size * cfg.trainer.accumulate_grad_batches
+    asked, sp = cfg.data.global_batch_size, cfg.strategy.sequence_parallel
+    n = gpus or (max(1, asked // cfg.data.batch_size) if asked else 1) * sp
+    global_batch = resolve(cfg, n).global_batch  # samples a step, as the run on n GPUs plans it
     samples = cfg.trainer.max_steps * global_batch
     flops = flops_per_sample(model, text_len)
     per_gpu = samples_per_s if samples_per_s is not None else mfu * peak / flops
     gpu_hours = samples / per_gpu / 3600
-    n = gpus or max(1, global_batch // cfg.data.batch_size)
     return {"experiment": cfg.name, "model": model.name, "latent_size": model.sample_size, "steps": cfg.trainer.max_steps,
             "global_batch": global_batch, "samples": samples, "train_flops_per_sample": flops,
             "samples_per_s_per_gpu": per_gpu, "throughput": "given" if samples_per_s is not None else f"mfu {mfu}",

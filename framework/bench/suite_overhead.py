@@ -108,22 +108,15 @@ def run(cfg: OverheadBench) -> list[dict[str, Any]]:
 
 
 def _compose(experiment: str, overrides: list[str], max_steps: int, run_dir: Path):
-    from hydra import compose, initialize_config_dir
+    from framework.bench.harness import compose_training
 
-    from framework import config as config_lib
-
-    config_lib.register()  # the schema conf/config.yaml names (framework.train registers it when imported; the loop
-    # side does not import it)
-
-    conf = Path(__file__).resolve().parents[2] / "conf"
     window = [f"experiment={experiment}", *overrides, f"trainer.max_steps={max_steps}", f"run.dir={run_dir}",
               # Outside the timed window: one checkpoint and the least grid (one image a prompt, one sampler step: the
               # full one costs more than a short run's training) at the very end, no evaluation.
               "sample.every_n_steps=0", "sample.per_prompt=1", "sample.steps=1", "eval.at_end=false",
               "eval.every_n_steps=0",
               f"trainer.checkpoint_every_n_steps={max_steps}"]
-    with initialize_config_dir(str(conf), version_base="1.3"):
-        return compose("config", overrides=window)
+    return compose_training(window)  # (the loop side does not import framework.train, which registers the schema)
 
 
 def _window_timer(warmup: int, steps: int):

@@ -45,6 +45,15 @@ def prompt_digit(prompt: str) -> int | None:
     return None
 
 
+def requested_digits(prompts: Sequence[str], judge: str) -> list[int]:
+    """The digit each prompt asks for; a prompt that names none is refused, naming the judge."""
+    digits = [prompt_digit(p) for p in prompts]
+    bad = [p for p, d in zip(prompts, digits) if d is None]
+    if bad:
+        raise ValueError(f"judge={judge} cannot tell which digit these prompts ask for: {bad[:3]}")
+    return digits
+
+
 def to_uint8_rgb(images: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) in [-1, 1] -> (N, 3, H, W) uint8 (a grey image repeated over the three channels)."""
     pixels = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
@@ -135,11 +144,7 @@ class DigitJudge(Judge):
         return own - dec.max(axis=1)
 
     def score(self, images: torch.Tensor, prompts: Sequence[str]) -> np.ndarray:
-        digits = [prompt_digit(p) for p in prompts]
-        bad = [p for p, d in zip(prompts, digits) if d is None]
-        if bad:
-            raise ValueError(f"judge=digits cannot tell which digit these prompts ask for: {bad[:3]}")
-        return self.margins(images, digits)
+        return self.margins(images, requested_digits(prompts, "digits"))
 
 
 @register_judge("pairs")
@@ -347,10 +352,6 @@ class DigitVLMJudge(YesNoJudge):
             (ok_l, p_l), (ok_r, p_r) = self.read(left, [a for a, _ in pairs]), self.read(right, [b for _, b in pairs])
             yes, p = ok_l & ok_r, p_l * p_r
         else:
-            digits = [prompt_digit(q) for q in prompts]
-            bad = [q for q, d in zip(prompts, digits) if d is None]
-            if bad:
-                raise ValueError(f"judge=digits_vlm cannot tell which digit these prompts ask for: {bad[:3]}")
-            yes, p = self.read(images, digits)
+            yes, p = self.read(images, requested_digits(prompts, "digits_vlm"))
         p = np.clip(p, 1e-12, 1 - 1e-12)
         return Answers(yes, np.log(p), np.log1p(-p))
